@@ -1,0 +1,30 @@
+# The two README commands: `make train` (set up and run the main job) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup train test lint docs clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -c constraints.txt -e ".[dev,bench]"
+	touch $@
+
+train: setup
+	$(VENV)/bin/stx train
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest
+
+docs: setup
+	$(VENV)/bin/stx config docs --update README.md docs/CONFIG.md
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,149 @@
+"""`stx`: command parsing and dispatch only; the work happens in the modules it calls."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+EPILOG = """Examples:
+  stx train
+  stx train tiny-gpt model.num_layers=4 optim.lr=3e-4
+  stx config show bert-345m
+  stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16"""
+
+
+def _split_config_args(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]`: the first item is the config unless it is an override."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _load(items: list[str], world_size: int = 1):
+    from .config.load import load_config
+    from .config.validate import resolve
+
+    spec, overrides = _split_config_args(items)
+    return resolve(load_config(spec, overrides), world_size=world_size)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config.load import load_config
+    from .train.run import run_training
+
+    spec, overrides = _split_config_args(args.items)
+    run_training(load_config(spec, overrides))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from .config.load import to_yaml
+
+    if args.action == "docs":
+        from .config.docs import reference_markdown, update_file
+
+        if args.update:
+            for path in args.update:
+                changed = update_file(Path(path))
+                print(f"{path}: {'updated' if changed else 'already up to date'}")
+        else:
+            print(reference_markdown())
+        return 0
+    cfg = _load(args.items, args.world_size)
+    if args.action == "show":
+        print(to_yaml(cfg), end="")
+    else:
+        name = _split_config_args(args.items)[0] or "the embedded default (tiny-bert)"
+        print(
+            f"{name}: valid (world size {args.world_size}: dp={cfg.parallel.dp}, global batch "
+            f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
+            f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp})"
+        )
+    return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from .metrics import calculator
+
+    return calculator.run(args)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from .bench.environment import environment
+
+    env = environment()
+    if args.json:
+        print(json.dumps(env, indent=2))
+    else:
+        for key, value in env.items():
+            if isinstance(value, dict):
+                value = ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
+            elif isinstance(value, list):
+                value = "; ".join(json.dumps(v) for v in value) or "-"
+            print(f"{key:>22}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stx",
+        description="Pretrain BERT/GPT with any parallel layout "
+        "from one config; measure and compare layouts.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "train",
+        help="train (no CONFIG = the embedded tiny BERT on the bundled corpus)",
+        description="stx train [CONFIG] [key=value ...]; CONFIG is a preset name or a YAML "
+        "path; overrides take dotted (optim.lr=3e-4) or Megatron/NeoX (num-layers=4) names.",
+    )
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("config", help="show, validate or document configs")
+    p.add_argument("action", choices=("show", "validate", "docs"))
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.add_argument("--world-size", type=int, default=1, help="processes the job will run on (for dp)")
+    p.add_argument(
+        "--update",
+        nargs="*",
+        metavar="FILE",
+        help="docs: rewrite the reference block in these files (README.md docs/CONFIG.md)",
+    )
+    p.set_defaults(fn=cmd_config)
+
+    p = sub.add_parser("flops", help="TFLOPs/device, MFU and HFU from a model shape and a throughput")
+    from .metrics import calculator
+
+    calculator.add_arguments(p)
+    p.set_defaults(fn=cmd_flops)
+
+    p = sub.add_parser("env", help="versions and hardware fingerprint (stored in every run directory)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config.load import ConfigError
+
+    args = build_parser().parse_args(argv)
+    warnings.simplefilter("default")
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"stx: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stx: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

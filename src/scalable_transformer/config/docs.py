@@ -1,0 +1,58 @@
+"""The parameter reference, generated from the schema (README.md and docs/CONFIG.md hold copies)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from .load import SPECIAL_KEYS, _hints
+from .schema import SECTIONS
+
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def _type_name(hint) -> str:
+    return str(hint).replace("<class '", "").replace("'>", "").replace("NoneType", "None")
+
+
+def reference_markdown() -> str:
+    lines = [
+        "Keys are `section.field` in YAML sections, in `key=value` overrides, or flat by field name. "
+        "Megatron/NeoX names (kebab or snake case) and DeepSpeed keys listed under *aliases* set the same "
+        "field. `None` = derived (shown resolved by `stx config show`).",
+        "",
+    ]
+    for section in SECTIONS:
+        lines += [f"### `{section}`", "", "| key | type | default | description |", "|---|---|---|---|"]
+        hints = _hints(section)
+        for f in dataclasses.fields(SECTIONS[section]):
+            doc = f.metadata.get("doc", "")
+            if f.metadata.get("choices"):
+                doc += " Choices: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+            if f.metadata.get("aliases"):
+                doc += " Aliases: " + ", ".join(f"`{a}`" for a in f.metadata["aliases"]) + "."
+            default = f.default if f.default is not dataclasses.MISSING else None
+            lines.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default}` | {doc} |")
+        lines.append("")
+    lines += ["### Switches and DeepSpeed blocks", "", "| key | effect |", "|---|---|"]
+    for key, fn in SPECIAL_KEYS.items():
+        lines.append(f"| `{key}` | {(fn.__doc__ or '').strip().splitlines()[0]} |")
+    lines += ["| `base` | A preset name or a YAML path this file extends. |", ""]
+    return "\n".join(lines)
+
+
+def update_file(path: Path) -> bool:
+    """Replace the block between the reference markers in `path`; True when the file changed."""
+    text = path.read_text(encoding="utf-8")
+    if START not in text or END not in text:
+        raise ValueError(f"{path}: no {START} ... {END} markers to fill")
+    new = re.sub(
+        re.escape(START) + r".*?" + re.escape(END),
+        lambda _: f"{START}\n{reference_markdown()}\n{END}",
+        text,
+        flags=re.S,
+    )
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text

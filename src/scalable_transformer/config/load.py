@@ -1,0 +1,465 @@
+"""Strict YAML loading, key=value overrides and Megatron / GPT-NeoX / DeepSpeed aliases.
+
+A config is built by applying *assignments* (dotted field, value, source) in order:
+schema defaults <- `base:` preset <- the file <- command-line overrides. Every assignment is
+checked against the schema at once, so an error names where the value came from, the key and
+what would be valid. Nothing is silently ignored: an unknown key is an error that suggests the
+nearest valid one (the nanotron rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import functools
+import math
+import types
+import typing
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import SECTIONS, Config, section_fields
+
+
+class ConfigError(ValueError):
+    """A config the user wrote (file, preset or override) is invalid; the message says how."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    path: str  # "section.field"
+    value: Any
+    source: str  # where it came from, for error messages
+
+
+def norm_key(key: str) -> str:
+    """Megatron spells keys in kebab case, DeepSpeed and NeoX in snake case: accept both."""
+    return str(key).strip().replace("-", "_")
+
+
+# --------------------------------------------------------------------------- alias tables
+
+
+@functools.cache
+def field_index() -> dict[str, str]:
+    """Every flat name that sets one field -> "section.field": aliases and unambiguous field names."""
+    index: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for section in SECTIONS:
+        for name, f in section_fields(section).items():
+            seen[name] = seen.get(name, 0) + 1
+            index.setdefault(name, f"{section}.{name}")
+            for alias in f.metadata.get("aliases", ()):
+                index[norm_key(alias)] = f"{section}.{name}"
+    # A field name used by two sections (none today) would be ambiguous as a flat key.
+    for name, count in seen.items():
+        if count > 1 and index.get(name, "").split(".")[-1] == name:
+            del index[name]
+    return index
+
+
+def _flag(path: str, on: Any, off: Any = None):
+    """A Megatron/NeoX boolean switch that sets another field to `on` (or `off` when false)."""
+
+    def expand(value: Any, source: str, key: str) -> list[Assignment]:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: '{key}' must be true or false, got {value!r}")
+        if value:
+            return [Assignment(path, on, source)]
+        return [] if off is None else [Assignment(path, off, source)]
+
+    expand.__doc__ = f"Switch (Megatron/NeoX): true sets `{path}` to `{on}`" + (
+        f", false to `{off}`." if off is not None else "."
+    )
+    return expand
+
+
+def _precision_block(precision: str):
+    """DeepSpeed `fp16: {enabled, ...}` / `bf16: {enabled}` blocks, or a plain boolean (Megatron --fp16)."""
+    known = {
+        "enabled": None,
+        "loss_scale": "train.loss_scale",
+        "initial_scale_power": "train.initial_scale_power",
+        "loss_scale_window": "train.loss_scale_window",
+        "hysteresis": None,
+        "min_loss_scale": None,
+        "auto_cast": None,
+        "consecutive_hysteresis": None,
+        "immediate_grad_update": None,
+        "fp16_master_weights_and_grads": None,
+    }
+
+    def expand(value: Any, source: str, key: str) -> list[Assignment]:
+        """DeepSpeed block or Megatron switch: sets train.precision (and the fp16 loss-scale keys)."""
+        if isinstance(value, bool):
+            return [Assignment("train.precision", precision, source)] if value else []
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{source}: '{key}' must be true/false or a DeepSpeed block like "
+                f"{{enabled: true}}, got {value!r}"
+            )
+        out: list[Assignment] = []
+        for sub, v in value.items():
+            k = norm_key(sub)
+            if k not in known:
+                raise ConfigError(_unknown(source, f"{key}.{sub}", k, list(known)))
+            if k == "enabled":
+                if v:
+                    out.append(Assignment("train.precision", precision, source))
+            elif (target := known[k]) is not None:
+                if k == "loss_scale" and v == 0:  # DeepSpeed: 0 means dynamic
+                    v = None
+                out.append(Assignment(target, v, source))
+            else:
+                warnings.warn(
+                    f"{source}: '{key}.{sub}' is accepted but has no effect yet: dynamic loss "
+                    "scaling uses torch.amp.GradScaler (no hysteresis / min scale) until the "
+                    "parallel-engine issue lands",
+                    stacklevel=2,
+                )
+        return out
+
+    return expand
+
+
+def _ds_optimizer(value: Any, source: str, key: str) -> list[Assignment]:
+    """DeepSpeed/NeoX `optimizer: {type: Adam, params: {lr, betas, eps, weight_decay}}`."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: '{key}' must be a block {{type: ..., params: {{...}}}}, got {value!r}")
+    extra = set(map(norm_key, value)) - {"type", "params"}
+    if extra:
+        raise ConfigError(_unknown(source, f"{key}.{sorted(extra)[0]}", sorted(extra)[0], ["type", "params"]))
+    types_ = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "fusedadam": "adam", "cpu_adam": "adam"}
+    t = str(value.get("type", "adam")).lower()
+    if t not in types_:
+        raise ConfigError(
+            f"{source}: '{key}.type' = {value.get('type')!r} is not supported; "
+            f"valid: {', '.join(sorted(types_))}"
+        )
+    out = [Assignment("optim.optimizer", types_[t], source)]
+    params_map = {
+        "lr": "optim.lr",
+        "eps": "optim.adam_eps",
+        "weight_decay": "optim.weight_decay",
+        "adam_w_mode": "optim.adam_w_mode",
+        "momentum": "optim.sgd_momentum",
+    }
+    for sub, v in (value.get("params") or {}).items():
+        k = norm_key(sub)
+        if k == "betas":
+            if not (isinstance(v, list | tuple) and len(v) == 2):
+                raise ConfigError(f"{source}: '{key}.params.betas' must be a list of two numbers, got {v!r}")
+            out += [
+                Assignment("optim.adam_beta1", v[0], source),
+                Assignment("optim.adam_beta2", v[1], source),
+            ]
+        elif k in params_map:
+            out.append(Assignment(params_map[k], v, source))
+        else:
+            raise ConfigError(_unknown(source, f"{key}.params.{sub}", k, [*params_map, "betas"]))
+    return out
+
+
+def _ds_scheduler(value: Any, source: str, key: str) -> list[Assignment]:
+    """DeepSpeed `scheduler: {type: WarmupLR, params: {...}}`."""
+    if not isinstance(value, dict) or str(value.get("type", "")).lower() != "warmuplr":
+        raise ConfigError(
+            f"{source}: '{key}' supports only DeepSpeed's {{type: WarmupLR, params: {{...}}}}; "
+            f"for decay use optim.lr_decay_style (got {value!r})"
+        )
+    params_map = {
+        "warmup_min_lr": "optim.warmup_min_lr",
+        "warmup_max_lr": "optim.lr",
+        "warmup_num_steps": "optim.lr_warmup_iters",
+        "warmup_type": "optim.warmup_type",
+    }
+    out = [Assignment("optim.scheduler", "warmup_lr", source)]
+    for sub, v in (value.get("params") or {}).items():
+        k = norm_key(sub)
+        if k not in params_map:
+            raise ConfigError(_unknown(source, f"{key}.params.{sub}", k, list(params_map)))
+        out.append(Assignment(params_map[k], v, source))
+    return out
+
+
+def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
+    """DeepSpeed `zero_optimization` block: the stage is honoured; bucket/overlap knobs are tuning only."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: '{key}' must be a block like {{stage: 1}}, got {value!r}")
+    out = []
+    for sub, v in value.items():
+        k = norm_key(sub)
+        if k == "stage":
+            out.append(Assignment("parallel.zero_stage", v, source))
+        elif k.startswith("offload") or k == "cpu_offload":
+            raise ConfigError(
+                f"{source}: '{key}.{sub}' (CPU offload) is not available yet: it arrives "
+                "with the parallel engine (issue 4)"
+            )
+        else:
+            warnings.warn(
+                f"{source}: '{key}.{sub}' is a DeepSpeed tuning knob with no equivalent here; ignored",
+                stacklevel=2,
+            )
+    return out
+
+
+def _flag_value(path: str):
+    def expand(value: Any, source: str, key: str) -> list[Assignment]:
+        return [Assignment(path, value, source)]
+
+    expand.__doc__ = f"DeepSpeed key: sets `{path}`."
+    return expand
+
+
+SPECIAL_KEYS = {
+    "openai_gelu": _flag("model.activation", "openai-gelu"),
+    "geglu": _flag("model.activation", "geglu"),
+    "rms_norm": _flag("model.norm", "rmsnorm"),
+    "no_weight_tying": _flag("model.tie_word_embeddings", False, True),
+    "sinusoidal_pos_emb": _flag("model.position_embedding_type", "sinusoidal"),
+    "checkpoint_activations": _flag("parallel.activation_checkpointing", "full", "none"),
+    "fp16": _precision_block("fp16"),
+    "bf16": _precision_block("bf16"),
+    "optimizer": _ds_optimizer,
+    "scheduler": _ds_scheduler,
+    "zero_optimization": _ds_zero,
+    "gradient_clipping": _flag_value("optim.clip_grad"),
+}
+
+
+def valid_flat_keys() -> list[str]:
+    return sorted({*SECTIONS, *field_index(), *SPECIAL_KEYS, "base"})
+
+
+def _unknown(source: str, shown: str, key: str, candidates: list[str]) -> str:
+    near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return f"{source}: unknown key '{shown}'{hint}"
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys and reads 1e-4 / 5e8 as numbers (YAML 1.1 needs a dot)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    mapping: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in mapping:
+            mark = key_node.start_mark
+            raise ConfigError(f"{mark.name}:{mark.line + 1}: duplicate key '{key}'")
+        mapping[key] = loader.construct_object(value_node, deep=deep)
+    return mapping
+
+
+def _construct_str(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
+    text = loader.construct_scalar(node)
+    if node.style is None:  # only plain scalars: a quoted "1e-4" stays a string
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        if math.isfinite(number):
+            return (
+                int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+            )
+    return text
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_StrictLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
+
+
+def parse_yaml(text: str, name: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: not valid YAML: {e}") from None
+
+
+# --------------------------------------------------------------------------- presets and files
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("scalable_transformer.config") / "presets"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_source(spec: str) -> tuple[str, str]:
+    """(text, display name) of a preset name or a YAML path."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file '{spec}' does not exist; presets: {', '.join(preset_names())}")
+        return path.read_text(encoding="utf-8"), str(path)
+    if spec in preset_names():
+        folder = resources.files("scalable_transformer.config") / "presets"
+        return (folder / f"{spec}.yaml").read_text(encoding="utf-8"), f"preset '{spec}'"
+    near = difflib.get_close_matches(spec, preset_names(), n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    raise ConfigError(
+        f"'{spec}' is neither a config file nor a preset{hint} (presets: {', '.join(preset_names())})"
+    )
+
+
+def assignments_from_mapping(data: Any, source: str) -> list[Assignment]:
+    """Flatten a loaded YAML mapping (nested sections, flat aliases or both) into assignments."""
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: the top level must be a mapping of keys to values, got {type(data).__name__}"
+        )
+    out: list[Assignment] = []
+    for raw_key, value in data.items():
+        key = norm_key(raw_key)
+        if key in SECTIONS and isinstance(value, dict):
+            fields = section_fields(key)
+            aliases = {norm_key(a): n for n, f in fields.items() for a in f.metadata.get("aliases", ())}
+            for sub, v in value.items():
+                k = norm_key(sub)
+                name = k if k in fields else aliases.get(k)
+                if name is None:
+                    raise ConfigError(_unknown(source, f"{raw_key}.{sub}", k, [*fields, *aliases]))
+                out.append(Assignment(f"{key}.{name}", v, source))
+        elif key in SPECIAL_KEYS:
+            out += SPECIAL_KEYS[key](value, source, str(raw_key))
+        elif key in field_index():
+            out.append(Assignment(field_index()[key], value, source))
+        elif key == "base":
+            continue  # handled by load_config
+        else:
+            raise ConfigError(_unknown(source, str(raw_key), key, valid_flat_keys()))
+    return out
+
+
+def parse_override(text: str) -> list[Assignment]:
+    """`optim.lr=3e-4`, `num-layers=4` or `--num-layers=4` from the command line."""
+    source = f"command-line override '{text}'"
+    if "=" not in text:
+        raise ConfigError(f"{source}: expected key=value (for example optim.lr=3e-4 or num-layers=4)")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    value = parse_yaml(raw, source) if raw.strip() else None
+    nested: Any = value
+    for part in reversed(key.split(".")):  # "fp16.enabled=true" -> {fp16: {enabled: true}}
+        nested = {part: nested}
+    return assignments_from_mapping(nested, source)
+
+
+# --------------------------------------------------------------------------- applying values
+
+
+@functools.cache
+def _hints(section: str) -> dict[str, Any]:
+    return typing.get_type_hints(SECTIONS[section])
+
+
+def coerce(value: Any, hint: Any, where: str, choices: tuple[str, ...] = ()) -> Any:
+    """Check (and gently convert) a value against a field's type; raise ConfigError naming `where`."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, int | float) and not isinstance(value, bool) and not choices:
+            value = str(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        if choices and value not in choices:
+            low = value.lower().replace("_", "-")
+            match = [c for c in choices if c.replace("_", "-") == low]
+            if not match:
+                raise ConfigError(f"{where} = {value!r} is not valid; choose one of: {', '.join(choices)}")
+            value = match[0]
+        return value
+    raise TypeError(f"unsupported field type {hint!r} at {where}")
+
+
+def apply(cfg: Config, assignments: list[Assignment]) -> Config:
+    """Apply assignments in order (later wins) and return cfg; conflicting values within one source fail."""
+    set_by: dict[str, tuple[Any, str]] = {}
+    for a in assignments:
+        section, name = a.path.split(".")
+        f = section_fields(section)[name]
+        value = coerce(
+            a.value, _hints(section)[name], f"{a.source}: '{a.path}'", f.metadata.get("choices", ())
+        )
+        previous = set_by.get(a.path)
+        if previous and previous[1] == a.source and previous[0] != value:
+            raise ConfigError(
+                f"{a.source}: '{a.path}' is set twice (through an alias) to different values: "
+                f"{previous[0]!r} and {value!r}"
+            )
+        set_by[a.path] = (value, a.source)
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def load_config(spec: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a Config from a preset name or YAML path (None = the embedded default) plus overrides.
+
+    The result is not yet resolved: call `config.validate.resolve` for derived values and checks.
+    """
+    chain: list[tuple[Any, str]] = []
+    seen: set[str] = set()
+    current: str | None = spec or "tiny-bert"
+    while current is not None:
+        if current in seen:
+            raise ConfigError(f"'base:' chain loops back to '{current}'")
+        seen.add(current)
+        text, name = _read_source(current)
+        data = parse_yaml(text, name)
+        chain.append((data, name))
+        base = data.get("base") if isinstance(data, dict) else None
+        if base is not None and not isinstance(base, str):
+            raise ConfigError(f"{name}: 'base' must be a preset name or a path, got {base!r}")
+        if (
+            base is not None
+            and not Path(base).is_absolute()
+            and Path(name).is_file()
+            and (Path(name).parent / base).exists()
+        ):
+            base = str(Path(name).parent / base)
+        current = base
+    assignments: list[Assignment] = []
+    for data, name in reversed(chain):
+        assignments += assignments_from_mapping(data, name)
+    for text in overrides:
+        assignments += parse_override(text)
+    return apply(Config(), assignments)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)

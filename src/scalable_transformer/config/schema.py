@@ -1,0 +1,304 @@
+"""Typed configuration: one dataclass per section, a docstring under every field.
+
+Every field carries metadata read by the loader and by `stx config docs`:
+  doc      -- what the field means, with units
+  choices  -- the valid values of a string field
+  aliases  -- Megatron-LM / GPT-NeoX / DeepSpeed names that set this field (kebab or snake case)
+
+`None` means "derive it": the loader fills derived values (see `config.load.resolve`), so a
+resolved config never holds a `None` where a number is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def opt(default: Any, doc: str, *, choices: tuple[str, ...] = (), aliases: tuple[str, ...] = ()) -> Any:
+    """A config field with its documentation attached."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "aliases": aliases})
+
+
+@dataclass
+class ModelConfig:
+    type: str = opt(
+        "bert",
+        "Model family: a Megatron-style BERT (MLM + binary head) or a causal GPT.",
+        choices=("bert", "gpt"),
+    )
+    num_layers: int = opt(2, "Number of transformer layers.", aliases=("num-layers",))
+    hidden_size: int = opt(128, "Transformer hidden size.", aliases=("hidden-size",))
+    num_attention_heads: int = opt(
+        2, "Number of attention heads; must divide hidden_size.", aliases=("num-attention-heads",)
+    )
+    ffn_hidden_size: int | None = opt(
+        None, "MLP inner size; default 4 * hidden_size.", aliases=("ffn-hidden-size",)
+    )
+    seq_length: int = opt(
+        128,
+        "Sequence length of every training sample, in tokens.",
+        aliases=("seq-length", "encoder-seq-length"),
+    )
+    max_position_embeddings: int | None = opt(
+        None,
+        "Size of the position table; default seq_length. Must be >= seq_length.",
+        aliases=("max-position-embeddings",),
+    )
+    vocab_size: int | None = opt(
+        None, "Tokenizer vocabulary size before padding; default: taken from the tokenizer."
+    )
+    make_vocab_size_divisible_by: int = opt(
+        128,
+        "Pad the vocabulary to a multiple of this (Megatron), for efficient GEMMs.",
+        aliases=("make-vocab-size-divisible-by",),
+    )
+    layernorm_epsilon: float = opt(
+        1e-5, "Epsilon of every LayerNorm/RMSNorm.", aliases=("layernorm-epsilon", "rms-norm-epsilon")
+    )
+    hidden_dropout: float = opt(0.1, "Dropout probability on hidden states.", aliases=("hidden-dropout",))
+    attention_dropout: float = opt(
+        0.1, "Dropout probability on attention weights.", aliases=("attention-dropout",)
+    )
+    init_method_std: float = opt(
+        0.02,
+        "Std of the normal init of weights (output layers scaled by 1/sqrt(2*num_layers), as Megatron).",
+        aliases=("init-method-std",),
+    )
+    activation: str = opt(
+        "gelu",
+        "MLP activation. openai-gelu is the tanh approximation; geglu a gated GELU.",
+        choices=("gelu", "openai-gelu", "geglu"),
+    )
+    norm: str = opt("layernorm", "Normalisation layer.", choices=("layernorm", "rmsnorm"))
+    position_embedding_type: str = opt(
+        "learned", "Position encoding.", choices=("learned", "sinusoidal", "rotary"), aliases=("pos-emb",)
+    )
+    rotary_base: int = opt(10000, "Base of the rotary frequencies (rotary only).")
+    tie_word_embeddings: bool = opt(True, "Share the input embedding with the output (LM) layer.")
+    apply_residual_connection_post_layernorm: bool = opt(
+        False,
+        "Post-LN block ordering of the original BERT (LayerNorm after the residual add); default is pre-LN.",
+        aliases=("apply-residual-connection-post-layernorm",),
+    )
+    bert_binary_head: bool = opt(
+        True, "BERT only: add the NSP/SOP binary classification head.", aliases=("bert-binary-head",)
+    )
+    num_tokentypes: int = opt(2, "BERT only: number of token-type (segment) embeddings.")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = opt(-1, "Data-parallel size; -1 = world_size / (tp * pp).", aliases=("data-parallel-size",))
+    tp: int = opt(1, "Tensor-parallel size.", aliases=("tensor-model-parallel-size", "model-parallel-size"))
+    pp: int = opt(
+        1, "Pipeline-parallel size.", aliases=("pipeline-model-parallel-size", "pipe-parallel-size")
+    )
+    zero_stage: int = opt(0, "ZeRO stage: 0 DDP, 1 optimizer state sharded, 2 + gradients, 3 + parameters.")
+    activation_checkpointing: str = opt(
+        "none",
+        "Recompute activations in backward: none, full (every checkpoint_num_layers layers) "
+        "or selective (attention core only). Counts towards HFU, not MFU.",
+        choices=("none", "full", "selective"),
+    )
+    checkpoint_num_layers: int = opt(
+        1, "Layers per activation-checkpointed chunk (full mode).", aliases=("checkpoint-num-layers",)
+    )
+    compile: bool = opt(False, "Wrap each transformer block in torch.compile (cold start 10-30 s).")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = opt(
+        "adam",
+        "adam/adamw: Adam with decoupled weight decay (Megatron's and DeepSpeed's "
+        "'adam' are AdamW); sgd: SGD with momentum.",
+        choices=("adam", "adamw", "sgd"),
+    )
+    adam_w_mode: bool = opt(
+        True, "Decoupled weight decay (AdamW). False = L2 added to the gradient (torch.optim.Adam)."
+    )
+    lr: float = opt(1e-4, "Peak learning rate.")
+    min_lr: float = opt(0.0, "Floor of the decayed learning rate.", aliases=("min-lr",))
+    weight_decay: float = opt(
+        0.01, "Decoupled weight decay; never applied to biases and norm weights.", aliases=("weight-decay",)
+    )
+    adam_beta1: float = opt(0.9, "Adam beta1.", aliases=("adam-beta1",))
+    adam_beta2: float = opt(0.999, "Adam beta2.", aliases=("adam-beta2",))
+    adam_eps: float = opt(1e-8, "Adam epsilon.", aliases=("adam-eps",))
+    sgd_momentum: float = opt(0.9, "SGD momentum.", aliases=("sgd-momentum",))
+    clip_grad: float = opt(
+        1.0, "Clip the global gradient 2-norm to this; 0 disables.", aliases=("clip-grad",)
+    )
+    scheduler: str = opt(
+        "megatron",
+        "megatron: warmup then decay (lr_decay_style); warmup_lr: DeepSpeed's WarmupLR "
+        "(warmup from warmup_min_lr to lr, then constant).",
+        choices=("megatron", "warmup_lr"),
+    )
+    lr_decay_style: str = opt(
+        "linear",
+        "Decay after warmup (megatron scheduler).",
+        choices=("constant", "linear", "cosine"),
+        aliases=("lr-decay-style",),
+    )
+    lr_decay_iters: int | None = opt(
+        None,
+        "Iterations over which lr decays to min_lr, counted from 0; default train_iters.",
+        aliases=("lr-decay-iters",),
+    )
+    lr_warmup_iters: int = opt(0, "Linear warmup length in iterations.", aliases=("lr-warmup-iters",))
+    lr_warmup_fraction: float | None = opt(
+        None,
+        "Warmup as a fraction of lr_decay_iters; overrides lr_warmup_iters.",
+        aliases=("lr-warmup-fraction", "warmup"),
+    )
+    warmup_min_lr: float = opt(0.0, "WarmupLR: lr at iteration 0.")
+    warmup_type: str = opt("log", "WarmupLR: shape of the warmup curve.", choices=("log", "linear"))
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt("embedded", "Training text: 'embedded' = the bundled Python-documentation corpus.")
+    tokenizer: str = opt(
+        "embedded",
+        "'embedded' = WordPiece trained on the bundled corpus (cached), or a path to a HF tokenizer.json.",
+    )
+    tokenizer_vocab_size: int = opt(8192, "Vocabulary size when training the embedded tokenizer.")
+    split: str = opt("949,50,1", "Train/valid/test proportions, by document.", aliases=("split",))
+    mask_prob: float = opt(
+        0.15, "BERT: fraction of tokens selected for masking (80/10/10).", aliases=("mask-prob",)
+    )
+    short_seq_prob: float = opt(
+        0.1, "BERT: probability of a shorter-than-max sample.", aliases=("short-seq-prob",)
+    )
+    binary_head_task: str = opt(
+        "nsp", "BERT binary head task: next-sentence (nsp) or sentence-order (sop).", choices=("nsp", "sop")
+    )
+    num_workers: int = opt(
+        0, "DataLoader worker processes (0 = in the training process).", aliases=("num-workers",)
+    )
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = opt(300, "Number of optimizer steps.", aliases=("train-iters",))
+    micro_batch_size: int = opt(
+        16,
+        "Samples per device per forward/backward.",
+        aliases=("micro-batch-size", "batch-size", "train_micro_batch_size_per_gpu"),
+    )
+    gradient_accumulation_steps: int | None = opt(
+        None,
+        "Micro-batches per optimizer step; default global_batch_size / (micro_batch_size * dp).",
+        aliases=("gradient-accumulation-steps",),
+    )
+    global_batch_size: int | None = opt(
+        None,
+        "Samples per optimizer step = micro_batch_size * gradient_accumulation_steps * dp.",
+        aliases=("global-batch-size", "train_batch_size"),
+    )
+    seed: int = opt(
+        1234, "Seed of python, numpy and torch RNGs; same seed gives the same losses.", aliases=("seed",)
+    )
+    precision: str = opt(
+        "fp32",
+        "Compute dtype: fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling).",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    loss_scale: float | None = opt(None, "fp16: static loss scale; None = dynamic.", aliases=("loss-scale",))
+    initial_scale_power: int = opt(16, "fp16: dynamic loss scale starts at 2**initial_scale_power.")
+    loss_scale_window: int = opt(
+        1000, "fp16: steps without overflow before the scale doubles.", aliases=("loss-scale-window",)
+    )
+    device: str = opt("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
+    eval_interval: int = opt(
+        100, "Run evaluation every this many iterations (0 = only at the end).", aliases=("eval-interval",)
+    )
+    eval_iters: int = opt(10, "Validation micro-batches per evaluation.", aliases=("eval-iters",))
+    exit_interval: int | None = opt(
+        None, "Stop after an iteration divisible by this.", aliases=("exit-interval",)
+    )
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = opt(
+        10,
+        "Print and record metrics every this many iterations.",
+        aliases=("log-interval", "steps_per_print"),
+    )
+    run_dir: str = opt("runs", "Parent directory of run directories.")
+    run_name: str | None = opt(None, "Run directory name; default <model>-<timestamp>.")
+    tensorboard: bool = opt(True, "Write TensorBoard event files into the run directory.")
+    tensorboard_dir: str | None = opt(
+        None, "TensorBoard directory; default <run dir>/tensorboard.", aliases=("tensorboard-dir",)
+    )
+    flops_convention: str = opt(
+        "megatron",
+        "FLOPs convention for TFLOPs, MFU and HFU (docs/METRICS.md).",
+        choices=("megatron", "mosaic", "6n"),
+    )
+    device_name: str | None = opt(
+        None,
+        "Name in the peak-FLOPs table (e.g. a100-80gb); default: detected. "
+        "On CPU the peak is a measured GEMM rate.",
+    )
+    peak_tflops: float | None = opt(None, "Override the peak dense TFLOPs per device used for MFU/HFU.")
+    warmup_iters: int = opt(3, "Iterations excluded from throughput statistics (compile, allocator warm-up).")
+    timers_sync: bool = opt(
+        True,
+        "Synchronize the device at phase boundaries so per-phase times are honest.",
+        aliases=("wall_clock_breakdown",),
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = opt(
+        None, "Checkpoint directory to save to (not yet implemented: issue 5).", aliases=("save",)
+    )
+    load: str | None = opt(
+        None, "Checkpoint directory to load from (not yet implemented: issue 5).", aliases=("load",)
+    )
+    save_interval: int | None = opt(None, "Iterations between saves.", aliases=("save-interval",))
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def section_fields(section: str) -> dict[str, dataclasses.Field]:
+    """The fields of one section, by name."""
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def need(value: T | None, key: str) -> T:
+    """A derived value that `resolve` fills; None here is a programming error, not a user error."""
+    if value is None:
+        raise RuntimeError(f"'{key}' is unresolved: call config.validate.resolve() first")
+    return value

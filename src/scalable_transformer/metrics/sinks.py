@@ -1,0 +1,116 @@
+"""Where metrics go: the console (rich, Megatron-style lines), a JSONL file and TensorBoard events.
+
+Every record is a flat dict of numbers keyed by name with the unit in the name
+(`samples_per_second`, `time_ms/forward-compute`, `peak_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+
+
+class Sink(Protocol):
+    def write(self, kind: str, step: int, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per line: {"kind": "train"|"valid", "iteration": n, ...}; flushed per record."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps({"kind": kind, "iteration": step, **clean}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars under `<kind>/<name>`, as Megatron's TensorBoard writer does."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        for name, value in record.items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                self._writer.add_scalar(f"{kind}/{name}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class ConsoleSink:
+    """Megatron-style one-line-per-interval console output, with units on every figure."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(highlight=False, soft_wrap=True)
+
+    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        r = record
+        if kind == "valid":
+            parts = [f"validation at iteration {step}", f"loss: {r['loss']:.4E}", f"ppl: {r['ppl']:.3f}"]
+            if "mlm_accuracy" in r:
+                parts.append(f"MLM acc: {100 * r['mlm_accuracy']:.2f}%")
+            if "binary_accuracy" in r:
+                parts.append(f"binary acc: {100 * r['binary_accuracy']:.2f}%")
+            self.console.print("[bold cyan] " + " | ".join(parts) + "[/]")
+            return
+        parts = [
+            f"iteration {step:>6d}/{r['train_iters']:>6d}",
+            f"consumed samples: {r['consumed_samples']:>9d}",
+            f"lr: {r['lr']:.3E}",
+            f"loss: {r['loss']:.4E}",
+            f"grad norm: {r['grad_norm']:.3f}",
+            f"samples/s: {r['samples_per_second']:.2f}",
+            f"tokens/s: {r['tokens_per_second']:.0f}",
+            f"TFLOPs/dev: {r['tflops_per_device']:.3f}",
+            f"MFU: {100 * r['mfu']:.2f}%",
+            f"HFU: {100 * r['hfu']:.2f}%",
+            f"peak mem: {_fmt_bytes(r['peak_memory_bytes'])}",
+        ]
+        if r.get("skipped_iterations"):
+            parts.append(f"skipped (overflow): {r['skipped_iterations']}")
+        if "loss_scale" in r:
+            parts.append(f"loss scale: {r['loss_scale']:.1f}")
+        timers = [f"{k.split('/', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("time_ms/")]
+        line = " | ".join(parts)
+        if timers:
+            line += " | time (ms) | " + " | ".join(timers)
+        self.console.print(" " + line)
+
+    def close(self) -> None:
+        pass
+
+
+class Sinks:
+    """Fan a record out to every configured sink."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+
+    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(kind, step, record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

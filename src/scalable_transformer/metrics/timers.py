@@ -1,0 +1,106 @@
+"""Megatron-style named phase timers.
+
+    timers = Timers(sync_fn=torch.cuda.synchronize)   # None on CPU
+    timers("forward-compute").start(); ...; timers("forward-compute").stop()
+    with timers("optimizer"):
+        optimizer.step()
+    timers.elapsed_ms(["forward-compute", "optimizer"], normalizer=log_interval)
+
+Kernels run asynchronously on GPUs, so without a device sync a phase's wall time measures how long
+it took to *launch* work, not to run it; `sync_fn` is called at every start and stop so that
+per-phase numbers are honest (at the cost of removing overlap between phases).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+
+class _Timer:
+    def __init__(self, name: str, sync_fn: Callable[[], None] | None, clock: Callable[[], float]) -> None:
+        self.name = name
+        self._sync_fn = sync_fn
+        self._clock = clock
+        self._elapsed = 0.0  # seconds accumulated by finished start/stop intervals
+        self._started_at: float | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._started_at is not None
+
+    def start(self) -> _Timer:
+        if self._started_at is not None:
+            raise RuntimeError(f"timer {self.name!r} is already running")
+        if self._sync_fn is not None:
+            self._sync_fn()
+        self._started_at = self._clock()
+        return self
+
+    def stop(self) -> _Timer:
+        if self._started_at is None:
+            raise RuntimeError(f"timer {self.name!r} is not running")
+        if self._sync_fn is not None:
+            self._sync_fn()
+        self._elapsed += self._clock() - self._started_at
+        self._started_at = None
+        return self
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Accumulated seconds, including the running interval so far (a running timer keeps running)."""
+        total = self._elapsed
+        if self._started_at is not None:
+            now = self._clock()
+            total += now - self._started_at
+            if reset:
+                self._started_at = now
+        if reset:
+            self._elapsed = 0.0
+        return total
+
+    def __enter__(self) -> _Timer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class Timers:
+    """A registry of named timers; `timers(name)` creates the timer on first use."""
+
+    def __init__(
+        self, sync_fn: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self._sync_fn = sync_fn
+        self._clock = clock  # injectable for tests; seconds
+        self._timers: dict[str, _Timer] = {}
+
+    def __call__(self, name: str) -> _Timer:
+        if name not in self._timers:
+            self._timers[name] = _Timer(name, self._sync_fn, self._clock)
+        return self._timers[name]
+
+    def names(self) -> list[str]:
+        """Timer names in first-use order."""
+        return list(self._timers)
+
+    def elapsed_ms(
+        self, names: Iterable[str] | None = None, normalizer: float = 1, reset: bool = True
+    ) -> dict[str, float]:
+        """Milliseconds per `normalizer` (e.g. iterations in the logging interval) for each named timer
+        (all timers when names is None), accumulated since the last reset; reset zeroes them."""
+        if not normalizer > 0:
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+        selected = list(self._timers) if names is None else list(names)
+        unknown = [n for n in selected if n not in self._timers]
+        if unknown:
+            raise KeyError(f"unknown timer(s) {unknown}; known: {list(self._timers)}")
+        return {n: self._timers[n].elapsed(reset=reset) * 1000.0 / normalizer for n in selected}
+
+
+def format_ms(elapsed: dict[str, float]) -> str:
+    """Megatron's log line: 'time (ms) | forward-compute: 43.42 | optimizer: 24.05'."""
+    return "time (ms) | " + " | ".join(f"{name}: {ms:.2f}" for name, ms in elapsed.items())

@@ -1,0 +1,125 @@
+"""Megatron-style BERT: bidirectional encoder, masked-LM head and optional binary (NSP/SOP) head.
+
+Shape legend: b batch, s sequence, h hidden, v padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models.layers import (
+    Embedding,
+    RotaryEmbedding,
+    TransformerBlock,
+    check_model_config,
+    init_weights,
+    make_norm,
+    padded_vocab_size,
+)
+
+IGNORE_INDEX = -100
+
+
+class BertLMHead(nn.Module):
+    """dense -> gelu -> norm -> decoder (the word embeddings when tied) + per-token output bias."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.approximate = "tanh" if cfg.activation == "openai-gelu" else "none"
+        self.norm = make_norm(cfg)
+        self.decoder = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, x_bsh: torch.Tensor, word_weight_vh: torch.Tensor) -> torch.Tensor:
+        x_bsh = self.norm(F.gelu(self.dense(x_bsh), approximate=self.approximate))
+        weight_vh = word_weight_vh if self.decoder is None else self.decoder.weight
+        return F.linear(x_bsh, weight_vh, self.bias)
+
+
+class BertModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        check_model_config(cfg)
+        assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
+        self.cfg = cfg
+        vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.embedding = Embedding(cfg, vocab, cfg.num_tokentypes)
+        self.rotary = (
+            RotaryEmbedding(head_dim, cfg.rotary_base, cfg.max_position_embeddings)
+            if cfg.position_embedding_type == "rotary"
+            else None
+        )
+        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=False) for _ in range(cfg.num_layers))
+        # Post-LN blocks already end on a norm.
+        self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
+        self.lm_head = BertLMHead(cfg, vocab)
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size) if cfg.bert_binary_head else None
+        self.binary_head = nn.Linear(cfg.hidden_size, 2) if cfg.bert_binary_head else None
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        init_weights(self, self.cfg)
+        nn.init.zeros_(self.lm_head.bias)
+
+    def forward(
+        self,
+        input_ids_bs: torch.Tensor,
+        token_type_ids_bs: torch.Tensor | None = None,
+        attention_mask_bs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids -> (mlm_logits [b, s, v], binary_logits [b, 2] or None); mask 1 = real token."""
+        x_bsh = self.embedding(input_ids_bs, token_type_ids_bs)
+        mask_b11s = None if attention_mask_bs is None else attention_mask_bs[:, None, None, :].bool()
+        rotary = None if self.rotary is None else self.rotary(input_ids_bs.shape[1])
+        for layer in self.layers:
+            x_bsh = layer(x_bsh, mask_b11s, rotary)
+        if self.final_norm is not None:
+            x_bsh = self.final_norm(x_bsh)
+        mlm_logits_bsv = self.lm_head(x_bsh, self.embedding.word.weight)
+        binary_logits_b2 = None
+        if self.pooler is not None and self.binary_head is not None:
+            binary_logits_b2 = self.binary_head(torch.tanh(self.pooler(x_bsh[:, 0])))
+        return mlm_logits_bsv, binary_logits_b2
+
+
+def bert_loss(
+    outputs: tuple[torch.Tensor, torch.Tensor | None],
+    batch: dict[str, torch.Tensor],
+    normalizers: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """MLM cross-entropy averaged over labelled positions, plus the binary-head cross-entropy
+    (summed, as Megatron) when the model has one. Cross-entropy runs in fp32 for bf16/fp16 runs.
+
+    `normalizers` ({"tokens": labelled positions, "samples": sequences} of the whole optimizer
+    step) turn the per-micro-batch means into this micro-batch's share of the step's mean, so
+    the shares of k accumulated micro-batches add up to the loss of one k-times-larger batch.
+    """
+    mlm_logits_bsv, binary_logits_b2 = outputs
+    labels_n = batch["labels"].reshape(-1)
+    logits_nv = mlm_logits_bsv.float().reshape(labels_n.numel(), -1)
+    labelled_n = labels_n != IGNORE_INDEX
+    count = labelled_n.sum()
+    # Sum / clamp(count) rather than mean: a micro-batch without masked tokens gives 0, not NaN.
+    token_norm = normalizers["tokens"] if normalizers else count.clamp(min=1)
+    mlm_loss = F.cross_entropy(logits_nv, labels_n, ignore_index=IGNORE_INDEX, reduction="sum") / token_norm
+    metrics = {
+        "mlm_loss": mlm_loss.detach(),
+        "mlm_correct": ((logits_nv.detach().argmax(-1) == labels_n) & labelled_n).sum().float(),
+        "mlm_count": count.float(),
+    }
+    loss = mlm_loss
+    if binary_logits_b2 is not None:
+        nsp_b = batch["nsp_labels"].reshape(-1)
+        sample_norm = normalizers["samples"] if normalizers else nsp_b.numel()
+        binary_loss = F.cross_entropy(binary_logits_b2.float(), nsp_b, reduction="sum") / sample_norm
+        loss = loss + binary_loss
+        metrics["binary_loss"] = binary_loss.detach()
+        metrics["binary_correct"] = (binary_logits_b2.detach().argmax(-1) == nsp_b).sum().float()
+        metrics["binary_count"] = torch.tensor(float(nsp_b.numel()))
+    metrics["loss"] = loss.detach()
+    return loss, metrics

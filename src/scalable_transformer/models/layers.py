@@ -1,0 +1,297 @@
+"""Building blocks shared by BERT and GPT: embeddings, attention, MLP, transformer block, init.
+
+Shape legend: b batch, s sequence, h hidden, n heads (local: tensor parallel may give fewer),
+d head dim, f MLP inner size, v padded vocabulary, p max positions.
+
+Block contract, relied on by parallel/ (activation checkpointing, FSDP, pipeline stages):
+    TransformerBlock.forward(x_bsh, attention_mask_b11s_or_None, rotary_or_None) -> x_bsh
+where the mask is boolean (True = may attend) and rotary is the (cos_sd, sin_sd) pair from
+`RotaryEmbedding`. `block.attention.core` is the softmax(QK^T)V part alone, so selective
+checkpointing can recompute just it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalable_transformer.config.schema import ModelConfig
+
+_CHOICES = {
+    "type": ("bert", "gpt"),
+    "activation": ("gelu", "openai-gelu", "geglu"),
+    "norm": ("layernorm", "rmsnorm"),
+    "position_embedding_type": ("learned", "sinusoidal", "rotary"),
+}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
+    """Megatron's padding: vocab_size rounded up to a multiple of divisible_by * tp (in tokens)."""
+    if vocab_size < 1 or divisible_by < 1 or tp < 1:
+        raise ValueError(
+            f"padded_vocab_size needs positive ints, got vocab_size={vocab_size}, "
+            f"divisible_by={divisible_by}, tp={tp}"
+        )
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the field if cfg is unresolved or cannot build a model."""
+    for name in ("vocab_size", "ffn_hidden_size", "max_position_embeddings"):
+        if getattr(cfg, name) is None:
+            raise ValueError(f"model.{name} is None: resolve the config (config.load.resolve) first")
+    for name, choices in _CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise ValueError(f"model.{name}={getattr(cfg, name)!r} is not one of {choices}")
+    positive = (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+        "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "rotary_base",
+    )  # fmt: skip
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"model.{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_tokentypes < 0:
+        raise ValueError(f"model.num_tokentypes must be >= 0, got {cfg.num_tokentypes}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ValueError(f"model.{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if cfg.layernorm_epsilon <= 0 or cfg.init_method_std < 0:
+        raise ValueError(
+            f"model.layernorm_epsilon must be > 0 and model.init_method_std >= 0, got "
+            f"{cfg.layernorm_epsilon} and {cfg.init_method_std}"
+        )
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(
+            f"model.hidden_size={cfg.hidden_size} is not divisible by "
+            f"model.num_attention_heads={cfg.num_attention_heads}"
+        )
+    assert cfg.max_position_embeddings is not None  # for the type checker: None raised above
+    if cfg.max_position_embeddings < cfg.seq_length:
+        raise ValueError(
+            f"model.max_position_embeddings={cfg.max_position_embeddings} < model.seq_length={cfg.seq_length}"
+        )
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.position_embedding_type == "rotary" and head_dim % 2:
+        raise ValueError(
+            f"model.position_embedding_type='rotary' needs an even head dim, got hidden_size / "
+            f"num_attention_heads = {head_dim}"
+        )
+    if cfg.position_embedding_type == "sinusoidal" and cfg.hidden_size % 2:
+        raise ValueError(f"sinusoidal positions need an even model.hidden_size, got {cfg.hidden_size}")
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+
+
+def norm_numel(cfg: ModelConfig) -> int:
+    """Parameters of one norm layer: LayerNorm has weight and bias, RMSNorm only a weight."""
+    return cfg.hidden_size * (1 if cfg.norm == "rmsnorm" else 2)
+
+
+def _frequencies(dim: int, base: float, positions: int) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)  # [p, dim/2]
+
+
+class Embedding(nn.Module):
+    """word + position (learned or sinusoidal) + token type, then (post-LN only) norm, then dropout."""
+
+    sinusoid_ph: torch.Tensor | None
+
+    def __init__(self, cfg: ModelConfig, vocab: int, num_tokentypes: int) -> None:
+        super().__init__()
+        assert cfg.max_position_embeddings is not None
+        self.hidden_size = cfg.hidden_size
+        self.max_positions = cfg.max_position_embeddings
+        self.position_type = cfg.position_embedding_type
+        self.word = nn.Embedding(vocab, cfg.hidden_size)
+        self.position = (
+            nn.Embedding(self.max_positions, cfg.hidden_size) if self.position_type == "learned" else None
+        )
+        self.tokentype = nn.Embedding(num_tokentypes, cfg.hidden_size) if num_tokentypes > 0 else None
+        # Post-LN blocks end on a norm, so the stack's input must be normalized too (original BERT).
+        self.norm = make_norm(cfg) if cfg.apply_residual_connection_post_layernorm else None
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        # Non-persistent: derived from the config, so checkpoints and state-dict sharding never see it.
+        sinusoid_ph = self._sinusoid() if self.position_type == "sinusoidal" else None
+        self.register_buffer("sinusoid_ph", sinusoid_ph, persistent=False)
+
+    def _sinusoid(self) -> torch.Tensor:
+        angles = _frequencies(self.hidden_size, 10000.0, self.max_positions)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+    def reset_buffers(self) -> None:
+        if self.sinusoid_ph is not None:
+            self.sinusoid_ph = self._sinusoid().to(self.sinusoid_ph.device)
+
+    def forward(
+        self, input_ids_bs: torch.Tensor, token_type_ids_bs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        seq = input_ids_bs.shape[1]
+        if seq > self.max_positions:
+            raise ValueError(f"sequence length {seq} > model.max_position_embeddings={self.max_positions}")
+        x_bsh = self.word(input_ids_bs)
+        if self.position is not None:
+            x_bsh = x_bsh + self.position(torch.arange(seq, device=input_ids_bs.device))
+        elif self.sinusoid_ph is not None:
+            x_bsh = x_bsh + self.sinusoid_ph[:seq].to(x_bsh.dtype)
+        if self.tokentype is not None:
+            if token_type_ids_bs is None:
+                token_type_ids_bs = torch.zeros_like(input_ids_bs)
+            x_bsh = x_bsh + self.tokentype(token_type_ids_bs)
+        if self.norm is not None:
+            x_bsh = self.norm(x_bsh)
+        return self.dropout(x_bsh)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of rotate-half RoPE over the full head dim; no parameters."""
+
+    cos_pd: torch.Tensor
+    sin_pd: torch.Tensor
+
+    def __init__(self, head_dim: int, base: float, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim, self.base, self.max_positions = head_dim, base, max_positions
+        cos_pd, sin_pd = self._tables()
+        self.register_buffer("cos_pd", cos_pd, persistent=False)
+        self.register_buffer("sin_pd", sin_pd, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = _frequencies(self.head_dim, self.base, self.max_positions)
+        angles_pd = torch.cat([angles, angles], dim=-1)  # rotate-half pairs channel i with i + d/2
+        return angles_pd.cos(), angles_pd.sin()
+
+    def reset_buffers(self) -> None:
+        cos_pd, sin_pd = self._tables()
+        self.cos_pd, self.sin_pd = cos_pd.to(self.cos_pd.device), sin_pd.to(self.sin_pd.device)
+
+    def forward(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq > self.max_positions:
+            raise ValueError(f"sequence length {seq} > model.max_position_embeddings={self.max_positions}")
+        return self.cos_pd[:seq], self.sin_pd[:seq]
+
+
+def apply_rotary(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_bnsd.chunk(2, dim=-1)
+    rotated_bnsd = torch.cat([-x2, x1], dim=-1)
+    return x_bnsd * cos_sd.to(x_bnsd.dtype) + rotated_bnsd * sin_sd.to(x_bnsd.dtype)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with dropout: the activation-heavy part (O(s^2) per head)."""
+
+    def __init__(self, dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.dropout, self.causal = dropout, causal
+
+    def forward(
+        self, q_bnsd: torch.Tensor, k_bnsd: torch.Tensor, v_bnsd: torch.Tensor, mask_b11s: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q_bnsd,
+            k_bnsd,
+            v_bnsd,
+            attn_mask=mask_b11s,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+        super().__init__()
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        # Columns are laid out per head as [q_d | k_d | v_d] (Megatron), so a column-parallel split
+        # gives each tensor-parallel rank whole heads with their own q, k and v.
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.core = CoreAttention(cfg.attention_dropout, causal)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(
+        self,
+        x_bsh: torch.Tensor,
+        mask_b11s: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        b, s, _ = x_bsh.shape
+        qkv_bsn3d = self.qkv(x_bsh).view(b, s, -1, 3 * self.head_dim)
+        q_bnsd, k_bnsd, v_bnsd = (t.transpose(1, 2) for t in qkv_bsn3d.chunk(3, dim=-1))
+        if rotary is not None:
+            q_bnsd, k_bnsd = apply_rotary(q_bnsd, *rotary), apply_rotary(k_bnsd, *rotary)
+        out_bnsd = self.core(q_bnsd, k_bnsd, v_bnsd, mask_b11s)
+        return self.proj(out_bnsd.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.ffn_hidden_size is not None
+        self.activation = cfg.activation
+        up = 2 * cfg.ffn_hidden_size if cfg.activation == "geglu" else cfg.ffn_hidden_size
+        self.up = nn.Linear(cfg.hidden_size, up)
+        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        y_bsf = self.up(x_bsh)
+        if self.activation == "geglu":
+            # Gate and value columns interleave, so a column-parallel split keeps the pairs together.
+            gate_bsf, value_bsf = y_bsf.unflatten(-1, (-1, 2)).unbind(-1)
+            y_bsf = F.gelu(gate_bsf) * value_bsf
+        else:
+            y_bsf = F.gelu(y_bsf, approximate="tanh" if self.activation == "openai-gelu" else "none")
+        return self.down(y_bsf)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN by default; post-LN (original BERT) when apply_residual_connection_post_layernorm."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+        super().__init__()
+        self.post_ln = cfg.apply_residual_connection_post_layernorm
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
+        self.attention = Attention(cfg, causal)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self,
+        x_bsh: torch.Tensor,
+        mask_b11s: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if self.post_ln:
+            x_bsh = self.norm1(x_bsh + self.dropout(self.attention(x_bsh, mask_b11s, rotary)))
+            return self.norm2(x_bsh + self.dropout(self.mlp(x_bsh)))
+        x_bsh = x_bsh + self.dropout(self.attention(self.norm1(x_bsh), mask_b11s, rotary))
+        return x_bsh + self.dropout(self.mlp(self.norm2(x_bsh)))
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """Megatron init: N(0, std) weights, N(0, std / sqrt(2 L)) for the two residual output
+    projections of every block (keeps the residual stream's variance independent of depth),
+    zero biases, unit norm weights. Also recomputes derived buffers (after meta-device build)."""
+    std = cfg.init_method_std
+    out_std = std / math.sqrt(2.0 * cfg.num_layers)
+    scaled: set[int] = set()  # ids: tensors compare elementwise, so they cannot be set members
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            scaled.update({id(module.attention.proj.weight), id(module.mlp.down.weight)})
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, out_std if id(module.weight) in scaled else std)
+            if isinstance(bias := getattr(module, "bias", None), torch.Tensor):
+                nn.init.zeros_(bias)
+        elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+            nn.init.ones_(module.weight)
+            if isinstance(bias := getattr(module, "bias", None), torch.Tensor):
+                nn.init.zeros_(bias)
+        elif isinstance(module, Embedding | RotaryEmbedding):
+            module.reset_buffers()

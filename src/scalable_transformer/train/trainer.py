@@ -1,0 +1,246 @@
+"""The training loop and the training step, nothing else (builders live in `train/run.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config.schema import Config, need
+from ..metrics.flops import FlopsCount, throughput_metrics
+from ..metrics.memory import MemoryTracker
+from ..metrics.sinks import Sinks
+from ..metrics.timers import Timers
+from ..models import compute_loss, model_inputs
+
+Batch = dict[str, torch.Tensor]
+PHASES = ("forward-compute", "backward-compute", "optimizer", "batch-generator")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    lr: float  # the learning rate this step's update used
+    metrics: dict[str, float]
+
+
+@dataclass
+class History:
+    """Per-iteration wall times and the records the summary is computed from."""
+
+    iteration_seconds: list[float] = field(default_factory=list)  # index i = iteration i + 1
+    losses: list[float] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)  # one per log interval
+    first_logged_loss: float | None = None
+    last_logged_loss: float | None = None
+    last_valid: dict[str, float] | None = None
+    peak_memory_bytes: int = 0
+    peak_memory_method: str = ""
+    skipped_iterations: int = 0
+
+
+def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class Trainer:
+    """Runs `train_iters` optimizer steps of `gradient_accumulation_steps` micro-batches each."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_batches: Iterator[Batch],
+        valid_batches,
+        device: torch.device,
+        sinks: Sinks,
+        flops: FlopsCount,
+        peak_flops_per_device: float,
+        num_devices: int = 1,
+    ):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.train_batches, self.valid_batches = train_batches, valid_batches
+        self.device, self.sinks, self.flops = device, sinks, flops
+        self.peak_flops, self.num_devices = peak_flops_per_device, num_devices
+        self.model_type = cfg.model.type
+        self.global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
+        self.accumulation = need(cfg.train.gradient_accumulation_steps, "train.gradient_accumulation_steps")
+        sync = torch.cuda.synchronize if device.type == "cuda" and cfg.logging.timers_sync else None
+        self.timers = Timers(sync)
+        self.memory = MemoryTracker(device)
+        self.scaler = torch.amp.GradScaler(
+            device.type,
+            enabled=cfg.train.precision == "fp16",
+            init_scale=cfg.train.loss_scale or 2.0**cfg.train.initial_scale_power,
+            growth_interval=cfg.train.loss_scale_window if cfg.train.loss_scale is None else 2**31 - 1,
+            growth_factor=2.0 if cfg.train.loss_scale is None else 1.0,
+            backoff_factor=0.5 if cfg.train.loss_scale is None else 1.0,
+        )
+        self.history = History()
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.last_lr = 0.0
+
+    # ------------------------------------------------------------------ one step
+
+    def _next_micro_batches(self) -> list[Batch]:
+        with self.timers("batch-generator"):
+            return [
+                {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_batches).items()}
+                for _ in range(self.accumulation)
+            ]
+
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
+        """Forward and backward every micro-batch, then one optimizer step on the accumulated gradient.
+
+        Each micro-batch's loss is weighted by its share of the step's target tokens, so that
+        accumulation over k micro-batches computes the same gradient as one batch k times larger.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        normalizers = step_normalizers(self.model_type, micro_batches)
+        totals: dict[str, float] = {}
+        for micro in micro_batches:
+            with self.timers("forward-compute"), autocast_context(self.cfg.train.precision, self.device):
+                outputs = self.model(*model_inputs(self.model_type, micro))
+                loss, metrics = compute_loss(self.model_type, outputs, micro, normalizers)
+            with self.timers("backward-compute"):
+                self.scaler.scale(loss).backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        with self.timers("optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            clip = self.cfg.optim.clip_grad or math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            lr = self.optimizer.param_groups[0]["lr"]
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped by the scaler when grads hold inf/nan
+            self.scaler.update()
+            skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
+            if not skipped:  # as Megatron and DeepSpeed: a skipped update does not advance the schedule
+                self.scheduler.step()
+        return StepResult(
+            loss=totals.pop("loss"), grad_norm=grad_norm, skipped=skipped, lr=lr, metrics=totals
+        )
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss, perplexity (and MLM/binary accuracy for BERT) over eval_iters validation micro-batches."""
+        self.model.eval()
+        batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.valid_batches()]
+        normalizers = step_normalizers(self.model_type, batches)
+        totals: dict[str, float] = {}
+        for batch in batches:
+            with autocast_context(self.cfg.train.precision, self.device):
+                outputs = self.model(*model_inputs(self.model_type, batch))
+                _, metrics = compute_loss(self.model_type, outputs, batch, normalizers)
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        lm_key = "mlm_loss" if self.model_type == "bert" else "lm_loss"
+        result = {"loss": totals["loss"], lm_key: totals[lm_key], "ppl": math.exp(min(totals[lm_key], 50.0))}
+        if "mlm_correct" in totals:
+            result["mlm_accuracy"] = totals["mlm_correct"] / max(totals["mlm_count"], 1.0)
+        if "binary_correct" in totals:
+            result["binary_accuracy"] = totals["binary_correct"] / max(totals["binary_count"], 1.0)
+        return result
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> History:
+        cfg, h = self.cfg, self.history
+        log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
+        interval_start, interval_skipped, interval_iters = time.perf_counter(), 0, 0
+        interval_losses: list[float] = []
+        interval_norms: list[float] = []
+        self.memory.reset_peak()
+        while self.iteration < cfg.train.train_iters:
+            t0 = time.perf_counter()
+            result = self.train_step(self._next_micro_batches())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # one sync per step: iteration time must include queued kernels
+            h.iteration_seconds.append(time.perf_counter() - t0)
+            self.iteration += 1
+            interval_iters += 1
+            self.consumed_samples += self.global_batch
+            h.losses.append(result.loss)
+            self.last_lr = result.lr
+            interval_skipped += result.skipped
+            h.skipped_iterations += result.skipped
+            if not result.skipped:
+                interval_losses.append(result.loss)
+                interval_norms.append(result.grad_norm)
+
+            if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters:
+                seconds = (time.perf_counter() - interval_start) / interval_iters
+                record = self._train_record(
+                    seconds, interval_losses, interval_norms, interval_skipped, interval_iters
+                )
+                if h.first_logged_loss is None:
+                    h.first_logged_loss = record["loss"]
+                h.last_logged_loss = record["loss"]
+                h.records.append({"iteration": self.iteration, **record})
+                self.sinks.write("train", self.iteration, record)
+                interval_losses, interval_norms, interval_skipped, interval_iters = [], [], 0, 0
+                self.memory.reset_peak()
+                interval_start = time.perf_counter()
+
+            last = self.iteration == cfg.train.train_iters
+            if (eval_every and self.iteration % eval_every == 0) or last:
+                eval_start = time.perf_counter()
+                h.last_valid = self.evaluate()
+                self.sinks.write("valid", self.iteration, h.last_valid)
+                interval_start += time.perf_counter() - eval_start  # evaluation is not training throughput
+            if cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0:
+                break
+        return h
+
+    def _train_record(
+        self, seconds: float, losses: list[float], norms: list[float], skipped: int, iterations: int
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        peak = self.memory.peak()
+        self.history.peak_memory_bytes = max(self.history.peak_memory_bytes, peak.peak_allocated_bytes)
+        self.history.peak_memory_method = peak.method
+        perf = throughput_metrics(self.flops, seconds, self.num_devices, self.peak_flops)
+        record: dict[str, Any] = {
+            "train_iters": cfg.train.train_iters,
+            "consumed_samples": self.consumed_samples,
+            "lr": self.last_lr,
+            "loss": statistics.fmean(losses) if losses else math.nan,
+            "grad_norm": statistics.fmean(norms) if norms else math.nan,
+            "samples_per_second": self.global_batch / seconds,
+            "tokens_per_second": self.global_batch * cfg.model.seq_length / seconds,
+            "iteration_time_ms": 1000 * seconds,
+            "tflops_per_device": perf["tflops_per_device"],
+            "mfu": perf["mfu"],
+            "hfu": perf["hfu"],
+            "peak_memory_bytes": peak.peak_allocated_bytes,
+            "skipped_iterations": skipped,
+        }
+        if self.scaler.is_enabled():
+            record["loss_scale"] = self.scaler.get_scale()
+        for name, ms in self.timers.elapsed_ms(list(PHASES), normalizer=iterations, reset=True).items():
+            record[f"time_ms/{name}"] = ms
+        return record
+
+
+def step_normalizers(model_type: str, micro_batches: list[Batch]) -> dict[str, int]:
+    """Counts over the whole step that each micro-batch's summed loss is divided by."""
+    labelled = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+    samples = sum(int(b["input_ids"].shape[0]) for b in micro_batches)
+    return {"tokens": max(labelled, 1), "samples": samples}

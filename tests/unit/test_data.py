@@ -1,0 +1,382 @@
+"""Data: embedded corpus and tokenizer, BERT/GPT sample invariants, and the resumable sampler."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from scalable_transformer.config.schema import Config
+from scalable_transformer.data import corpus as corpus_mod
+from scalable_transformer.data.bert_dataset import BertDataset
+from scalable_transformer.data.corpus import embedded_corpus, embedded_documents, split_sentences
+from scalable_transformer.data.gpt_dataset import GPTDataset
+from scalable_transformer.data.loader import (
+    PretrainingSampler,
+    build_datasets,
+    build_loader,
+    eval_batches,
+    parse_split,
+    split_documents,
+    tokenize_embedded_corpus,
+)
+from scalable_transformer.data.tokenizers import SPECIAL_TOKENS, Tokenizer, load_tokenizer, train_wordpiece
+
+VOCAB = 2000
+SEQ = 64
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    """A private cache directory, so these tests build corpus, tokenizer and token cache from scratch."""
+    path = tmp_path_factory.mktemp("data-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STX_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def docs(cache) -> list[str]:
+    return embedded_documents()
+
+
+@pytest.fixture(scope="session")
+def tok(cache, docs) -> Tokenizer:
+    return load_tokenizer("embedded", VOCAB)
+
+
+def config(model_type: str = "bert", **data) -> Config:
+    cfg = Config()
+    cfg.model.type = model_type
+    cfg.model.seq_length = SEQ
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def bert_sets(tok):
+    return build_datasets(config("bert"), tok)
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def test_corpus_is_deterministic_sizable_and_cached(cache, docs):
+    names = [name for name, _ in embedded_corpus()]
+    assert names == sorted(names)
+    assert len(docs) > 300
+    assert sum(map(len, docs)) > 1_000_000
+    text = "\n".join(docs)
+    assert "Assert statements are a convenient way to insert debugging assertions" in text  # a pydoc topic
+    assert "JSON (JavaScript Object Notation)" in text  # the json module docstring
+    assert not any(n.startswith(("module:test.", "module:idlelib", "module:lib2to3")) for n in names)
+    assert any(n.startswith("topic:") for n in names) and any(n.startswith("module:") for n in names)
+    # The cache holds exactly what a fresh build gives, and no temporary files were left behind.
+    files = sorted(p.name for p in cache.iterdir() if p.name.startswith(("corpus-", ".corpus")))
+    assert len(files) == 1 and files[0].endswith(".jsonl")
+    assert corpus_mod._build() == embedded_corpus()
+
+
+def test_corpus_rebuilds_a_corrupt_cache(cache, docs):
+    path = corpus_mod._cache_path()
+    good = path.read_bytes()
+    try:
+        path.write_text('{"name": "x"\n')
+        assert embedded_documents() == docs
+    finally:
+        path.write_bytes(good)
+
+
+def test_split_sentences():
+    text = (
+        "Return the value. Raises ValueError if absent, e.g. when x is None! Is it?  Yes\n"
+        "it is (see Fig. 3 by J. Smith).\n\n   New paragraph without a period\nbut a line break"
+    )
+    assert split_sentences(text) == [
+        "Return the value.",
+        "Raises ValueError if absent, e.g. when x is None!",
+        "Is it?",
+        "Yes it is (see Fig. 3 by J. Smith).",
+        "New paragraph without a period but a line break",
+    ]
+    assert split_sentences("version 3.11. lower case follows") == ["version 3.11. lower case follows"]
+    assert split_sentences("") == []
+
+
+def test_split_sentences_keeps_every_character(docs):
+    for doc in docs[::25]:
+        assert "".join(split_sentences(doc)).replace(" ", "") == "".join(doc.split())
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_special_tokens_and_round_trip(tok):
+    assert tok.vocab_size == VOCAB
+    ids = [tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id, tok.eod_id]
+    assert ids == [tok.hf.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(6))
+    text = "Return a new List containing all items from the iterable, in ascending order."
+    (encoded,) = tok.encode_batch([text])
+    assert not set(encoded) & set(ids)  # no [CLS]/[SEP] added
+    assert tok.decode(encoded) == text.lower()
+    assert any(tok.hf.id_to_token(i).startswith("##") for i in tok.encode("iterables ascendingly"))
+
+
+def test_tokenizer_sentences_concatenate_to_the_document(tok, docs):
+    for doc in docs[::40]:
+        assert tok.encode(doc) == [t for s in tok.encode_batch(split_sentences(doc)) for t in s]
+
+
+def test_tokenizer_cache_and_path_loading(cache, tok, tmp_path):
+    path = next(cache.glob(f"tokenizer-*-{VOCAB}-*.json"))
+    assert load_tokenizer("embedded", VOCAB).fingerprint == tok.fingerprint
+    from_file = load_tokenizer(str(path))
+    assert from_file.fingerprint == tok.fingerprint
+    with pytest.raises(FileNotFoundError, match=r"missing\.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"not": "a tokenizer"}))
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        load_tokenizer(str(bad))
+
+
+def test_tokenizer_training_is_reproducible(docs):
+    # The trainer breaks frequency ties in hash-map order; the ids must not depend on it.
+    a, b = (train_wordpiece(docs[:40], 400).to_str() for _ in range(2))
+    assert a == b
+
+
+def test_tokenizer_without_bert_tokens(tmp_path, tok):
+    spec = json.loads(tok.hf.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in ("[UNK]", "[SEP]")]
+    spec["post_processor"] = None
+    vocab = spec["model"]["vocab"]
+    for t in ("[PAD]", "[CLS]", "[MASK]", "<|endoftext|>"):
+        del vocab[t]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    other = load_tokenizer(str(tmp_path))  # a directory holding tokenizer.json
+    assert other.eod_id == other.sep_id == tok.sep_id
+    with pytest.raises(ValueError, match=r"\[MASK\]"):
+        _ = other.mask_id
+
+
+# ---------------------------------------------------------------- BERT
+
+
+def _original(sample: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.where(sample["labels"] != -100, sample["labels"], sample["input_ids"])
+
+
+def test_bert_sample_invariants(tok, bert_sets):
+    train, valid, test = bert_sets
+    assert len(train) > 1000 and len(valid) > 10 and len(test) >= 1
+    special = torch.tensor(sorted(tok.special_ids))
+    selected = candidates = n_mask = n_same = 0
+    nsp = []
+    for i in range(0, len(train), 2):
+        x = train[i]
+        assert set(x) == {"input_ids", "token_type_ids", "attention_mask", "labels", "nsp_labels"}
+        assert all(v.dtype == torch.long for v in x.values())
+        ids, types, att, labels = x["input_ids"], x["token_type_ids"], x["attention_mask"], x["labels"]
+        assert ids.shape == types.shape == att.shape == labels.shape == (SEQ,)
+        n = int(att.sum())
+        assert att.tolist() == [1] * n + [0] * (SEQ - n)
+        assert (ids[n:] == tok.pad_id).all() and ids[0] == tok.cls_id and ids[n - 1] == tok.sep_id
+        seps = (ids == tok.sep_id).nonzero().flatten().tolist()
+        assert len(seps) == 2 and 1 < seps[0] < n - 2  # both segments non-empty
+        assert types.tolist() == [0] * (seps[0] + 1) + [1] * (n - seps[0] - 1) + [0] * (SEQ - n)
+        masked = labels != -100
+        assert masked.any() and not torch.isin(labels[masked], special).any()
+        assert not ((ids == tok.mask_id) & ~masked).any()  # [MASK] only where a label is
+        candidates += int((~torch.isin(_original(x)[:n], special)).sum())
+        selected += int(masked.sum())
+        n_mask += int((ids[masked] == tok.mask_id).sum())
+        n_same += int((ids[masked] == labels[masked]).sum())
+        nsp.append(int(x["nsp_labels"]))
+    assert selected / candidates == pytest.approx(0.15, abs=0.01)
+    assert n_mask / selected == pytest.approx(0.8, abs=0.02)
+    assert n_same / selected == pytest.approx(0.1 + 0.1 / tok.vocab_size, abs=0.02)
+    assert np.mean(nsp) == pytest.approx(0.5, abs=0.05)
+    # Shorter samples with probability short_seq_prob (0.1), plus the ends of documents.
+    lengths = [int(train[i]["attention_mask"].sum()) for i in range(0, len(train), 2)]
+    assert 0.08 < np.mean(np.array(lengths) < SEQ) < 0.5
+
+
+def test_bert_is_deterministic_per_seed(tok, bert_sets):
+    again = build_datasets(config("bert"), tok)[0]
+    assert all(torch.equal(bert_sets[0][i]["input_ids"], again[i]["input_ids"]) for i in range(0, 500, 7))
+    cfg = config("bert")
+    cfg.train.seed += 1
+    other = build_datasets(cfg, tok)[0]
+    assert not all(torch.equal(bert_sets[0][i]["input_ids"], other[i]["input_ids"]) for i in range(20))
+
+
+def _synthetic_docs(num_docs: int = 12, sentences: int = 6, length: int = 5) -> list[list[list[int]]]:
+    """Token ids that increase through each document and never repeat across documents."""
+    ids = itertools.count(10)
+    return [[[next(ids) for _ in range(length)] for _ in range(sentences)] for _ in range(num_docs)]
+
+
+def _segments(x: dict[str, torch.Tensor], sep_id: int) -> tuple[list[int], list[int]]:
+    ids = _original(x).tolist()
+    first, second = [i for i, t in enumerate(ids) if t == sep_id]
+    return ids[1:first], ids[first + 1 : second]
+
+
+@pytest.mark.parametrize("task", ["nsp", "sop"])
+def test_bert_binary_head_labels(tok, task):
+    docs = _synthetic_docs()
+    doc_of = {t: d for d, doc in enumerate(docs) for s in doc for t in s}
+    ds = BertDataset(docs, tok, 64, short_seq_prob=0.0, binary_head_task=task, seed=3, binary_head=True)
+    labels = []
+    for i in range(len(ds)):
+        x = ds[i]
+        a, b = _segments(x, tok.sep_id)
+        random = int(x["nsp_labels"])
+        labels.append(random)
+        if not random:  # B is the true continuation of A
+            assert doc_of[a[0]] == doc_of[b[0]] and a[-1] + 1 == b[0]
+        elif task == "sop":  # swapped: B is what came before A
+            assert doc_of[a[0]] == doc_of[b[0]] and b[-1] + 1 == a[0]
+        else:  # random next: B from another document
+            assert doc_of[a[0]] != doc_of[b[0]]
+    assert 0 < np.mean(labels) < 1
+
+
+def test_bert_truncation_and_short_targets(tok):
+    # Two sentences of 25 and 8 tokens, 4 over the 29-token target of seq_length 32: the longer
+    # segment loses 4 tokens, each from its front or its back at random (Megatron's truncate_segments).
+    docs = [
+        [list(range(100 * d, 100 * d + 25)), list(range(100 * d + 50, 100 * d + 58))] for d in range(1, 20)
+    ]
+    ds = BertDataset(docs, tok, 32, short_seq_prob=0.0, binary_head_task="sop", seed=0, binary_head=True)
+    assert len(ds) == len(docs)
+    firsts = set()
+    for i in range(len(ds)):
+        a, b = _segments(ds[i], tok.sep_id)
+        long, short = (a, b) if len(a) > len(b) else (b, a)
+        assert len(long) == 21 and short == list(range(short[0], short[0] + 8)) and short[0] % 100 == 50
+        assert long == list(range(long[0], long[0] + 21))
+        firsts.add(long[0] % 100)
+    assert len(firsts) > 1 and min(firsts) < 4 and max(firsts) > 0  # trimmed at both ends
+    shorter = BertDataset(docs, tok, 32, short_seq_prob=1.0, binary_head_task="sop", seed=0)
+    lengths = [int(shorter[i]["attention_mask"].sum()) for i in range(len(shorter))]
+    assert min(lengths) < 32 and len(set(lengths)) > 3
+
+
+def test_bert_without_binary_head(tok):
+    docs = [[[15, 16, 17]], *_synthetic_docs(4)]  # a one-sentence document is usable too
+    ds = BertDataset(docs, tok, 16, short_seq_prob=0.0, seed=1, binary_head=False)
+    assert len(ds) > 0
+    for i in range(len(ds)):
+        x = ds[i]
+        assert "nsp_labels" not in x
+        assert int((x["input_ids"] == tok.sep_id).sum()) == 1 and not x["token_type_ids"].any()
+        n = int(x["attention_mask"].sum())
+        tokens = _original(x)[1 : n - 1].tolist()
+        assert tokens == list(range(tokens[0], tokens[0] + len(tokens)))  # one contiguous segment
+
+
+# ---------------------------------------------------------------- GPT
+
+
+def test_gpt_windows():
+    eod = 3
+    ds = GPTDataset([[10, 11, 12], [20, 21], [30]], seq_length=4, eod_id=eod, seed=0)
+    windows = sorted(torch.cat([ds[i]["input_ids"], ds[i]["labels"][-1:]]).tolist() for i in range(len(ds)))
+    assert windows == [[10, 11, 12, eod, 20], [20, 21, eod, 30, eod]]
+    for i in range(len(ds)):
+        assert torch.equal(ds[i]["input_ids"][1:], ds[i]["labels"][:-1])
+
+
+def test_gpt_from_corpus(tok):
+    train, valid, _ = build_datasets(config("gpt"), tok)
+    assert len(train) > 1000 and len(valid) > 10
+    x = train[0]
+    assert x["input_ids"].shape == x["labels"].shape == (SEQ,)
+    assert torch.equal(x["input_ids"][1:], x["labels"][:-1])
+    assert sum(int((train[i]["input_ids"] == tok.eod_id).sum()) for i in range(len(train))) > 300
+    orders = [GPTDataset([list(range(10, 500))], 8, tok.eod_id, seed)._order for seed in (0, 0, 1)]
+    assert np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[0], orders[2])
+
+
+# ---------------------------------------------------------------- split, cache, config errors
+
+
+def test_split_documents():
+    train, valid, test = split_documents(415, "949,50,1")
+    assert len(valid) == 21 and len(test) >= 1 and len(train) + len(valid) + len(test) == 415
+    assert sorted(np.concatenate([train, valid, test]).tolist()) == list(range(415))
+    assert [len(p) for p in split_documents(10, "98,2")] == [9, 1, 0]
+    assert parse_split("1/1") == (0.5, 0.5, 0.0)
+    for bad in ("", "a,b", "1,2,3,4", "0,0,0", "-1,2"):
+        with pytest.raises(ValueError, match=r"data\.split"):
+            parse_split(bad)
+
+
+def test_token_cache_and_dataset_errors(cache, tok):
+    first = tokenize_embedded_corpus(tok)
+    assert len(list(cache.glob(f"tokens-*-{tok.fingerprint}-*.npz"))) == 1
+    again = tokenize_embedded_corpus(tok)  # from the cache
+    assert again.tokens.dtype == np.uint16 and len(again) == len(embedded_documents())
+    assert np.array_equal(first.tokens, again.tokens)
+    assert np.array_equal(first.sentence_lengths, again.sentence_lengths)
+    with pytest.raises(ValueError, match="only 'embedded'"):
+        build_datasets(config(dataset="/data/my-corpus"), tok)
+    with pytest.raises(ValueError, match="binary_head_task"):
+        BertDataset(_synthetic_docs(2), tok, 32, binary_head_task="mlm")
+
+
+# ---------------------------------------------------------------- sampler and loader
+
+
+def _take(sampler: PretrainingSampler, n: int) -> list[list[int]]:
+    return list(itertools.islice(iter(sampler), n))
+
+
+def test_sampler_global_batches_do_not_depend_on_dp():
+    total, mbs, seed = 37, 4, 7  # 37 samples: global batches straddle epoch boundaries
+    single = _take(PretrainingSampler(total, 0, 2 * mbs, 0, 1, seed), 30)
+    ranks = [_take(PretrainingSampler(total, 0, mbs, r, 2, seed), 30) for r in range(2)]
+    assert [r0 + r1 for r0, r1 in zip(*ranks, strict=True)] == single
+    stream = [i for batch in single for i in batch]
+    epochs = [stream[k : k + total] for k in range(0, 5 * total, total)]
+    assert all(sorted(e) == list(range(total)) for e in epochs)  # every epoch is a permutation
+    assert epochs[0] != epochs[1]
+
+
+def test_sampler_resume_and_seed():
+    full = _take(PretrainingSampler(50, 0, 3, 1, 2, seed=5), 40)
+    for k in (0, 6, 42, 96):  # 96 is past the first epoch
+        assert _take(PretrainingSampler(50, k, 3, 1, 2, seed=5), 10) == full[k // 6 : k // 6 + 10]
+    assert _take(PretrainingSampler(50, 0, 3, 1, 2, seed=6), 40) != full
+    assert _take(PretrainingSampler(5, 0, 2, 0, 1, seed=5, shuffle=False), 3) == [[0, 1], [2, 3], [4, 0]]
+    with pytest.raises(ValueError, match="multiple"):
+        PretrainingSampler(50, 5, 3, 0, 2, seed=5)
+    with pytest.raises(ValueError, match="empty"):
+        PretrainingSampler(0, 0, 3, 0, 1, seed=5)
+
+
+def test_loader_resumes_the_uninterrupted_stream(bert_sets):
+    train = bert_sets[0]
+    full = list(itertools.islice(iter(build_loader(train, 4, consumed_samples=0, seed=11)), 6))
+    resumed = list(itertools.islice(iter(build_loader(train, 4, consumed_samples=12, seed=11)), 3))
+    assert full[0]["input_ids"].shape == (4, SEQ) and full[0]["nsp_labels"].shape == (4,)
+    for a, b in zip(full[3:], resumed, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_batches_in_order_with_wraparound(tok):
+    ds = GPTDataset([list(range(10, 60))], seq_length=4, eod_id=tok.eod_id, seed=0)  # 12 samples
+    batches = list(eval_batches(ds, 5, 4))
+    assert len(batches) == 4 and batches[0]["input_ids"].shape == (5, 4)
+    expected = [ds[i % len(ds)]["input_ids"] for i in range(20)]
+    assert torch.equal(torch.cat([b["input_ids"] for b in batches]), torch.stack(expected))
+    ranks = [list(eval_batches(ds, 2, 3, dp_rank=r, dp_size=2)) for r in range(2)]
+    joined = torch.cat([torch.cat([r0["input_ids"], r1["input_ids"]]) for r0, r1 in zip(*ranks, strict=True)])
+    assert torch.equal(joined, torch.stack(expected[:12]))

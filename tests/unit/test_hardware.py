@@ -1,0 +1,163 @@
+"""Peak-FLOPs table, GPU name detection, the cache directory and the cached CPU peak."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from scalable_transformer.metrics import hardware
+from scalable_transformer.metrics.hardware import (
+    PEAK_TFLOPS,
+    cache_dir,
+    cpu_peak,
+    detect_device_name,
+    lookup_peak,
+    measure_cpu_peak,
+    resolve_peak,
+)
+
+
+def test_lookup_peak_dense_values_in_flop_per_second():
+    assert lookup_peak("a100-40gb", "bf16") == pytest.approx(312e12)
+    assert lookup_peak("a100-80gb", "tf32") == pytest.approx(156e12)
+    assert lookup_peak("a100-80gb", "fp32") == pytest.approx(19.5e12)
+    assert lookup_peak("h100-sxm", "bf16") == pytest.approx(989.4e12)
+    assert lookup_peak("h100-sxm", "tf32") == pytest.approx(494.7e12)
+    assert lookup_peak("H100_SXM", "bfloat16") == pytest.approx(989.4e12)  # names and dtypes normalised
+    assert lookup_peak("v100-32gb", "fp16") == pytest.approx(125e12)
+    assert lookup_peak("v100-32gb", "fp32") == pytest.approx(15.7e12)
+
+
+def test_lookup_peak_errors_name_the_valid_choices():
+    with pytest.raises(ValueError, match="Did you mean 'a100-80gb'") as info:
+        lookup_peak("a100-80", "bf16")
+    assert "h100-sxm" in str(info.value)  # lists the valid names
+    with pytest.raises(ValueError, match="fp16, fp32"):
+        lookup_peak("v100-32gb", "bf16")  # no bf16 on Volta
+    with pytest.raises(ValueError, match="bf16, fp16, tf32, fp32"):
+        lookup_peak("a100-80gb", "fp8")
+
+
+def test_table_is_dense_and_consistent():
+    for name, row in PEAK_TFLOPS.items():
+        assert row, name
+        for dtype, value in row.items():
+            assert dtype in hardware.DTYPES and value > 0, (name, dtype)
+        if "bf16" in row and "fp32" in row:
+            assert row["bf16"] >= row["fp32"], name
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200", "h200-sxm"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ("Tesla V100-SXM2-16GB", "v100-16gb"),
+        ("Tesla V100-PCIE-16GB", "v100-pcie"),
+        ("NVIDIA A10", "a10"),
+        ("NVIDIA A40", "a40"),
+        ("NVIDIA RTX A6000", "rtx-a6000"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA L40S", "l40s"),
+        ("Tesla T4", "t4"),
+        ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("AMD Instinct MI250X", "mi250x"),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("NVIDIA A10G", None),  # AWS part with other clocks: not guessed
+        ("NVIDIA GeForce RTX 3090 Ti", None),
+        ("Some Future Accelerator", None),
+    ],
+)
+def test_detect_device_name(raw, key):
+    assert detect_device_name(raw) == key
+    if key is not None:
+        assert key in PEAK_TFLOPS
+
+
+def test_cache_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("STX_CACHE_DIR", str(tmp_path / "stx"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "stx"
+    monkeypatch.delenv("STX_CACHE_DIR")
+    assert cache_dir() == tmp_path / "xdg" / "scalable-transformer"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "scalable-transformer"
+
+
+@pytest.fixture
+def fake_measure(tmp_path, monkeypatch):
+    monkeypatch.setenv("STX_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[str] = []
+
+    def measure(dtype: str, threads: int | None = None) -> float:
+        calls.append(dtype)
+        return {"bf16": 1.0e12, "fp32": 2.0e11, "fp16": 2.1e11}[dtype]
+
+    monkeypatch.setattr(hardware, "measure_cpu_peak", measure)
+    return calls
+
+
+def test_cpu_peak_is_measured_once_then_read_from_the_cache(fake_measure, tmp_path):
+    assert cpu_peak("bf16") == pytest.approx(1.0e12)
+    assert cpu_peak("bfloat16") == pytest.approx(1.0e12)
+    assert fake_measure == ["bf16"]
+    path = tmp_path / "cache" / "cpu_peak.json"
+    entries = json.loads(path.read_text())
+    (key,) = entries
+    assert "torch=" in key and "threads=" in key and key.endswith("bf16")
+    assert cpu_peak("fp32") == pytest.approx(2.0e11)  # another dtype, another entry
+    assert fake_measure == ["bf16", "fp32"]
+    assert len(json.loads(path.read_text())) == 2
+
+
+def test_cpu_peak_refresh_never_lowers_the_peak(fake_measure, monkeypatch):
+    assert cpu_peak("bf16") == pytest.approx(1.0e12)
+    monkeypatch.setattr(hardware, "measure_cpu_peak", lambda dtype, threads=None: 0.4e12)  # a loaded machine
+    assert cpu_peak("bf16", refresh=True) == pytest.approx(1.0e12)
+    monkeypatch.setattr(hardware, "measure_cpu_peak", lambda dtype, threads=None: 1.5e12)
+    assert cpu_peak("bf16", refresh=True) == pytest.approx(1.5e12)
+    assert cpu_peak("bf16") == pytest.approx(1.5e12)
+
+
+def test_cpu_peak_remeasures_a_corrupt_cache(fake_measure, tmp_path):
+    path = tmp_path / "cache" / "cpu_peak.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert cpu_peak("fp16") == pytest.approx(2.1e11)
+    assert fake_measure == ["fp16"]
+    assert json.loads(path.read_text())  # rewritten, valid
+
+
+def test_resolve_peak_sources(fake_measure, tmp_path):
+    info = resolve_peak("cuda", "bf16", None, 123.0)
+    assert info.flops_per_second == pytest.approx(123e12) and "user override" in info.source
+    info = resolve_peak("cuda", "bf16", "a100-80gb", None)
+    assert info.flops_per_second == pytest.approx(312e12)
+    assert info.source == "a100-80gb bf16 dense table"
+    first = resolve_peak("cpu", "bf16", None, None)
+    second = resolve_peak("cpu", "bf16", None, None)
+    assert first.flops_per_second == second.flops_per_second == pytest.approx(1.0e12)
+    assert "measured CPU bf16 GEMM peak" in first.source and "measured now" in first.source
+    assert "cached" in second.source and str(Path(tmp_path) / "cache" / "cpu_peak.json") in second.source
+    with pytest.raises(ValueError, match="> 0"):
+        resolve_peak("cpu", "bf16", None, 0.0)
+
+
+def test_measure_cpu_peak_runs_a_real_gemm():
+    value = measure_cpu_peak("fp32", budget_seconds=0.2)
+    assert value > 0 and math.isfinite(value)
+    with pytest.raises(ValueError, match="tf32"):
+        measure_cpu_peak("tf32")
