@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stx: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `stx ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -122,7 +122,6 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
             f"vocabulary ({tokenizer.vocab_size}); remove it to use the tokenizer's size"
         )
     cfg = resolve(cfg, world_size=1)
-    set_seed(cfg.train.seed)
 
     train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
     train_loader = build_loader(
@@ -136,6 +135,8 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
     def valid_batches():
         return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
 
+    peak = resolve_peak(device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops)
+    set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
     model = build_model(cfg.model).to(device)
     num_params = count_parameters(cfg.model)
     model = parallelize(model, cfg)
@@ -148,7 +149,6 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
         cfg.logging.flops_convention,
         cfg.parallel.activation_checkpointing,
     )
-    peak = resolve_peak(device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops)
 
     run_dir = make_run_dir(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
