@@ -7,9 +7,9 @@
      attention, its own loss
 
 Every variant does forward + backward + clip + AdamW (fp32, dropout 0) on the same pre-built
-micro-batches, so data loading is excluded. The variants are interleaved within each repeat (the
-order rotates every repeat) and compared through per-repeat medians: a shared, noisy machine slows
-all three alike within a repeat, so their ratios are far steadier than their absolute times.
+micro-batches, so data loading is excluded. Within each repeat the variants alternate step by step
+(A B C, B C A, C A B, ...) and are compared through per-repeat medians: a shared, noisy machine
+slows all three alike within a repeat, so their ratios are far steadier than their absolute times.
 
     python benchmarks/step_vs_bare.py --model both
     python benchmarks/step_vs_bare.py --model gpt --config gpt-125m model.num_layers=2 --repeats 6
@@ -62,26 +62,31 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- config and batches
 
 
-def benchmark_config(
-    model_type: str, spec: str | None, overrides: list[str], micro_batch: int | None
-) -> Config:
-    """The resolved config: the preset/YAML and overrides, then what makes the three runs comparable
-    (fp32 on the CPU, dropout 0, one step = one micro-batch unless accumulation is overridden)."""
+def forced_settings(model_type: str, micro_batch: int | None, accumulation: int) -> list[str]:
+    """Overrides applied after the user's: the same work in all three runs (fp32 on the CPU, no
+    dropout, no recompute or compile, which the bare and HF runs do not apply) and the step's size."""
     forced = [
         f"model.type={model_type}",
         "model.hidden_dropout=0",
         "model.attention_dropout=0",
         "train.precision=fp32",
         "train.device=cpu",
+        "parallel.activation_checkpointing=none",
+        "parallel.compile=false",
+        "train.global_batch_size=",  # derived: micro-batch x accumulation
+        f"train.gradient_accumulation_steps={accumulation}",
     ]
     if micro_batch is not None:
         forced.append(f"train.micro_batch_size={micro_batch}")
+    return forced
+
+
+def benchmark_config(
+    model_type: str, spec: str | None, overrides: list[str], micro_batch: int | None, accumulation: int = 1
+) -> Config:
+    """The resolved config: the preset/YAML, the user's overrides, then `forced_settings`."""
+    forced = forced_settings(model_type, micro_batch, accumulation)
     cfg = resolve(load_config(spec or f"tiny-{model_type}", [*overrides, *forced]), world_size=1)
-    if cfg.parallel.activation_checkpointing != "none" or cfg.parallel.compile:
-        raise ConfigError(
-            "parallel.activation_checkpointing / parallel.compile: this benchmark compares the plain step "
-            "(the bare and HF runs apply neither); leave them at none / false"
-        )
     if cfg.model.vocab_size is None:
         raise ConfigError("model.vocab_size is unset (a non-embedded tokenizer): set model.vocab_size")
     return cfg
@@ -288,7 +293,7 @@ def mfu_text(flops: FlopsCount, seconds: float, peak: PeakInfo) -> tuple[str, st
 def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
     """Build, verify and time A, B and C for one model type; returns the report data and whether
     A and B agreed on the first step's loss."""
-    cfg = benchmark_config(model_type, args.config, args.overrides, args.micro_batch_size)
+    cfg = benchmark_config(model_type, args.config, args.overrides, args.micro_batch_size, args.accumulation)
     torch.manual_seed(cfg.train.seed)
     micro = synthetic_batches(cfg, cfg.train.seed)
     global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
@@ -334,17 +339,24 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}  # every timed step, seconds
     medians: dict[str, list[float]] = {v: [] for v in VARIANTS}  # one per repeat
     start = time.perf_counter()
+    rounds = 0
     for r in range(args.repeats):
-        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
-        for v in order:
-            gc.collect()  # one variant's garbage is not collected on another's clock
-            block = []
-            for _ in range(args.steps_per_repeat):
+        elapsed = time.perf_counter() - start
+        if r >= 1 and elapsed + elapsed / r > args.max_seconds:  # the next repeat would overrun
+            break
+        gc.collect()  # start every repeat with nothing left for the cyclic collector
+        block: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        # Step by step, in an order that rotates every round: contention that comes and goes over
+        # seconds then hits the three variants alike, and none always runs right after the same other.
+        for _ in range(args.steps_per_repeat):
+            for v in VARIANTS[rounds % 3 :] + VARIANTS[: rounds % 3]:
                 t0 = time.perf_counter()
                 steps[v]()
-                block.append(time.perf_counter() - t0)
-            times[v] += block
-            medians[v].append(statistics.median(block))
+                block[v].append(time.perf_counter() - t0)
+            rounds += 1
+        for v in VARIANTS:
+            times[v] += block[v]
+            medians[v].append(statistics.median(block[v]))
     wall = time.perf_counter() - start
 
     ratio_ab = [a / b for a, b in zip(medians["A"], medians["B"], strict=True)]
@@ -372,6 +384,7 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
         "loss_diff": loss_diff,
         "agree": agree,
         "wall": wall,
+        "repeats_done": len(medians["A"]),
         "hf_class": type(hf).__name__,
         "hf_attention": hf.config._attn_implementation,
     }
@@ -401,9 +414,15 @@ def render(data: dict, args: argparse.Namespace, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
+        "Forced after the config and overrides, so that all three do the same work: `"
+        + " ".join(forced_settings(m.type, args.micro_batch_size, args.accumulation)[1:])
+        + "`.",
+        "",
         f"Threads: torch intra-op {torch.get_num_threads()}, inter-op {torch.get_num_interop_threads()}; "
-        f"{args.repeats} repeats x {args.steps_per_repeat} steps per variant (order rotated every "
-        f"repeat), {args.warmup} warm-up steps each, {data['wall']:.1f} s timed.",
+        f"{data['repeats_done']} repeats (of {args.repeats} requested; time budget {args.max_seconds:g} s) x "
+        f"{args.steps_per_repeat} steps per variant, alternating step by step in an order rotated every "
+        f"round (A B C, B C A, C A B); {args.warmup} warm-up "
+        f"steps each; {data['wall']:.1f} s timed.",
         "",
         "## Timings",
         "",
@@ -521,9 +540,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("bert", "gpt", "both"), default="both")
     p.add_argument("--config", help="preset name or YAML path; default tiny-bert / tiny-gpt")
     p.add_argument("--micro-batch-size", type=int, help="default: the config's train.micro_batch_size")
-    p.add_argument("--repeats", type=int, default=12, help="interleaved repeats (default 12)")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--repeats", type=int, default=15, help="interleaved repeats (default 15)")
     p.add_argument("--steps-per-repeat", type=int, default=3, help="timed steps per variant per repeat")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before timing")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before timing")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=60.0,
+        help="per model: start no repeat that would end after this many seconds of timing, once one "
+        "repeat is done (default 60)",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument(
         "--output",
@@ -531,8 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "benchmarks/results/step_vs_bare-<model>.md in the repository)",
     )
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.steps_per_repeat < 1 or args.warmup < 0:
-        p.error("--repeats and --steps-per-repeat must be >= 1, --warmup >= 0")
+    if min(args.repeats, args.steps_per_repeat, args.accumulation) < 1 or args.warmup < 0:
+        p.error("--repeats, --steps-per-repeat and --accumulation must be >= 1, --warmup >= 0")
     return args
 
 

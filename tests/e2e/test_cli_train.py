@@ -123,3 +123,14 @@ def test_env_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     env = json.loads(proc.stdout)
     assert {"python", "torch", "cpu_model", "cpu_count", "git_revision", "packages"} <= env.keys()
+
+
+@pytest.mark.slow
+def test_default_run_learns(tmp_path):
+    """`stx train` with no arguments, as README's first command runs it: the loss clearly falls."""
+    proc = stx("train", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == resolve(load_config()).train.train_iters
+    assert summary["final_train_loss"] <= 0.7 * summary["first_logged_train_loss"], summary

@@ -162,12 +162,33 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("embedded", "Training text: 'embedded' = the bundled Python-documentation corpus.")
+    path: str | None = opt(
+        None,
+        "Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx), or a weighted blend in Megatron's syntax "
+        "'0.3 PREFIX_A 0.7 PREFIX_B'. None = the embedded Python-documentation corpus.",
+        aliases=("data-path",),
+    )
     tokenizer: str = opt(
         "embedded",
-        "'embedded' = WordPiece trained on the bundled corpus (cached), or a path to a HF tokenizer.json.",
+        "'embedded' = WordPiece trained on the bundled corpus (cached in the user cache dir); or a path to a "
+        "HF tokenizer.json, a BERT vocab.txt, or a directory holding GPT-2 vocab.json + merges.txt.",
+    )
+    vocab_file: str | None = opt(
+        None,
+        "Megatron's vocab file (BERT vocab.txt or GPT-2 vocab.json); sets the tokenizer.",
+        aliases=("vocab-file",),
+    )
+    merge_file: str | None = opt(
+        None, "GPT-2 BPE merges.txt that goes with vocab_file.", aliases=("merge-file",)
+    )
+    tokenizer_type: str | None = opt(
+        None,
+        "Megatron tokenizer type when loading a vocab file; default: inferred from the files.",
+        choices=("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "HFTokenizer"),
+        aliases=("tokenizer-type",),
     )
     tokenizer_vocab_size: int = opt(8192, "Vocabulary size when training the embedded tokenizer.")
+    whole_word_masking: bool = opt(False, "BERT: mask whole words (all ## pieces of a word together).")
     split: str = opt("949,50,1", "Train/valid/test proportions, by document.", aliases=("split",))
     mask_prob: float = opt(
         0.15, "BERT: fraction of tokens selected for masking (80/10/10).", aliases=("mask-prob",)

@@ -146,6 +146,12 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"optim.lr_warmup_fraction must be in [0, 1], got {o.lr_warmup_fraction}")
 
     # features that arrive with later issues fail loudly instead of being ignored
+    d = cfg.data
+    if d.path or d.vocab_file or d.merge_file or d.tokenizer_type or d.whole_word_masking:
+        raise ConfigError(
+            "data.path / vocab_file / merge_file / tokenizer_type / whole_word_masking: indexed "
+            "datasets and external vocab files arrive with issue 3 and are not available yet"
+        )
     if cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.save_interval:
         raise ConfigError(
             "checkpoint.save / load / save_interval: checkpointing arrives with issue 5 "

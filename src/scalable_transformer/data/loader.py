@@ -134,11 +134,8 @@ def split_documents(num_documents: int, split: str) -> tuple[np.ndarray, np.ndar
 def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[Dataset, Dataset, Dataset]:
     """Train, valid and test datasets of `cfg.model.type` ("bert" or "gpt") with cfg.model.seq_length
     tokens per sample, from the embedded corpus split by document (cfg.data.split)."""
-    if cfg.data.dataset != "embedded":
-        raise ValueError(
-            f"data.dataset={cfg.data.dataset!r}: only 'embedded' is supported until the indexed (mmap) "
-            "dataset lands"
-        )
+    if cfg.data.path is not None:
+        raise ValueError(f"data.path={cfg.data.path!r}: indexed datasets are not supported yet (issue 3)")
     if cfg.model.type not in ("bert", "gpt"):
         raise ValueError(f"model.type must be 'bert' or 'gpt', got {cfg.model.type!r}")
     corpus = tokenize_embedded_corpus(tokenizer)

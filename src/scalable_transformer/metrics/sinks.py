@@ -58,6 +58,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+_COMPONENTS = (("mlm_loss", "lm loss"), ("binary_loss", "binary loss"))  # as Megatron's BERT log line
+
+
 class ConsoleSink:
     """Megatron-style one-line-per-interval console output, with units on every figure."""
 
@@ -79,13 +82,14 @@ class ConsoleSink:
             f"consumed samples: {r['consumed_samples']:>9d}",
             f"lr: {r['lr']:.3E}",
             f"loss: {r['loss']:.4E}",
+            *(f"{name}: {r[key]:.4E}" for key, name in _COMPONENTS if key in r),
             f"grad norm: {r['grad_norm']:.3f}",
             f"samples/s: {r['samples_per_second']:.2f}",
             f"tokens/s: {r['tokens_per_second']:.0f}",
             f"TFLOPs/dev: {r['tflops_per_device']:.3f}",
             f"MFU: {100 * r['mfu']:.2f}%",
             f"HFU: {100 * r['hfu']:.2f}%",
-            f"peak mem: {_fmt_bytes(r['peak_memory_bytes'])}",
+            f"peak mem ({r.get('peak_memory_kind', 'allocated')}): {_fmt_bytes(r['peak_memory_bytes'])}",
         ]
         if r.get("skipped_iterations"):
             parts.append(f"skipped (overflow): {r['skipped_iterations']}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -164,9 +163,7 @@ class Trainer:
     def fit(self) -> History:
         cfg, h = self.cfg, self.history
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
-        interval_start, interval_skipped, interval_iters = time.perf_counter(), 0, 0
-        interval_losses: list[float] = []
-        interval_norms: list[float] = []
+        interval = Interval(start=time.perf_counter())
         self.memory.reset_peak()
         while self.iteration < cfg.train.train_iters:
             t0 = time.perf_counter()
@@ -175,44 +172,35 @@ class Trainer:
                 torch.cuda.synchronize()  # one sync per step: iteration time must include queued kernels
             h.iteration_seconds.append(time.perf_counter() - t0)
             self.iteration += 1
-            interval_iters += 1
             self.consumed_samples += self.global_batch
-            h.losses.append(result.loss)
             self.last_lr = result.lr
-            interval_skipped += result.skipped
+            h.losses.append(result.loss)
             h.skipped_iterations += result.skipped
-            if not result.skipped:
-                interval_losses.append(result.loss)
-                interval_norms.append(result.grad_norm)
+            interval.add(result)
 
             if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters:
-                seconds = (time.perf_counter() - interval_start) / interval_iters
-                record = self._train_record(
-                    seconds, interval_losses, interval_norms, interval_skipped, interval_iters
-                )
+                record = self._train_record(interval)
                 if h.first_logged_loss is None:
                     h.first_logged_loss = record["loss"]
                 h.last_logged_loss = record["loss"]
                 h.records.append({"iteration": self.iteration, **record})
                 self.sinks.write("train", self.iteration, record)
-                interval_losses, interval_norms, interval_skipped, interval_iters = [], [], 0, 0
                 self.memory.reset_peak()
-                interval_start = time.perf_counter()
+                interval = Interval(start=time.perf_counter())
 
-            last = self.iteration == cfg.train.train_iters
-            if (eval_every and self.iteration % eval_every == 0) or last:
+            if (eval_every and self.iteration % eval_every == 0) or self.iteration == cfg.train.train_iters:
                 eval_start = time.perf_counter()
                 h.last_valid = self.evaluate()
                 self.sinks.write("valid", self.iteration, h.last_valid)
-                interval_start += time.perf_counter() - eval_start  # evaluation is not training throughput
+                interval.start += time.perf_counter() - eval_start  # evaluation is not training throughput
             if cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0:
                 break
         return h
 
-    def _train_record(
-        self, seconds: float, losses: list[float], norms: list[float], skipped: int, iterations: int
-    ) -> dict[str, Any]:
+    def _train_record(self, interval: Interval) -> dict[str, Any]:
+        """Interval averages: losses over non-skipped steps, time over all steps since the last log."""
         cfg = self.cfg
+        seconds = (time.perf_counter() - interval.start) / interval.iterations
         peak = self.memory.peak()
         self.history.peak_memory_bytes = max(self.history.peak_memory_bytes, peak.peak_allocated_bytes)
         self.history.peak_memory_method = peak.method
@@ -221,8 +209,7 @@ class Trainer:
             "train_iters": cfg.train.train_iters,
             "consumed_samples": self.consumed_samples,
             "lr": self.last_lr,
-            "loss": statistics.fmean(losses) if losses else math.nan,
-            "grad_norm": statistics.fmean(norms) if norms else math.nan,
+            **interval.means(),
             "samples_per_second": self.global_batch / seconds,
             "tokens_per_second": self.global_batch * cfg.model.seq_length / seconds,
             "iteration_time_ms": 1000 * seconds,
@@ -230,13 +217,45 @@ class Trainer:
             "mfu": perf["mfu"],
             "hfu": perf["hfu"],
             "peak_memory_bytes": peak.peak_allocated_bytes,
-            "skipped_iterations": skipped,
+            "peak_memory_kind": "allocated" if self.device.type == "cuda" else "rss",
+            "skipped_iterations": interval.skipped,
         }
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()
-        for name, ms in self.timers.elapsed_ms(list(PHASES), normalizer=iterations, reset=True).items():
+        for name, ms in self.timers.elapsed_ms(
+            list(PHASES), normalizer=interval.iterations, reset=True
+        ).items():
             record[f"time_ms/{name}"] = ms
         return record
+
+
+LOSS_KEYS = ("loss", "lm_loss", "mlm_loss", "binary_loss", "grad_norm")
+
+
+@dataclass
+class Interval:
+    """What happened since the last log line."""
+
+    start: float
+    iterations: int = 0
+    skipped: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    counted: int = 0  # non-skipped steps, the ones whose losses are averaged
+
+    def add(self, result: StepResult) -> None:
+        self.iterations += 1
+        self.skipped += result.skipped
+        if result.skipped:
+            return
+        self.counted += 1
+        values = {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
+        for key in LOSS_KEYS:
+            if key in values:
+                self.sums[key] = self.sums.get(key, 0.0) + values[key]
+
+    def means(self) -> dict[str, float]:
+        keys = [k for k in LOSS_KEYS if k in self.sums] or ["loss", "grad_norm"]
+        return {k: self.sums[k] / self.counted if self.counted else math.nan for k in keys}
 
 
 def step_normalizers(model_type: str, micro_batches: list[Batch]) -> dict[str, int]:

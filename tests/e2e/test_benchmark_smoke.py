@@ -1,0 +1,58 @@
+"""benchmarks/step_vs_bare.py run as a user runs it, at toy sizes: it must produce a complete report.
+
+Timings on a shared 2-core machine mean nothing at this size, so nothing here looks at them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_vs_bare.py"
+
+
+@pytest.mark.slow
+def test_step_vs_bare_writes_a_complete_report_for_both_models(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            "both",
+            "--repeats",
+            "1",
+            "--steps-per-repeat",
+            "2",
+            "--warmup",
+            "0",
+            "--micro-batch-size",
+            "2",
+            "model.num_layers=1",
+            "model.seq_length=32",
+            "--output",
+            str(tmp_path / "svb-{model}.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for model in ("bert", "gpt"):
+        text = (tmp_path / f"svb-{model}.md").read_text()
+        assert f"# step_vs_bare: {model}" in text
+        assert "step_vs_bare.py" in text and "model.num_layers=1" in text  # the command line
+        assert "| variant | what | median (ms) |" in text
+        for row in ("| A | ours", "| B | bare", "| C | HF", "| A/B |", "| A/C |"):
+            assert row in text, row
+        assert "ours <= 1.03x bare" in text and "ours not slower than HF" in text
+        # A and B start from the same weights on the same batch, so their first losses must agree.
+        assert "loss agreement" in text and "PASS" in text.split("loss agreement", 1)[1].splitlines()[0]
+        assert "## Resolved config" in text and "num_layers: 1" in text and "seq_length: 32" in text
+        assert "## Environment" in text and '"torch_threads"' in text and '"cpu_model"' in text
+        assert "FLOPs convention for MFU/HFU: `megatron`" in text and "measured CPU fp32 GEMM peak" in text
+        assert f"{model}: A " in proc.stdout
