@@ -57,6 +57,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, preset):
         "train.micro_batch_size=4",
         "logging.warmup_iters=2",
         "logging.run_name=e2e",
+        *(["model.bert_binary_head=true"] if preset == "tiny-bert" else []),  # Megatron's NSP head too
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -96,6 +97,9 @@ def test_train_writes_a_complete_run_directory(tmp_path, preset):
     assert summary["flops_convention"] == "megatron" and summary["peak_flops_source"]
     assert summary["samples_per_second"] > 0 and 0 < summary["mfu"] <= summary["hfu"] <= 1
     assert summary["peak_memory_bytes"] > 0 and summary["final_valid"]["loss"] > 0
+    if preset == "tiny-bert":
+        assert {"mlm_accuracy", "binary_accuracy"} <= summary["final_valid"].keys()
+        assert {"mlm_loss", "binary_loss"} <= train[-1].keys()
     assert summary["final_train_loss"] == pytest.approx(train[-1]["loss"])
 
 

@@ -82,7 +82,8 @@ class ConsoleSink:
             f"consumed samples: {r['consumed_samples']:>9d}",
             f"lr: {r['lr']:.3E}",
             f"loss: {r['loss']:.4E}",
-            *(f"{name}: {r[key]:.4E}" for key, name in _COMPONENTS if key in r),
+            # the parts only when there are two of them (BERT with its binary head)
+            *(f"{name}: {r[key]:.4E}" for key, name in _COMPONENTS if key in r and "binary_loss" in r),
             f"grad norm: {r['grad_norm']:.3f}",
             f"samples/s: {r['samples_per_second']:.2f}",
             f"tokens/s: {r['tokens_per_second']:.0f}",
