@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -12,6 +13,8 @@ EPILOG = """Examples:
   stx train
   stx train tiny-gpt model.num_layers=4 optim.lr=3e-4
   stx config show bert-345m
+  stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
+  stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
   stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16"""
 
 
@@ -63,6 +66,18 @@ def cmd_config(args: argparse.Namespace) -> int:
             f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp})"
         )
     return 0
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from .data.preprocess import run
+
+    return run(args)
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from .data.tokenizers import run_train
+
+    return run_train(args)
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
@@ -118,6 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_config)
 
+    p = sub.add_parser("tokenizer", help="train a WordPiece or BPE tokenizer (HF tokenizers)")
+    tok = p.add_subparsers(dest="action", required=True)
+    t = tok.add_parser("train", help="train a tokenizer on text/jsonl(.gz/.zst) inputs")
+    from .data.tokenizers import add_train_arguments
+
+    add_train_arguments(t)
+    t.set_defaults(fn=cmd_tokenizer_train)
+
+    p = sub.add_parser(
+        "preprocess", help="tokenize a corpus into a Megatron mmap indexed dataset (.bin/.idx)"
+    )
+    from .data.preprocess import add_arguments as add_preprocess_arguments
+
+    add_preprocess_arguments(p)
+    p.set_defaults(fn=cmd_preprocess)
+
     p = sub.add_parser("flops", help="TFLOPs/device, MFU and HFU from a model shape and a throughput")
     from .metrics import calculator
 
@@ -139,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"stx: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        # Bad input (a dataset, a tokenizer file, a blend) is reported as a message, not a traceback;
+        # STX_DEBUG=1 re-raises for the full stack when the message is not enough.
+        if os.environ.get("STX_DEBUG"):
+            raise
+        print(f"stx: error: {e}\n(set STX_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stx: interrupted", file=sys.stderr)

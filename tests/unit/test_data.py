@@ -1,9 +1,13 @@
-"""Data: embedded corpus and tokenizer, BERT/GPT sample invariants, and the resumable sampler."""
+"""Data: embedded corpus and tokenizer, the corpus through the indexed pipeline, the resumable sampler.
+
+The datasets themselves are tested on small indexed fixtures in test_datasets_indexed.py.
+"""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +19,15 @@ from scalable_transformer.data import corpus as corpus_mod
 from scalable_transformer.data.bert_dataset import BertDataset
 from scalable_transformer.data.corpus import embedded_corpus, embedded_documents, split_sentences
 from scalable_transformer.data.gpt_dataset import GPTDataset
+from scalable_transformer.data.indexed import IndexedDataset
 from scalable_transformer.data.loader import (
     PretrainingSampler,
     build_datasets,
     build_loader,
+    embedded_dataset_prefix,
     eval_batches,
     parse_split,
-    split_documents,
-    tokenize_embedded_corpus,
+    split_ranges,
 )
 from scalable_transformer.data.tokenizers import SPECIAL_TOKENS, Tokenizer, load_tokenizer, train_wordpiece
 
@@ -76,18 +81,19 @@ def test_corpus_is_deterministic_sizable_and_cached(cache, docs):
     assert "JSON (JavaScript Object Notation)" in text  # the json module docstring
     assert not any(n.startswith(("module:test.", "module:idlelib", "module:lib2to3")) for n in names)
     assert any(n.startswith("topic:") for n in names) and any(n.startswith("module:") for n in names)
-    # The cache holds exactly what a fresh build gives, and no temporary files were left behind.
+    # No temporary files were left behind.
     files = sorted(p.name for p in cache.iterdir() if p.name.startswith(("corpus-", ".corpus")))
     assert len(files) == 1 and files[0].endswith(".jsonl")
-    assert corpus_mod._build() == embedded_corpus()
 
 
 def test_corpus_rebuilds_a_corrupt_cache(cache, docs):
     path = corpus_mod._cache_path()
     good = path.read_bytes()
+    cached = embedded_corpus()
     try:
         path.write_text('{"name": "x"\n')
-        assert embedded_documents() == docs
+        assert embedded_corpus() == cached  # a fresh build equals what the cache held
+        assert path.read_bytes() == good
     finally:
         path.write_bytes(good)
 
@@ -165,20 +171,48 @@ def test_tokenizer_without_bert_tokens(tmp_path, tok):
         _ = other.mask_id
 
 
-# ---------------------------------------------------------------- BERT
+# ---------------------------------------------------------------- the embedded corpus as indexed datasets
 
 
 def _original(sample: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(sample["labels"] != -100, sample["labels"], sample["input_ids"])
 
 
+def test_embedded_corpus_is_preprocessed_once(cache, tok, bert_sets):
+    prefix = embedded_dataset_prefix(tok, "bert")
+    assert prefix.startswith(str(cache / "datasets")) and tok.fingerprint in prefix
+    indexed = IndexedDataset(prefix)
+    assert indexed.num_documents == len(embedded_documents())
+    assert indexed.num_documents < len(indexed)  # sentence-split: several sequences per document
+    assert indexed.max_token_id() < tok.vocab_size
+    eod = IndexedDataset(embedded_dataset_prefix(tok, "gpt"))
+    assert len(eod) == eod.num_documents == indexed.num_documents
+    last = [int(eod[d][-1]) for d in range(0, eod.num_documents, 50)]
+    assert last == [tok.eod_id] * len(last)  # every document closed by EOD
+    # Contiguous split ranges, cached mappings: the second build reads the same samples.
+    train = bert_sets[0]
+    assert isinstance(train, BertDataset) and train.documents[0] == 0
+    again = build_datasets(config("bert"), tok)[0]
+    assert again.cache_hit and np.array_equal(train.samples, again.samples)  # type: ignore[attr-defined]
+    files = {p.name for p in (cache / "datasets").iterdir()}
+    assert not [f for f in files if f.endswith(".tmp")]
+    # A damaged cached dataset is preprocessed again, not trusted. (Damaged by replacing the file:
+    # truncating it in place would pull the pages from under the open datasets' memory maps.)
+    idx = Path(f"{prefix}.idx")
+    good = idx.read_bytes()
+    broken = idx.with_suffix(".broken")
+    broken.write_bytes(good[:100])
+    os.replace(broken, idx)
+    assert embedded_dataset_prefix(tok, "bert") == prefix and idx.read_bytes() == good
+
+
 def test_bert_sample_invariants(tok, bert_sets):
     train, valid, test = bert_sets
-    assert len(train) > 1000 and len(valid) > 10 and len(test) >= 1
+    assert len(train) >= 300 * 16 and len(valid) >= 10 * 16 and len(test) >= 1
     special = torch.tensor(sorted(tok.special_ids))
     selected = candidates = n_mask = n_same = 0
-    nsp = []
-    for i in range(0, len(train), 2):
+    nsp, lengths = [], []
+    for i in range(0, 4000, 2):
         x = train[i]
         assert set(x) == {"input_ids", "token_type_ids", "attention_mask", "labels", "nsp_labels"}
         assert all(v.dtype == torch.long for v in x.values())
@@ -198,12 +232,12 @@ def test_bert_sample_invariants(tok, bert_sets):
         n_mask += int((ids[masked] == tok.mask_id).sum())
         n_same += int((ids[masked] == labels[masked]).sum())
         nsp.append(int(x["nsp_labels"]))
+        lengths.append(n)
     assert selected / candidates == pytest.approx(0.15, abs=0.01)
     assert n_mask / selected == pytest.approx(0.8, abs=0.02)
     assert n_same / selected == pytest.approx(0.1 + 0.1 / tok.vocab_size, abs=0.02)
     assert np.mean(nsp) == pytest.approx(0.5, abs=0.05)
     # Shorter samples with probability short_seq_prob (0.1), plus the ends of documents.
-    lengths = [int(train[i]["attention_mask"].sum()) for i in range(0, len(train), 2)]
     assert 0.08 < np.mean(np.array(lengths) < SEQ) < 0.5
 
 
@@ -214,122 +248,34 @@ def test_bert_is_deterministic_per_seed(tok, bert_sets):
     cfg.train.seed += 1
     other = build_datasets(cfg, tok)[0]
     assert not all(torch.equal(bert_sets[0][i]["input_ids"], other[i]["input_ids"]) for i in range(20))
-
-
-def _synthetic_docs(num_docs: int = 12, sentences: int = 6, length: int = 5) -> list[list[list[int]]]:
-    """Token ids that increase through each document and never repeat across documents."""
-    ids = itertools.count(10)
-    return [[[next(ids) for _ in range(length)] for _ in range(sentences)] for _ in range(num_docs)]
-
-
-def _segments(x: dict[str, torch.Tensor], sep_id: int) -> tuple[list[int], list[int]]:
-    ids = _original(x).tolist()
-    first, second = [i for i, t in enumerate(ids) if t == sep_id]
-    return ids[1:first], ids[first + 1 : second]
-
-
-@pytest.mark.parametrize("task", ["nsp", "sop"])
-def test_bert_binary_head_labels(tok, task):
-    docs = _synthetic_docs()
-    doc_of = {t: d for d, doc in enumerate(docs) for s in doc for t in s}
-    ds = BertDataset(docs, tok, 64, short_seq_prob=0.0, binary_head_task=task, seed=3, binary_head=True)
-    labels = []
-    for i in range(len(ds)):
-        x = ds[i]
-        a, b = _segments(x, tok.sep_id)
-        random = int(x["nsp_labels"])
-        labels.append(random)
-        if not random:  # B is the true continuation of A
-            assert doc_of[a[0]] == doc_of[b[0]] and a[-1] + 1 == b[0]
-        elif task == "sop":  # swapped: B is what came before A
-            assert doc_of[a[0]] == doc_of[b[0]] and b[-1] + 1 == a[0]
-        else:  # random next: B from another document
-            assert doc_of[a[0]] != doc_of[b[0]]
-    assert 0 < np.mean(labels) < 1
-
-
-def test_bert_truncation_and_short_targets(tok):
-    # Two sentences of 25 and 8 tokens, 4 over the 29-token target of seq_length 32: the longer
-    # segment loses 4 tokens, each from its front or its back at random (Megatron's truncate_segments).
-    docs = [
-        [list(range(100 * d, 100 * d + 25)), list(range(100 * d + 50, 100 * d + 58))] for d in range(1, 20)
-    ]
-    ds = BertDataset(docs, tok, 32, short_seq_prob=0.0, binary_head_task="sop", seed=0, binary_head=True)
-    assert len(ds) == len(docs)
-    firsts = set()
-    for i in range(len(ds)):
-        a, b = _segments(ds[i], tok.sep_id)
-        long, short = (a, b) if len(a) > len(b) else (b, a)
-        assert len(long) == 21 and short == list(range(short[0], short[0] + 8)) and short[0] % 100 == 50
-        assert long == list(range(long[0], long[0] + 21))
-        firsts.add(long[0] % 100)
-    assert len(firsts) > 1 and min(firsts) < 4 and max(firsts) > 0  # trimmed at both ends
-    shorter = BertDataset(docs, tok, 32, short_seq_prob=1.0, binary_head_task="sop", seed=0)
-    lengths = [int(shorter[i]["attention_mask"].sum()) for i in range(len(shorter))]
-    assert min(lengths) < 32 and len(set(lengths)) > 3
-
-
-def test_bert_without_binary_head(tok):
-    docs = [[[15, 16, 17]], *_synthetic_docs(4)]  # a one-sentence document is usable too
-    ds = BertDataset(docs, tok, 16, short_seq_prob=0.0, seed=1, binary_head=False)
-    assert len(ds) > 0
-    for i in range(len(ds)):
-        x = ds[i]
-        assert "nsp_labels" not in x
-        assert int((x["input_ids"] == tok.sep_id).sum()) == 1 and not x["token_type_ids"].any()
-        n = int(x["attention_mask"].sum())
-        tokens = _original(x)[1 : n - 1].tolist()
-        assert tokens == list(range(tokens[0], tokens[0] + len(tokens)))  # one contiguous segment
-
-
-# ---------------------------------------------------------------- GPT
-
-
-def test_gpt_windows():
-    eod = 3
-    ds = GPTDataset([[10, 11, 12], [20, 21], [30]], seq_length=4, eod_id=eod, seed=0)
-    windows = sorted(torch.cat([ds[i]["input_ids"], ds[i]["labels"][-1:]]).tolist() for i in range(len(ds)))
-    assert windows == [[10, 11, 12, eod, 20], [20, 21, eod, 30, eod]]
-    for i in range(len(ds)):
-        assert torch.equal(ds[i]["input_ids"][1:], ds[i]["labels"][:-1])
+    with pytest.raises(ValueError, match="binary_head_task"):
+        BertDataset(again.indexed, tok, SEQ, seed=0, binary_head_task="mlm")  # type: ignore[attr-defined]
 
 
 def test_gpt_from_corpus(tok):
     train, valid, _ = build_datasets(config("gpt"), tok)
-    assert len(train) > 1000 and len(valid) > 10
+    assert isinstance(train, GPTDataset) and len(train) >= 300 * 16 and len(valid) >= 10 * 16
     x = train[0]
     assert x["input_ids"].shape == x["labels"].shape == (SEQ,)
     assert torch.equal(x["input_ids"][1:], x["labels"][:-1])
-    assert sum(int((train[i]["input_ids"] == tok.eod_id).sum()) for i in range(len(train))) > 300
-    orders = [GPTDataset([list(range(10, 500))], 8, tok.eod_id, seed)._order for seed in (0, 0, 1)]
-    assert np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[0], orders[2])
+    eods = sum(int((train[i]["input_ids"] == tok.eod_id).sum()) for i in range(0, len(train), 4))
+    assert eods > 50
 
 
-# ---------------------------------------------------------------- split, cache, config errors
+# ---------------------------------------------------------------- split
 
 
-def test_split_documents():
-    train, valid, test = split_documents(415, "949,50,1")
-    assert len(valid) == 21 and len(test) >= 1 and len(train) + len(valid) + len(test) == 415
-    assert sorted(np.concatenate([train, valid, test]).tolist()) == list(range(415))
-    assert [len(p) for p in split_documents(10, "98,2")] == [9, 1, 0]
+def test_split_ranges():
+    train, valid, test = split_ranges(415, "949,50,1")
+    assert valid[1] - valid[0] == 21 and test[1] - test[0] >= 1 and train[0] == 0 and test[1] == 415
+    assert train[1] == valid[0] and valid[1] == test[0]  # contiguous, Megatron's way
+    assert [b - a for a, b in split_ranges(10, "98,2")] == [9, 1, 0]
     assert parse_split("1/1") == (0.5, 0.5, 0.0)
     for bad in ("", "a,b", "1,2,3,4", "0,0,0", "-1,2"):
         with pytest.raises(ValueError, match=r"data\.split"):
             parse_split(bad)
-
-
-def test_token_cache_and_dataset_errors(cache, tok):
-    first = tokenize_embedded_corpus(tok)
-    assert len(list(cache.glob(f"tokens-*-{tok.fingerprint}-*.npz"))) == 1
-    again = tokenize_embedded_corpus(tok)  # from the cache
-    assert again.tokens.dtype == np.uint16 and len(again) == len(embedded_documents())
-    assert np.array_equal(first.tokens, again.tokens)
-    assert np.array_equal(first.sentence_lengths, again.sentence_lengths)
-    with pytest.raises(ValueError, match="only 'embedded'"):
-        build_datasets(config(dataset="/data/my-corpus"), tok)
-    with pytest.raises(ValueError, match="binary_head_task"):
-        BertDataset(_synthetic_docs(2), tok, 32, binary_head_task="mlm")
+    with pytest.raises(ValueError, match="cannot split 2 documents"):
+        split_ranges(2, "1,1,1")
 
 
 # ---------------------------------------------------------------- sampler and loader
@@ -371,12 +317,12 @@ def test_loader_resumes_the_uninterrupted_stream(bert_sets):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_eval_batches_in_order_with_wraparound(tok):
-    ds = GPTDataset([list(range(10, 60))], seq_length=4, eod_id=tok.eod_id, seed=0)  # 12 samples
-    batches = list(eval_batches(ds, 5, 4))
+def test_eval_batches_in_order_with_wraparound():
+    ds = [{"input_ids": torch.arange(4) + 10 * i} for i in range(12)]
+    batches = list(eval_batches(ds, 5, 4))  # type: ignore[arg-type]
     assert len(batches) == 4 and batches[0]["input_ids"].shape == (5, 4)
     expected = [ds[i % len(ds)]["input_ids"] for i in range(20)]
     assert torch.equal(torch.cat([b["input_ids"] for b in batches]), torch.stack(expected))
-    ranks = [list(eval_batches(ds, 2, 3, dp_rank=r, dp_size=2)) for r in range(2)]
+    ranks = [list(eval_batches(ds, 2, 3, dp_rank=r, dp_size=2)) for r in range(2)]  # type: ignore[arg-type]
     joined = torch.cat([torch.cat([r0["input_ids"], r1["input_ids"]]) for r0, r1 in zip(*ranks, strict=True)])
     assert torch.equal(joined, torch.stack(expected[:12]))

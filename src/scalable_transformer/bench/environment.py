@@ -18,7 +18,17 @@ import torch
 
 import scalable_transformer
 
-PACKAGES = ("torch", "tokenizers", "numpy", "pyyaml", "tensorboard", "rich", "psutil", "transformers")
+PACKAGES = (
+    "torch",
+    "tokenizers",
+    "numpy",
+    "pyyaml",
+    "tensorboard",
+    "rich",
+    "psutil",
+    "zstandard",
+    "transformers",
+)
 
 
 def _git_revision() -> str | None:

@@ -81,7 +81,7 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
             f"model.seq_length ({m.seq_length}) must be <= model.max_position_embeddings "
             f"({m.max_position_embeddings})"
         )
-    if m.vocab_size is None and cfg.data.tokenizer == "embedded":
+    if m.vocab_size is None and cfg.data.tokenizer == "embedded" and cfg.data.vocab_file is None:
         m.vocab_size = cfg.data.tokenizer_vocab_size
     if m.type == "gpt" and m.bert_binary_head:
         m.bert_binary_head = False  # a BERT-only option; GPT has no binary head
@@ -146,12 +146,6 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"optim.lr_warmup_fraction must be in [0, 1], got {o.lr_warmup_fraction}")
 
     # features that arrive with later issues fail loudly instead of being ignored
-    d = cfg.data
-    if d.path or d.vocab_file or d.merge_file or d.tokenizer_type or d.whole_word_masking:
-        raise ConfigError(
-            "data.path / vocab_file / merge_file / tokenizer_type / whole_word_masking: indexed "
-            "datasets and external vocab files arrive with issue 3 and are not available yet"
-        )
     if cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.save_interval:
         raise ConfigError(
             "checkpoint.save / load / save_interval: checkpointing arrives with issue 5 "

@@ -1,49 +1,148 @@
-"""BERT pretraining samples with Megatron-LM's semantics, held in memory.
+"""BERT pretraining samples over a sentence-split Megatron indexed dataset, with Megatron-LM's semantics.
 
-Legend: s = seq_length.
-Samples are cut from documents once, in `__init__` (Megatron's samples mapping + segment logic):
-  * sentences are accumulated until a target length is reached: max_num_tokens = s - 3 ([CLS] A [SEP]
-    B [SEP]) or s - 2 without a binary head; with probability short_seq_prob the target is drawn
-    uniformly from [2, max_num_tokens] instead;
-  * binary head: A = the first k sentences (k uniform in [1, n-1]), B = the rest. Label 1 ("is_random",
-    Megatron's name, and HF's next_sentence_label convention) means B is NOT the true continuation:
-      nsp -- with probability 0.5, B is replaced by sentences from a random other document, and the
-             unused sentences of this chunk go back to the pool (original BERT);
-      sop -- with probability 0.5, A and B are swapped (what Megatron's BERT actually does);
+Legend: s = seq_length; items of the indexed dataset are sentences, documents are ranges of them
+(document_indices).
+The samples mapping is built once per (data, document range, s, seed, num_samples, short_seq_prob,
+binary head) and cached as .npy beside the data: rows (first sentence, end sentence, target length,
+document), shuffled. Per epoch and document, sentences are accumulated until the target length:
+  * target = max_num_tokens = s - 3 ([CLS] A [SEP] B [SEP]), or s - 2 without a binary head; with
+    probability short_seq_prob it is drawn uniformly from [2, max_num_tokens] instead;
+  * a sample is cut at the target unless fewer than two sentences would remain, and always at the
+    end of the document; documents with fewer sentences than a sample needs (2 with a binary head),
+    and documents of several sentences one of which is over 512 tokens, are skipped (Megatron's rules);
+  * epochs are added until `num_samples` rows exist (complete epochs, each with fresh targets).
+Everything else happens in `__getitem__`, seeded by (seed, index), so a sample is the same on every
+rank, worker and resume:
+  * binary head: A = the first k sentences (k uniform in [1, n-1]), B = the rest. nsp_labels = 1
+    ("is_random", Megatron's name) means B is NOT the true continuation:
+      nsp -- with probability 0.5, B is replaced by sentences of a random other document from a
+             random start (original BERT; the row's unused sentences are not reused here);
+      sop -- with probability 0.5, A and B are swapped (what Megatron's BERT does);
   * the pair is truncated to the target by removing tokens from the longer segment, from the front
-    or the back with equal probability (Megatron's truncate_segments).
-Masking happens in `__getitem__`, seeded by (seed, index), so a sample is the same on every rank,
-worker and resume: mask_prob of the non-special positions (at least one) are selected; of those 80%
-become [MASK], 10% a random non-special token, 10% stay unchanged.
+    or the back with equal probability (Megatron's truncate_segments);
+  * masking: mask_prob of the non-special tokens (at least one) are selected -- whole words (a piece
+    starting with "##" joins the word before it) with whole_word_masking; of the selected tokens
+    80% become [MASK], 10% a random non-special token, 10% stay unchanged. labels hold the original
+    id where selected and -100 elsewhere (the loss mask).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from scalable_transformer.data.tokenizers import Tokenizer
+from scalable_transformer.data.gpt_dataset import (
+    CachedIndexMixin,
+    data_identity,
+    document_range,
+    load_or_build_index,
+)
+
+if TYPE_CHECKING:
+    from scalable_transformer.data.indexed import IndexedDataset
+    from scalable_transformer.data.tokenizers import Tokenizer
+
+# Megatron skips documents holding a sentence longer than this (tokens).
+LONG_SENTENCE_LEN = 512
+_MAPPING_STREAM, _MAPPING_SHUFFLE_STREAM, _SAMPLE_STREAM = 21, 22, 23
 
 
-class BertDataset(Dataset):
-    """Map-style BERT dataset. Item i is a dict of LongTensors:
-    input_ids [s], token_type_ids [s], attention_mask [s] (1 real, 0 pad), labels [s] (original id at
-    masked positions, -100 elsewhere) and, with a binary head, nsp_labels [] (1 = random next / swapped).
+def build_samples_mapping(
+    document_indices: np.ndarray,
+    sentence_lengths: np.ndarray,
+    first_doc: int,
+    max_num_tokens: int,
+    short_seq_prob: float,
+    min_sentences: int,
+    seed: int,
+    num_samples: int | None,
+) -> np.ndarray:
+    """Shuffled rows (first sentence, end sentence, target length, document), int64 [n, 4], for
+    documents first_doc, first_doc + 1, ... whose sentence ranges are `document_indices` (len = docs + 1).
     """
+    bounds = np.asarray(document_indices, dtype=np.int64)
+    counts = np.diff(bounds)
+    longest = np.zeros(len(counts), dtype=np.int64)
+    nonempty = counts > 0
+    if nonempty.any():
+        # reduceat over the non-empty documents only: it misreads zero-length ranges.
+        longest[nonempty] = np.maximum.reduceat(
+            np.asarray(sentence_lengths[bounds[0] : bounds[-1]], dtype=np.int64),
+            (bounds[:-1] - bounds[0])[nonempty],
+        )
+    # As Megatron: the long-sentence rule applies to documents of several sentences only.
+    usable = np.flatnonzero((counts >= min_sentences) & ((counts == 1) | (longest <= LONG_SENTENCE_LEN)))
+    rows: list[tuple[int, int, int, int]] = []
+    if len(usable) == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    lengths = sentence_lengths[bounds[usable[0]] : bounds[usable[-1] + 1]].tolist()
+    base = int(bounds[usable[0]])
+    draws = int(counts[usable].sum()) + len(usable)  # one target per document start and per cut
+    rng = np.random.default_rng([seed, _MAPPING_STREAM])
+    epoch = 0
+    while epoch == 0 or (num_samples is not None and len(rows) < num_samples):
+        short = rng.random(draws) < short_seq_prob
+        targets = np.where(short, rng.integers(2, max_num_tokens + 1, draws), max_num_tokens).tolist()
+        t = 0
+        before = len(rows)
+        for d in usable.tolist():
+            first, last = int(bounds[d]), int(bounds[d + 1])
+            target, t = targets[t], t + 1
+            start, seq_len, num_sent = first, 0, 0
+            for sent in range(first, last):
+                seq_len += lengths[sent - base]
+                num_sent += 1
+                remaining = last - sent - 1
+                if (seq_len >= target and remaining > 1 and num_sent >= min_sentences) or remaining == 0:
+                    rows.append((start, sent + 1, target, first_doc + d))
+                    start, seq_len, num_sent = sent + 1, 0, 0
+                    target, t = targets[t], t + 1
+        if len(rows) == before:
+            break
+        epoch += 1
+    mapping = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    order = np.random.default_rng([seed, _MAPPING_SHUFFLE_STREAM]).permutation(len(mapping))
+    return mapping[order]
+
+
+def continuation_ids(tokenizer: Tokenizer) -> np.ndarray:
+    """Boolean array over the vocabulary: True where the token is a WordPiece continuation ("##...")."""
+    hf = tokenizer.hf
+    flags = np.zeros(tokenizer.vocab_size, dtype=bool)
+    for i in range(tokenizer.vocab_size):
+        token = hf.id_to_token(i)
+        flags[i] = token is not None and token.startswith("##")
+    return flags
+
+
+class BertDataset(CachedIndexMixin, Dataset):
+    """Map-style BERT dataset over documents [begin, end) of a sentence-split indexed dataset.
+
+    Item i is a dict of LongTensors: input_ids [s], token_type_ids [s], attention_mask [s] (1 real,
+    0 pad), labels [s] (original id at selected positions, -100 elsewhere) and, with a binary head,
+    nsp_labels [] (1 = random next / swapped). len() is every row of the epochs built, at least
+    `num_samples` (None = one epoch).
+    """
+
+    INDEX_NAMES = ("samples",)
 
     def __init__(
         self,
-        documents_tokens: Sequence[Sequence[Sequence[int] | np.ndarray]],
+        indexed: IndexedDataset,
         tokenizer: Tokenizer,
         seq_length: int,
+        seed: int,
+        num_samples: int | None = None,
+        documents: tuple[int, int] | None = None,
+        *,
         mask_prob: float = 0.15,
         short_seq_prob: float = 0.1,
-        binary_head_task: str = "nsp",
-        seed: int = 1234,
         binary_head: bool = True,
+        binary_head_task: str = "nsp",
+        whole_word_masking: bool = False,
     ) -> None:
         if binary_head_task not in ("nsp", "sop"):
             raise ValueError(f"binary_head_task must be 'nsp' or 'sop', got {binary_head_task!r}")
@@ -53,167 +152,198 @@ class BertDataset(Dataset):
             raise ValueError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
         if seq_length < 8:
             raise ValueError(f"seq_length must be at least 8 for BERT samples, got {seq_length}")
+        self.indexed = indexed
         self.seq_length = seq_length
-        self.mask_prob = mask_prob
-        self.short_seq_prob = short_seq_prob
-        self.binary_head_task = binary_head_task
-        self.binary_head = binary_head
         self.seed = seed
+        self.mask_prob = mask_prob
+        self.binary_head = binary_head
+        self.nsp = binary_head and binary_head_task == "nsp"
+        self.sop = binary_head and binary_head_task == "sop"
+        self.whole_word_masking = whole_word_masking
+        self.max_num_tokens = seq_length - (3 if binary_head else 2)
+        self.documents = document_range(indexed, documents)
+        begin, end = self.documents
+
         self.cls_id, self.sep_id = tokenizer.cls_id, tokenizer.sep_id
         self.mask_id, self.pad_id = tokenizer.mask_id, tokenizer.pad_id
         special = tokenizer.special_ids | {self.cls_id, self.sep_id, self.mask_id, self.pad_id}
-        self._special = np.array(sorted(special), dtype=np.int64)
+        self._is_special = np.zeros(tokenizer.vocab_size, dtype=bool)
+        self._is_special[sorted(special)] = True
         # Random replacements are drawn from real tokens only, never [MASK]/[PAD]/...
-        self._random_pool = np.setdiff1d(np.arange(tokenizer.vocab_size, dtype=np.int64), self._special)
-        self.max_num_tokens = seq_length - (3 if binary_head else 2)
-        docs = [self._chop(doc) for doc in documents_tokens]
-        self._build(docs, np.random.default_rng([seed, 0]))
+        self._random_pool = np.flatnonzero(~self._is_special).astype(np.int32)
+        self._continuation = np.zeros(0, dtype=bool)
+        if whole_word_masking:
+            self._continuation = continuation_ids(tokenizer)
+            if not self._continuation.any():
+                raise ValueError(
+                    f"whole_word_masking needs a WordPiece tokenizer (pieces spelled '##...'); "
+                    f"{tokenizer.name or 'the tokenizer'} has none"
+                )
 
-    def _chop(self, doc: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
-        """Sentences as int arrays; empty ones dropped and ones longer than a whole sample cut into
-        pieces, so no sample is one sentence truncated by hundreds of tokens (Megatron instead drops
-        documents with sentences over 512 tokens)."""
-        out: list[np.ndarray] = []
-        for sent in doc:
-            arr = np.asarray(sent, dtype=np.int64)
-            for start in range(0, len(arr), self.max_num_tokens):
-                out.append(arr[start : start + self.max_num_tokens])
-        return out
+        self.description = {
+            **data_identity(indexed),
+            "documents": [begin, end],
+            "seq_length": seq_length,
+            "seed": seed,
+            "num_samples": num_samples,
+            "short_seq_prob": short_seq_prob,
+            "binary_head": binary_head,
+        }
+        bounds = np.asarray(indexed.document_indices[begin : end + 1], dtype=np.int64)
+        min_sentences = 2 if binary_head else 1
+        arrays, self.cache_path, self.cache_hit = load_or_build_index(
+            indexed.path_prefix,
+            "bert",
+            self.description,
+            self.INDEX_NAMES,
+            lambda: {
+                "samples": build_samples_mapping(
+                    bounds,
+                    indexed.sequence_lengths,
+                    begin,
+                    self.max_num_tokens,
+                    short_seq_prob,
+                    min_sentences,
+                    seed,
+                    num_samples,
+                )
+            },
+        )
+        self.samples = arrays["samples"]
+        if len(self.samples) == 0 and end > begin:
+            raise ValueError(
+                f"no BERT samples in documents [{begin}, {end}) of {indexed.path_prefix}: a sample needs "
+                f"documents of at least {min_sentences} sentence(s) of at most {LONG_SENTENCE_LEN} tokens "
+                "(was the data preprocessed with --split-sentences?)"
+            )
+        # Documents a random next segment can come from (NSP).
+        self._other_docs = begin + np.flatnonzero(np.diff(bounds) > 0)
 
-    def _target_length(self, rng: np.random.Generator) -> int:
-        if rng.random() < self.short_seq_prob:
-            return int(rng.integers(2, self.max_num_tokens + 1))
-        return self.max_num_tokens
+    def __len__(self) -> int:
+        return len(self.samples)
 
-    def _build(self, docs: list[list[np.ndarray]], rng: np.random.Generator) -> None:
-        nsp = self.binary_head and self.binary_head_task == "nsp"
-        min_sentences = 2 if self.binary_head else 1
-        nonempty = [d for d, sents in enumerate(docs) if sents]
-        samples: list[tuple[np.ndarray, np.ndarray, int]] = []  # (tokens, token types, is_random)
-        for d, sents in enumerate(docs):
-            if len(sents) < min_sentences:
-                continue
-            target = self._target_length(rng)
-            chunk: list[np.ndarray] = []
-            chunk_len = 0
-            i = 0
-            while i < len(sents):
-                chunk.append(sents[i])
-                chunk_len += len(sents[i])
-                i += 1
-                remaining = len(sents) - i
-                # Megatron's cut rule: at the target length, unless that would leave a tail too short
-                # for a sample of its own; always at the end of the document.
-                if remaining and not (
-                    chunk_len >= target and len(chunk) >= min_sentences and remaining >= min_sentences
-                ):
-                    continue
-                if not self.binary_head:
-                    tokens_a, tokens_b, is_random = np.concatenate(chunk), None, 0
-                else:
-                    a_end = int(rng.integers(1, len(chunk))) if len(chunk) >= 2 else 1
-                    tokens_a = np.concatenate(chunk[:a_end])
-                    if nsp and len(nonempty) > 1 and (len(chunk) == 1 or rng.random() < 0.5):
-                        tokens_b = self._random_next(docs, nonempty, d, target - len(tokens_a), rng)
-                        is_random = 1
-                        i -= len(chunk) - a_end  # the unused sentences start the next chunk
-                    elif len(chunk) >= 2:
-                        tokens_b = np.concatenate(chunk[a_end:])
-                        is_random = 0
-                        if not nsp and rng.random() < 0.5:
-                            tokens_a, tokens_b, is_random = tokens_b, tokens_a, 1
-                    else:  # a lone sentence with nothing to pair it with
-                        chunk, chunk_len = [], 0
-                        continue
-                samples.append(self._assemble(tokens_a, tokens_b, target, is_random, rng))
-                chunk, chunk_len = [], 0
-                target = self._target_length(rng)
-        n, s = len(samples), self.seq_length
-        self._tokens = np.full((n, s), self.pad_id, dtype=np.int64)
-        self._types = np.zeros((n, s), dtype=np.int64)
-        self._lengths = np.zeros(n, dtype=np.int64)
-        self._is_random = np.zeros(n, dtype=np.int64)
-        for k, (tokens, types, is_random) in enumerate(samples):
-            self._tokens[k, : len(tokens)] = tokens
-            self._types[k, : len(types)] = types
-            self._lengths[k] = len(tokens)
-            self._is_random[k] = is_random
+    def _sentences(self, first: int, last: int) -> list[np.ndarray]:
+        return [np.asarray(self.indexed[i], dtype=np.int64) for i in range(first, last)]
 
-    @staticmethod
-    def _random_next(
-        docs: list[list[np.ndarray]], nonempty: list[int], d: int, target_b: int, rng: np.random.Generator
-    ) -> np.ndarray:
+    def _random_next(self, doc: int, target_b: int, rng: np.random.Generator) -> np.ndarray | None:
         """Sentences of a random other document, from a random start, until `target_b` tokens."""
-        other = d
-        while other == d:
-            other = nonempty[int(rng.integers(len(nonempty)))]
-        sents = docs[other]
-        start = int(rng.integers(len(sents)))
+        others = self._other_docs
+        here = int(np.searchsorted(others, doc))
+        has_self = here < len(others) and others[here] == doc
+        n = len(others) - has_self
+        if n <= 0:
+            return None
+        k = int(rng.integers(n))
+        other = int(others[k + 1 if has_self and k >= here else k])
+        first, last = int(self.indexed.document_indices[other]), int(self.indexed.document_indices[other + 1])
         picked: list[np.ndarray] = []
-        n = 0
-        for sent in sents[start:]:
-            picked.append(sent)
-            n += len(sent)
-            if n >= target_b:
+        total = 0
+        for sent in range(int(rng.integers(first, last)), last):
+            picked.append(np.asarray(self.indexed[sent], dtype=np.int64))
+            total += len(picked[-1])
+            if total >= target_b:
                 break
         return np.concatenate(picked)
 
+    def _segments(self, idx: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None, int, int]:
+        """(A, B or None, target length, is_random) of sample `idx`."""
+        first, last, target, doc = (int(v) for v in self.samples[idx])
+        sentences = self._sentences(first, last)
+        if not self.binary_head:
+            return np.concatenate(sentences), None, target, 0
+        pivot = int(rng.integers(1, len(sentences))) if len(sentences) >= 3 else 1
+        tokens_a = np.concatenate(sentences[:pivot])
+        tokens_b = np.concatenate(sentences[pivot:])
+        is_random = int(rng.random() < 0.5)
+        if is_random and self.sop:
+            tokens_a, tokens_b = tokens_b, tokens_a
+        elif is_random:
+            replacement = self._random_next(doc, target - len(tokens_a), rng)
+            if replacement is None:  # a single document: nothing to draw from
+                is_random = 0
+            else:
+                tokens_b = replacement
+        return tokens_a, tokens_b, target, is_random
+
     def _assemble(
-        self,
-        tokens_a: np.ndarray,
-        tokens_b: np.ndarray | None,
-        target: int,
-        is_random: int,
-        rng: np.random.Generator,
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """[CLS] A [SEP] (B [SEP]) with token types, after Megatron's truncate_segments."""
+        self, tokens_a: np.ndarray, tokens_b: np.ndarray | None, target: int, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """[CLS] A [SEP] (B [SEP]) and token types, after Megatron's truncate_segments."""
         len_a, len_b = len(tokens_a), 0 if tokens_b is None else len(tokens_b)
         a0, a1, b0, b1 = 0, len_a, 0, len_b  # kept ranges
         excess = len_a + len_b - target
         if excess > 0:
-            front = rng.random(excess) < 0.5
-            for from_front in front:
+            for from_front in (rng.random(excess) < 0.5).tolist():
                 if a1 - a0 > b1 - b0:
                     a0, a1 = (a0 + 1, a1) if from_front else (a0, a1 - 1)
                 else:
                     b0, b1 = (b0 + 1, b1) if from_front else (b0, b1 - 1)
         cls, sep = [self.cls_id], [self.sep_id]
         if tokens_b is None:
-            tokens = np.concatenate([cls, tokens_a[a0:a1], sep])
-            return tokens, np.zeros(len(tokens), dtype=np.int64), is_random
-        tokens = np.concatenate([cls, tokens_a[a0:a1], sep, tokens_b[b0:b1], sep])
+            tokens = np.concatenate([cls, tokens_a[a0:a1], sep]).astype(np.int64)
+            return tokens, np.zeros(len(tokens), dtype=np.int64)
+        tokens = np.concatenate([cls, tokens_a[a0:a1], sep, tokens_b[b0:b1], sep]).astype(np.int64)
         types = np.zeros(len(tokens), dtype=np.int64)
         types[a1 - a0 + 2 :] = 1
-        return tokens, types, is_random
+        return tokens, types
 
-    def __len__(self) -> int:
-        return len(self._lengths)
+    def _select(self, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Sorted positions to predict: mask_prob of the non-special tokens, at least one; whole
+        words (a '##' piece after a non-special token joins it) with whole_word_masking."""
+        candidates = np.flatnonzero(~self._is_special[tokens])
+        if len(candidates) == 0:
+            return candidates
+        budget = min(len(candidates), max(1, round(len(candidates) * self.mask_prob)))
+        if not self.whole_word_masking:
+            return np.sort(candidates[rng.permutation(len(candidates))[:budget]])
+        joins = self._continuation[tokens[candidates]]
+        joins[1:] &= np.diff(candidates) == 1  # a piece right after [SEP] starts a word of its own
+        joins[0] = False
+        word_starts = np.flatnonzero(~joins)
+        word_sizes = np.diff(np.append(word_starts, len(candidates)))
+        picked: list[int] = []
+        total = 0
+        # Megatron's order: words in random order, skipping any that would overshoot the budget.
+        for w in rng.permutation(len(word_starts)).tolist():
+            if total >= budget:
+                break
+            size = int(word_sizes[w])
+            if picked and total + size > budget:
+                continue
+            picked.append(w)
+            total += size
+        positions = [candidates[word_starts[w] : word_starts[w] + word_sizes[w]] for w in picked]
+        return np.sort(np.concatenate(positions))
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
-        n = int(self._lengths[idx])
-        tokens = self._tokens[idx].copy()
-        labels = np.full(self.seq_length, -100, dtype=np.int64)
-        rng = np.random.default_rng([self.seed, 1, idx])
-        candidates = np.flatnonzero(~np.isin(tokens[:n], self._special))
-        if len(candidates):
-            num = min(len(candidates), max(1, round(len(candidates) * self.mask_prob)))
-            picked = np.sort(rng.choice(candidates, size=num, replace=False))
-            labels[picked] = tokens[picked]
-            action = rng.random(num)
-            to_mask = picked[action < 0.8]
-            to_random = picked[(action >= 0.8) & (action < 0.9)]
-            tokens[to_mask] = self.mask_id
-            tokens[to_random] = self._random_pool[rng.integers(len(self._random_pool), size=len(to_random))]
-        attention_mask = np.zeros(self.seq_length, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, _SAMPLE_STREAM, idx])
+        tokens_a, tokens_b, target, is_random = self._segments(idx, rng)
+        tokens, types = self._assemble(tokens_a, tokens_b, target, rng)
+        n, s = len(tokens), self.seq_length
+
+        labels = np.full(s, -100, dtype=np.int64)
+        picked = self._select(tokens, rng)
+        labels[picked] = tokens[picked]
+        action = rng.random(len(picked))
+        to_mask = picked[action < 0.8]
+        to_random = picked[(action >= 0.8) & (action < 0.9)]
+        tokens[to_mask] = self.mask_id
+        tokens[to_random] = self._random_pool[rng.integers(len(self._random_pool), size=len(to_random))]
+
+        input_ids = np.full(s, self.pad_id, dtype=np.int64)
+        input_ids[:n] = tokens
+        token_type_ids = np.zeros(s, dtype=np.int64)
+        token_type_ids[:n] = types
+        attention_mask = np.zeros(s, dtype=np.int64)
         attention_mask[:n] = 1
         sample = {
-            "input_ids": torch.from_numpy(tokens),
-            "token_type_ids": torch.from_numpy(self._types[idx].copy()),
+            "input_ids": torch.from_numpy(input_ids),
+            "token_type_ids": torch.from_numpy(token_type_ids),
             "attention_mask": torch.from_numpy(attention_mask),
             "labels": torch.from_numpy(labels),
         }
         if self.binary_head:
-            sample["nsp_labels"] = torch.tensor(int(self._is_random[idx]), dtype=torch.long)
+            sample["nsp_labels"] = torch.from_numpy(np.array(is_random, dtype=np.int64))
         return sample

@@ -1,18 +1,23 @@
 """Datasets from the config, and the resumable, data-parallel-sharded pretraining loader.
 
-Sample order is a pure function of (seed, position in the sample stream): the stream is epoch 0's
-permutation of the dataset, then epoch 1's, ... and global batch g is stream positions
-[g*B, (g+1)*B) with B = micro_batch_size * dp_size, rank r taking its contiguous slice of
-micro_batch_size. So the global batches do not depend on the data-parallel layout, and a run resumed
-at consumed_samples yields exactly what the uninterrupted run would have from there.
+Every dataset is a Megatron indexed dataset: `data.path` (one prefix or a weighted blend), or the
+embedded corpus preprocessed once into the user cache. Each prefix is split by document into
+contiguous train/valid/test ranges (`data.split`, Megatron's rounding), and each range becomes a
+GPT or BERT dataset whose index mappings are sized for what the run consumes and already shuffled
+(Megatron's shuffle_idx / shuffled samples mapping), so the loader reads them in order.
+
+Sample order is a pure function of (seed, position in the sample stream), and global batch g is
+stream positions [g*B, (g+1)*B) with B = micro_batch_size * dp_size, rank r taking its contiguous
+slice of micro_batch_size. So the global batches do not depend on the data-parallel layout, and a
+run resumed at consumed_samples yields exactly what the uninterrupted run would have from there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,78 +25,24 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from scalable_transformer.data.bert_dataset import BertDataset
-from scalable_transformer.data.corpus import (
-    _atomic_write,
-    corpus_fingerprint,
-    embedded_documents,
-    split_sentences,
-)
+from scalable_transformer.data.blend import BlendedDataset, blend_sizes, parse_blend
+from scalable_transformer.data.corpus import _atomic_write, corpus_fingerprint, embedded_corpus
 from scalable_transformer.data.gpt_dataset import GPTDataset
+from scalable_transformer.data.indexed import IndexedDataset, IndexedDatasetError, check_vocab
+from scalable_transformer.data.preprocess import preprocess
 from scalable_transformer.data.tokenizers import Tokenizer
 from scalable_transformer.metrics.hardware import cache_dir
 
 if TYPE_CHECKING:
     from scalable_transformer.config.schema import Config
 
-# Bump when tokenization of the corpus (sentence splitting, layout of the cache) changes.
-TOKENS_CACHE_VERSION = 1
-# The document split must not move when the training seed changes (runs with different seeds are
-# compared on the same validation set), so the documents are shuffled with a fixed seed of their own.
-_SPLIT_SEED = 0
-
-
-class TokenizedCorpus:
-    """The embedded corpus as token ids: documents -> sentences -> ids, in flat numpy arrays.
-
-    Sentences are tokenized separately, and since the sentence splitter only cuts at whitespace their
-    concatenation is the tokenization of the whole document (what GPT uses).
-    """
-
-    def __init__(self, tokens: np.ndarray, sentence_lengths: np.ndarray, doc_sentences: np.ndarray) -> None:
-        self.tokens = tokens
-        self.sentence_lengths = sentence_lengths
-        self.doc_sentences = doc_sentences
-        self._sentence_starts = np.concatenate([[0], np.cumsum(sentence_lengths)])
-        self._doc_starts = np.concatenate([[0], np.cumsum(doc_sentences)])
-
-    def __len__(self) -> int:
-        return len(self.doc_sentences)
-
-    def sentences(self, doc: int) -> list[np.ndarray]:
-        """The sentences of document `doc`, as views into the token array."""
-        s0, s1 = self._doc_starts[doc], self._doc_starts[doc + 1]
-        starts = self._sentence_starts
-        return [self.tokens[starts[i] : starts[i + 1]] for i in range(s0, s1)]
-
-    def document(self, doc: int) -> np.ndarray:
-        """All tokens of document `doc` (a view)."""
-        s0, s1 = self._doc_starts[doc], self._doc_starts[doc + 1]
-        return self.tokens[self._sentence_starts[s0] : self._sentence_starts[s1]]
-
-
-def tokenize_embedded_corpus(tokenizer: Tokenizer) -> TokenizedCorpus:
-    """The embedded corpus tokenized by `tokenizer`, cached (.npz, keyed by the tokenizer and corpus
-    fingerprints) so a second run skips the ~1-2 s of tokenization."""
-    path = cache_dir() / (
-        f"tokens-v{TOKENS_CACHE_VERSION}-{tokenizer.fingerprint}-{corpus_fingerprint()[:16]}.npz"
-    )
-    if path.is_file():
-        try:
-            with np.load(path) as z:
-                return TokenizedCorpus(z["tokens"], z["sentence_lengths"], z["doc_sentences"])
-        except (OSError, ValueError, KeyError):
-            pass  # corrupt cache: rebuild and overwrite it
-    per_doc = [split_sentences(text) for text in embedded_documents()]
-    ids = tokenizer.encode_batch([s for sents in per_doc for s in sents])
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-    tokens = np.fromiter((t for sent in ids for t in sent), dtype=dtype, count=sum(map(len, ids)))
-    sentence_lengths = np.array([len(s) for s in ids], dtype=np.int64)
-    doc_sentences = np.array([len(sents) for sents in per_doc], dtype=np.int64)
-    buf = io.BytesIO()
-    np.savez(buf, tokens=tokens, sentence_lengths=sentence_lengths, doc_sentences=doc_sentences)
-    with contextlib.suppress(OSError):  # unwritable cache: still usable, just tokenized again next time
-        _atomic_write(path, buf.getvalue())
-    return TokenizedCorpus(tokens, sentence_lengths, doc_sentences)
+# Bump when the preprocessed embedded corpus changes (document order, preprocess settings).
+EMBEDDED_DATA_VERSION = 1
+# The corpus is stored sorted by name (pydoc topics, then modules); Megatron's split takes
+# contiguous document ranges, so the documents are written in a fixed shuffled order first, which
+# makes valid/test a random sample of the corpus and keeps them fixed whatever the training seed.
+_EMBEDDED_ORDER_SEED = 0
+SPLIT_NAMES = ("train", "valid", "test")
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -110,58 +61,154 @@ def parse_split(split: str) -> tuple[float, float, float]:
     return weights[0] / total, weights[1] / total, weights[2] / total
 
 
-def split_documents(num_documents: int, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Document indices of train, valid and test: a fixed-seed shuffle of all documents cut by the
-    weights of `split` (rounded as Megatron), moving documents out of train so that every split with a
-    positive weight gets at least one."""
+def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
+    """Contiguous document ranges [begin, end) of train, valid and test.
+
+    Megatron's rounding: the bounds are round(cumulative weight * num_documents). Where that leaves a
+    split with a positive weight empty, documents move to it from the largest split (Megatron would
+    leave it empty), so "949,50,1" always yields a test set when there are 3 documents or more.
+    """
     weights = parse_split(split)
     needed = sum(w > 0 for w in weights)
     if num_documents < needed:
         raise ValueError(f"cannot split {num_documents} documents into {needed} non-empty parts ({split!r})")
-    sizes = [round(w * num_documents) for w in weights]
-    sizes[0] += num_documents - sum(sizes)
-    for k in (1, 2):
+    cumulative = np.cumsum([0.0, *weights])
+    bounds = [round(c * num_documents) for c in cumulative]
+    bounds[-1] = num_documents
+    sizes = [bounds[k + 1] - bounds[k] for k in range(3)]
+    for k in range(3):
         while weights[k] > 0 and sizes[k] == 0:
             donor = int(np.argmax(sizes))
             sizes[donor] -= 1
             sizes[k] += 1
-    order = np.random.default_rng(_SPLIT_SEED).permutation(num_documents)
-    bounds = np.cumsum([0, *sizes])
-    train, valid, test = (np.sort(order[bounds[k] : bounds[k + 1]]) for k in range(3))
-    return train, valid, test
+    ends = np.cumsum(sizes).tolist()
+    return [(ends[k] - sizes[k], ends[k]) for k in range(3)]
+
+
+def embedded_dataset_prefix(tokenizer: Tokenizer, model_type: str) -> str:
+    """Prefix of the embedded corpus preprocessed for `model_type` with `tokenizer`, built on first use
+    in the user cache: sentence-split for BERT, documents closed by EOD for GPT."""
+    kind = "sentences" if model_type == "bert" else "eod"
+    corpus_key = corpus_fingerprint()[:16]
+    root = cache_dir() / "datasets"
+    prefix = root / f"embedded-v{EMBEDDED_DATA_VERSION}-{kind}-{tokenizer.fingerprint}-{corpus_key}"
+    if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
+        try:
+            IndexedDataset(prefix)
+            return str(prefix)
+        except IndexedDatasetError:
+            pass  # damaged cache: preprocess again and replace it
+    jsonl = root / f"embedded-v{EMBEDDED_DATA_VERSION}-{corpus_key}.jsonl"
+    if not jsonl.is_file():
+        docs = embedded_corpus()
+        order = np.random.default_rng(_EMBEDDED_ORDER_SEED).permutation(len(docs))
+        lines = (json.dumps({"name": docs[i][0], "text": docs[i][1]}, ensure_ascii=False) for i in order)
+        _atomic_write(jsonl, ("\n".join(lines) + "\n").encode("utf-8"))
+    # preprocess writes under temporary names and renames: concurrent ranks cannot see half a file.
+    preprocess(
+        [str(jsonl)],
+        str(prefix),
+        tokenizer,
+        split_sentences=model_type == "bert",
+        append_eod=model_type == "gpt",
+        progress=False,
+    )
+    return str(prefix)
+
+
+def open_indexed(prefix: str, what: str = "data.path") -> IndexedDataset:
+    """The indexed dataset at `prefix`, or a FileNotFoundError naming it and what was looked for."""
+    path = Path(prefix).expanduser()
+    missing = [str(p) for p in (Path(f"{path}.bin"), Path(f"{path}.idx")) if not p.is_file()]
+    if missing:
+        hint = " (give the prefix, without .bin/.idx)" if path.suffix in (".bin", ".idx") else ""
+        raise FileNotFoundError(f"{what}: dataset {prefix!r} not found: missing {', '.join(missing)}{hint}")
+    return IndexedDataset(str(path))
+
+
+def _global_batch_size(cfg: Config) -> int:
+    t = cfg.train
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    return t.micro_batch_size * (t.gradient_accumulation_steps or 1) * max(cfg.parallel.dp, 1)
+
+
+def samples_needed(cfg: Config) -> tuple[int, int, int]:
+    """Samples the run reads from train, valid and test: train_iters * global batch, and
+    eval_iters * global batch for each evaluation split (every evaluation reads the same batches)."""
+    batch = _global_batch_size(cfg)
+    return cfg.train.train_iters * batch, cfg.train.eval_iters * batch, cfg.train.eval_iters * batch
+
+
+def _dataset(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    indexed: IndexedDataset,
+    documents: tuple[int, int],
+    num_samples: int | None,
+) -> Dataset:
+    seq_length, seed = cfg.model.seq_length, cfg.train.seed
+    if cfg.model.type == "gpt":
+        return GPTDataset(indexed, seq_length, seed, num_samples, documents)
+    return BertDataset(
+        indexed,
+        tokenizer,
+        seq_length,
+        seed,
+        num_samples,
+        documents,
+        mask_prob=cfg.data.mask_prob,
+        short_seq_prob=cfg.data.short_seq_prob,
+        binary_head=cfg.model.bert_binary_head,
+        binary_head_task=cfg.data.binary_head_task,
+        whole_word_masking=cfg.data.whole_word_masking,
+    )
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[Dataset, Dataset, Dataset]:
-    """Train, valid and test datasets of `cfg.model.type` ("bert" or "gpt") with cfg.model.seq_length
-    tokens per sample, from the embedded corpus split by document (cfg.data.split)."""
-    if cfg.data.path is not None:
-        raise ValueError(f"data.path={cfg.data.path!r}: indexed datasets are not supported yet (issue 3)")
+    """Train, valid and test datasets of `cfg.model.type` ("bert" or "gpt"), cfg.model.seq_length
+    tokens per sample, from cfg.data.path (or the embedded corpus) split by document (cfg.data.split).
+
+    Sized for the run: train holds at least train_iters * global batch samples, valid and test
+    eval_iters * global batch (a split with weight 0 is empty). Token ids are checked against the
+    vocabulary: the tokenizer's for BERT, the model's (cfg.model.vocab_size) for GPT.
+    """
     if cfg.model.type not in ("bert", "gpt"):
         raise ValueError(f"model.type must be 'bert' or 'gpt', got {cfg.model.type!r}")
-    corpus = tokenize_embedded_corpus(tokenizer)
-    parts = split_documents(len(corpus), cfg.data.split)
-    seq_length, seed = cfg.model.seq_length, cfg.train.seed
-    datasets: list[Dataset]
-    if cfg.model.type == "gpt":
-        datasets = [
-            GPTDataset([corpus.document(d) for d in docs], seq_length, tokenizer.eod_id, seed)
-            for docs in parts
-        ]
+    # BERT draws [MASK] and random replacements from the tokenizer, so its ids must be the
+    # tokenizer's; GPT only needs ids the model can embed.
+    vocab_size = (
+        tokenizer.vocab_size if cfg.model.type == "bert" else cfg.model.vocab_size or tokenizer.vocab_size
+    )
+    if cfg.data.path is None:
+        blend = [(1.0, embedded_dataset_prefix(tokenizer, cfg.model.type))]
+        names = ["the embedded corpus"]
     else:
-        datasets = [
-            BertDataset(
-                [corpus.sentences(d) for d in docs],
-                tokenizer,
-                seq_length,
-                mask_prob=cfg.data.mask_prob,
-                short_seq_prob=cfg.data.short_seq_prob,
-                binary_head_task=cfg.data.binary_head_task,
-                seed=seed,
-                binary_head=cfg.model.bert_binary_head,
-            )
-            for docs in parts
-        ]
-    return datasets[0], datasets[1], datasets[2]
+        blend = parse_blend(cfg.data.path)
+        names = [f"{prefix!r} of data.path" for _, prefix in blend]
+    weights = [w for w, _ in blend]
+    indexed = [open_indexed(prefix) for _, prefix in blend]
+    for ds, name in zip(indexed, names, strict=True):
+        check_vocab(ds, vocab_size, name)
+    ranges = [split_ranges(ds.num_documents, cfg.data.split) for ds in indexed]
+    split_weights = parse_split(cfg.data.split)
+    out: list[Dataset] = []
+    for k, size in enumerate(samples_needed(cfg)):
+        size = size if split_weights[k] > 0 else 0
+        if len(blend) == 1:
+            out.append(_dataset(cfg, tokenizer, indexed[0], ranges[0][k], size or None))
+            continue
+        taken, build = blend_sizes(weights, size)
+        parts = []
+        for j, ds in enumerate(indexed):
+            part = _dataset(cfg, tokenizer, ds, ranges[j][k], build[j] or None)
+            if len(part) < taken[j]:  # type: ignore[arg-type]
+                raise ValueError(
+                    f"{names[j]}: its {SPLIT_NAMES[k]} split (documents {ranges[j][k]}) yields no samples"
+                )
+            parts.append(part)
+        out.append(BlendedDataset(parts, weights, sum(taken)))
+    return out[0], out[1], out[2]
 
 
 class PretrainingSampler(Sampler[list[int]]):
@@ -237,10 +284,19 @@ def build_loader(
     dp_rank: int = 0,
     dp_size: int = 1,
     num_workers: int = 0,
-    pin_memory: bool = False,
+    pin_memory: bool | None = None,
+    *,
+    prefetch_factor: int = 4,
+    shuffle: bool = False,
 ) -> DataLoader:
     """An endless training loader of collated micro-batches (dict of stacked LongTensors [b, ...])
-    for data-parallel rank `dp_rank`, starting after `consumed_samples` samples of the global stream."""
+    for data-parallel rank `dp_rank`, starting after `consumed_samples` samples of the global stream.
+
+    The datasets of `build_datasets` are already shuffled by their index mappings, so they are read
+    in order (shuffle=False, as Megatron's pretraining sampler); shuffle=True permutes every epoch
+    of the dataset by (seed, epoch). With num_workers > 0, that many persistent worker processes
+    each keep `prefetch_factor` micro-batches in flight. pin_memory: None = when CUDA is available.
+    """
     sampler = PretrainingSampler(
         len(dataset),  # type: ignore[arg-type]
         consumed_samples,
@@ -248,14 +304,18 @@ def build_loader(
         dp_rank,
         dp_size,
         seed,
+        shuffle=shuffle,
     )
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    workers = {"prefetch_factor": prefetch_factor, "persistent_workers": True} if num_workers > 0 else {}
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=default_collate,
         pin_memory=pin_memory,
-        persistent_workers=num_workers > 0,
+        **workers,  # type: ignore[arg-type]
     )
 
 

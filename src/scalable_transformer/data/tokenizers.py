@@ -1,4 +1,6 @@
-"""Tokenizers: the embedded BERT-style WordPiece, or any HF `tokenizer.json`, behind one thin wrapper.
+"""Tokenizers behind one thin wrapper: the embedded BERT-style WordPiece, a HF `tokenizer.json`,
+a BERT `vocab.txt` (WordPiece, cased or lower-cased) or GPT-2 `vocab.json` + `merges.txt`
+(byte-level BPE); and training new ones on a corpus (`stx tokenizer train`).
 
 The embedded tokenizer is trained on the embedded corpus at first use (~1-3 s) and cached as
 tokenizer.json in the user cache directory, keyed by vocabulary size and corpus fingerprint.
@@ -6,10 +8,15 @@ tokenizer.json in the user cache directory, keyed by vocabulary size and corpus 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
+import itertools
 import json
-from collections.abc import Sequence
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -113,8 +120,16 @@ class Tokenizer:
 
 def train_wordpiece(texts: Sequence[str], vocab_size: int) -> HFTokenizer:
     """A lower-cased BERT-style WordPiece tokenizer trained on `texts`, special tokens at ids 0..5."""
+    return _train_wordpiece(texts, vocab_size, lowercase=True, length=len(texts))
+
+
+def _train_wordpiece(
+    texts: Iterable[str], vocab_size: int, lowercase: bool, length: int | None = None
+) -> HFTokenizer:
     tok = HFTokenizer(models.WordPiece(unk_token=UNK, continuing_subword_prefix="##"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True, clean_text=True, handle_chinese_chars=True)
+    tok.normalizer = normalizers.BertNormalizer(
+        lowercase=lowercase, clean_text=True, handle_chinese_chars=True
+    )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
     trainer = trainers.WordPieceTrainer(
@@ -125,7 +140,7 @@ def train_wordpiece(texts: Sequence[str], vocab_size: int) -> HFTokenizer:
         continuing_subword_prefix="##",
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
     # The trainer breaks ties between equally frequent merges in hash-map order, so ids differ from
     # run to run while the vocabulary does not. WordPiece encodes by longest match in the vocabulary,
     # not by id order, so renumbering (special tokens first, then words, then ## pieces, each sorted)
@@ -163,25 +178,268 @@ def _embedded(vocab_size: int) -> Tokenizer:
     return Tokenizer(hf, name=f"embedded-{vocab_size}")
 
 
-def load_tokenizer(spec: str, vocab_size: int = 8192) -> Tokenizer:
-    """The tokenizer named by `spec` (config `data.tokenizer`).
+BERT_SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
+_TRAINED_FILES = frozenset({"tokenizer.json", "vocab.txt", "vocab.json", "merges.txt"})
+TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "HFTokenizer")
 
-    "embedded": WordPiece trained on the embedded corpus with `vocab_size` tokens (cached).
-    Otherwise a path to a HF `tokenizer.json` (or a directory holding one); `vocab_size` is ignored.
-    Raises FileNotFoundError / ValueError naming the path when it is missing or not a tokenizer.
-    """
-    if spec == "embedded":
-        return _embedded(vocab_size)
-    path = Path(spec).expanduser()
+
+def _is_special_looking(token: str) -> bool:
+    return (token.startswith("[") and token.endswith("]")) or (token.startswith("<") and token.endswith(">"))
+
+
+def vocab_is_lowercase(vocab_file: str | os.PathLike[str]) -> bool:
+    """True when no token of a BERT vocab.txt has an upper-case letter ([CLS]-style specials aside)."""
+    with open(vocab_file, encoding="utf-8") as f:
+        for line in f:
+            token = line.rstrip("\r\n")
+            if not _is_special_looking(token) and any(c.isupper() for c in token):
+                return False
+    return True
+
+
+def _require_tokens(tok: HFTokenizer, names: Sequence[str], path: Path, what: str) -> None:
+    missing = [t for t in names if tok.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"{path}: {what} lacks the special token(s) {', '.join(missing)}")
+
+
+def bert_wordpiece_from_vocab(vocab_file: str | os.PathLike[str], lowercase: bool) -> HFTokenizer:
+    """BERT's WordPiece tokenizer from a vocab.txt (one token per line, id = line number), as
+    Google BERT / Megatron's BertWordPieceLowerCase (lowercase=True: lower-case, strip accents)
+    or BertWordPieceCase (lowercase=False). Raises ValueError if [PAD]/[UNK]/[CLS]/[SEP]/[MASK] is missing."""
+    path = Path(vocab_file)
+    try:
+        model = models.WordPiece.from_file(str(path), unk_token=UNK)
+    except Exception as e:  # the Rust side raises plain Exception
+        raise ValueError(f"{path} is not a WordPiece vocab.txt: {e}") from e
+    tok = HFTokenizer(model)
+    _require_tokens(tok, BERT_SPECIAL_TOKENS, path, "BERT vocab")
+    tok.normalizer = normalizers.BertNormalizer(
+        lowercase=lowercase, clean_text=True, handle_chinese_chars=True
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(list(BERT_SPECIAL_TOKENS))  # never split or normalized; ids unchanged
+    cls_id, sep_id = tok.token_to_id(CLS), tok.token_to_id(SEP)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}",
+        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+        special_tokens=[(CLS, cls_id), (SEP, sep_id)],
+    )
+    return tok
+
+
+def gpt2_bpe_from_files(
+    vocab_file: str | os.PathLike[str], merge_file: str | os.PathLike[str]
+) -> HFTokenizer:
+    """GPT-2's byte-level BPE from vocab.json + merges.txt; EOD = <|endoftext|> (required)."""
+    vocab, merges = Path(vocab_file), Path(merge_file)
+    if not merges.is_file():
+        raise FileNotFoundError(f"GPT-2 merges file not found: {merges} (give merge_file / --merge-file)")
+    try:
+        model = models.BPE.from_file(str(vocab), str(merges))
+    except Exception as e:  # the Rust side raises plain Exception
+        raise ValueError(f"{vocab} + {merges} are not a GPT-2 vocab.json + merges.txt: {e}") from e
+    tok = HFTokenizer(model)
+    _require_tokens(tok, (EOD,), vocab, "GPT-2 vocab")
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([EOD])
+    return tok
+
+
+def _json_kind(path: Path) -> str:
+    """'HFTokenizer' for a tokenizer.json, 'GPT2BPETokenizer' for a GPT-2 vocab.json."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a JSON tokenizer file: {e}") from e
+    if isinstance(data, dict) and "model" in data:
+        return "HFTokenizer"
+    if isinstance(data, dict) and data and all(isinstance(v, int) for v in data.values()):
+        return "GPT2BPETokenizer"
+    raise ValueError(f"{path} is neither a HF tokenizer.json nor a GPT-2 vocab.json")
+
+
+def _resolve_directory(path: Path, tokenizer_type: str | None) -> Path:
+    wanted = {
+        None: ("tokenizer.json", "vocab.json", "vocab.txt"),
+        "HFTokenizer": ("tokenizer.json",),
+        "GPT2BPETokenizer": ("vocab.json",),
+        "BertWordPieceLowerCase": ("vocab.txt",),
+        "BertWordPieceCase": ("vocab.txt",),
+    }[tokenizer_type]
+    for name in wanted:
+        if (path / name).is_file():
+            return path / name
+    raise FileNotFoundError(f"tokenizer directory {path} holds none of {', '.join(wanted)}")
+
+
+def _from_file(path: Path, merge_file: str | None, tokenizer_type: str | None) -> Tokenizer:
+    if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown tokenizer_type {tokenizer_type!r}; one of {', '.join(TOKENIZER_TYPES)}")
     if path.is_dir():
-        path = path / "tokenizer.json"
+        path = _resolve_directory(path, tokenizer_type)
     if not path.is_file():
         raise FileNotFoundError(
-            f"tokenizer file not found: {path} "
-            "(data.tokenizer must be 'embedded' or a path to a tokenizer.json)"
+            f"tokenizer file not found: {path} (data.tokenizer must be 'embedded', a tokenizer.json, "
+            "a BERT vocab.txt, a GPT-2 vocab.json or a directory holding one)"
         )
+    kind = tokenizer_type
+    if kind is None:
+        kind = _json_kind(path) if path.suffix.lower() == ".json" else "BertWordPiece"
+    if kind == "HFTokenizer":
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exception for any parse error
+            raise ValueError(f"{path} is not a valid HF tokenizer.json: {e}") from e
+        return Tokenizer(hf, name=str(path))
+    if kind == "GPT2BPETokenizer":
+        merges = Path(merge_file) if merge_file else path.parent / "merges.txt"
+        return Tokenizer(gpt2_bpe_from_files(path, merges), name=f"{path} (GPT2BPETokenizer)")
+    if kind == "BertWordPiece":
+        kind = "BertWordPieceLowerCase" if vocab_is_lowercase(path) else "BertWordPieceCase"
+    hf = bert_wordpiece_from_vocab(path, lowercase=kind == "BertWordPieceLowerCase")
+    return Tokenizer(hf, name=f"{path} ({kind})")
+
+
+def load_tokenizer(
+    spec: str | None,
+    vocab_size: int = 8192,
+    *,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_type: str | None = None,
+) -> Tokenizer:
+    """The tokenizer named by the config (`data.tokenizer`, `data.vocab_file`, ...).
+
+    spec "embedded": WordPiece trained on the embedded corpus with `vocab_size` tokens (cached).
+    Otherwise `spec` (or `vocab_file`, Megatron's way, which then sets the tokenizer) is a path to:
+      * a HF tokenizer.json;
+      * a BERT vocab.txt: WordPiece, lower-cased for BertWordPieceLowerCase, cased for
+        BertWordPieceCase; without `tokenizer_type`, lower-cased iff no token has an upper-case letter;
+      * a GPT-2 vocab.json, with `merge_file` (default: merges.txt beside it): byte-level BPE;
+      * a directory holding tokenizer.json, else vocab.json + merges.txt, else vocab.txt.
+    `tokenizer_type` (Megatron's names, see TOKENIZER_TYPES) forces the kind. Raises
+    FileNotFoundError / ValueError naming the path when it is missing or not a tokenizer, or when
+    a special token the kind requires is missing.
+    """
+    if vocab_file is not None:
+        if spec not in (None, "", "embedded") and Path(spec) != Path(vocab_file):
+            raise ValueError(
+                f"both a tokenizer ({spec}) and a vocab file ({vocab_file}) are given; give one of them"
+            )
+        return _from_file(Path(vocab_file).expanduser(), merge_file, tokenizer_type)
+    if spec in (None, "", "embedded"):
+        if tokenizer_type is not None:
+            raise ValueError(
+                f"tokenizer_type {tokenizer_type} needs a tokenizer file (data.tokenizer or data.vocab_file)"
+            )
+        return _embedded(vocab_size)
+    return _from_file(Path(spec).expanduser(), merge_file, tokenizer_type)
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def _train_bpe(texts: Iterable[str], vocab_size: int, lowercase: bool) -> HFTokenizer:
+    """Byte-level BPE as GPT-2's (no unknown tokens), <|endoftext|> at id 0."""
+    tok = HFTokenizer(models.BPE())
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def train_tokenizer(
+    inputs: list[str],
+    kind: str,
+    vocab_size: int,
+    output_dir: str,
+    json_key: str = "text",
+    lowercase: bool = True,
+) -> Path:
+    """Train a tokenizer on `inputs` (the formats `stx preprocess` reads, streamed) and write it.
+
+    kind "wordpiece": BERT-style WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK] <|endoftext|> at
+    ids 0..5; writes tokenizer.json and vocab.txt. kind "bpe": GPT-2-style byte-level BPE with
+    <|endoftext|> at id 0; writes tokenizer.json, vocab.json and merges.txt (the GPT-2 files carry
+    no normalizer: with `lowercase`, only tokenizer.json lower-cases the input). Each file is
+    written atomically. Returns the path of tokenizer.json.
+    """
+    from scalable_transformer.data.preprocess import PreprocessError, iter_texts
+
+    if kind not in ("wordpiece", "bpe"):
+        raise ValueError(f"tokenizer kind must be 'wordpiece' or 'bpe', got {kind!r}")
+    minimum = len(SPECIAL_TOKENS) + 1 if kind == "wordpiece" else 257
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be at least {minimum} for {kind}, got {vocab_size}")
+    texts: Iterator[str] = iter_texts(inputs, json_key=json_key)
+    first = next(texts, None)
+    if first is None:
+        raise PreprocessError(f"no document in the inputs: {', '.join(map(str, inputs))}")
+    texts = itertools.chain([first], texts)
+    out = Path(output_dir).expanduser()
+    files: dict[str, bytes] = {}
+    if kind == "wordpiece":
+        hf = _train_wordpiece(texts, vocab_size, lowercase=lowercase)
+        vocab = hf.get_vocab(with_added_tokens=True)
+        by_id = sorted(vocab, key=vocab.__getitem__)
+        files["vocab.txt"] = "".join(t + "\n" for t in by_id).encode("utf-8")
+    else:
+        hf = _train_bpe(texts, vocab_size, lowercase=lowercase)
+        with tempfile.TemporaryDirectory() as tmp:
+            for saved in hf.model.save(tmp):
+                files[Path(saved).name] = Path(saved).read_bytes()
+    files["tokenizer.json"] = hf.to_str(pretty=True).encode("utf-8")
+    for name, data in files.items():  # tokenizer.json last: load_tokenizer(dir) prefers it
+        _atomic_write(out / name, data)
+    return out / "tokenizer.json"
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `stx tokenizer train`."""
+    parser.add_argument(
+        "--input", nargs="+", required=True, metavar="PATH", help="files, directories or globs"
+    )
+    parser.add_argument(
+        "--type", choices=("wordpiece", "bpe"), required=True, help="WordPiece (BERT) or BPE (GPT)"
+    )
+    parser.add_argument("--vocab-size", type=int, required=True, help="number of tokens, e.g. 30522")
+    parser.add_argument(
+        "--output", required=True, metavar="DIR", help="directory for tokenizer.json and vocab files"
+    )
+    parser.add_argument("--json-key", default="text", help="key of the text in JSON lines (default: text)")
+    parser.add_argument("--cased", action="store_true", help="keep case (default: lower-case the text)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """`stx tokenizer train`: 0 on success, 2 (message on stderr) on bad input."""
     try:
-        hf = HFTokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side raises plain Exception for any parse error
-        raise ValueError(f"{path} is not a valid HF tokenizer.json: {e}") from e
-    return Tokenizer(hf, name=str(path))
+        path = train_tokenizer(
+            args.input,
+            args.type,
+            args.vocab_size,
+            args.output,
+            json_key=args.json_key,
+            lowercase=not args.cased,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"stx tokenizer train: error: {e}", file=sys.stderr)
+        return 2
+    tok = Tokenizer(HFTokenizer.from_file(str(path)), name=str(path))
+    written = sorted(p.name for p in path.parent.iterdir() if p.name in _TRAINED_FILES)
+    print(f"wrote {', '.join(written)} to {path.parent}: {args.type}, {tok.vocab_size} tokens")
+    return 0

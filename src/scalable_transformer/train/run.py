@@ -113,7 +113,14 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
     start = time.perf_counter()
     console = console or Console(highlight=False, soft_wrap=True)
     device = select_device(cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size)
+    d = cfg.data
+    tokenizer = load_tokenizer(
+        d.tokenizer,
+        d.tokenizer_vocab_size,
+        vocab_file=d.vocab_file,
+        merge_file=d.merge_file,
+        tokenizer_type=d.tokenizer_type,
+    )
     if cfg.model.vocab_size is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
     elif cfg.model.vocab_size < tokenizer.vocab_size:
