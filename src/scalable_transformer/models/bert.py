@@ -109,7 +109,8 @@ def bert_loss(
     mlm_loss = F.cross_entropy(logits_nv, labels_n, ignore_index=IGNORE_INDEX, reduction="sum") / token_norm
     metrics = {
         "mlm_loss": mlm_loss.detach(),
-        "mlm_correct": ((logits_nv.detach().argmax(-1) == labels_n) & labelled_n).sum().float(),
+        # argmax over the labelled rows only: over all b*s rows it cost ~8% of a tiny-bert step
+        "mlm_correct": (logits_nv.detach()[labelled_n].argmax(-1) == labels_n[labelled_n]).sum().float(),
         "mlm_count": count.float(),
     }
     loss = mlm_loss
