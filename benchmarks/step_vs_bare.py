@@ -3,16 +3,19 @@
   A  ours: `Trainer.train_step`, the trainer built as `train/run.py` builds it
   B  bare: the same model class and weights; inline `F.cross_entropy`, `backward`, `clip_grad_norm_`,
      `AdamW.step`; nothing of our framework but the model
-  C  HF:   `transformers` BertForPreTraining / GPT2LMHeadModel of the same shape, random init, SDPA
-     attention, its own loss
+  C  HF:   `transformers` BertForPreTraining (BertForMaskedLM without a binary head) / GPT2LMHeadModel
+     of the same shape, random init, SDPA attention, its own loss
 
 Every variant does forward + backward + clip + AdamW (fp32, dropout 0) on the same pre-built
 micro-batches, so data loading is excluded. Within each repeat the variants alternate step by step
-(A B C, B C A, C A B, ...) and are compared through per-repeat medians: a shared, noisy machine
-slows all three alike within a repeat, so their ratios are far steadier than their absolute times.
+(A B C, B C A, C A B, A C B, ...) and are compared through per-repeat medians: a shared, noisy
+machine slows all three alike within a repeat, so their ratios are far steadier than their absolute
+times.
 
     python benchmarks/step_vs_bare.py --model both
-    python benchmarks/step_vs_bare.py --model gpt --config gpt-125m model.num_layers=2 --repeats 6
+    python benchmarks/step_vs_bare.py --model gpt --config gpt-125m model.num_layers=2 \
+        model.seq_length=256 --micro-batch-size 2 --repeats 3 --output /tmp/gpt.md
+    python benchmarks/step_vs_bare.py --threads 1     # steadier on a busy machine (see README)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -52,6 +56,9 @@ from scalable_transformer.train.trainer import Trainer
 
 Batch = dict[str, torch.Tensor]
 VARIANTS = ("A", "B", "C")
+# Round orders: every three in a row put each variant once in each position; all six together put
+# each variant after each other one equally often (a step may pay for what the previous one left).
+ORDERS = ("ABC", "BCA", "CAB", "ACB", "CBA", "BAC")
 NAMES = {"A": "ours: Trainer.train_step", "B": "bare PyTorch, same model", "C": "HF transformers"}
 TARGET_VS_BARE = 1.03  # A/B at most this
 TARGET_VS_HF = 1.00  # A/C (per FLOP) at most this
@@ -338,6 +345,7 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
             steps[v]()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}  # every timed step, seconds
     medians: dict[str, list[float]] = {v: [] for v in VARIANTS}  # one per repeat
+    load = [os.getloadavg()[0]]
     start = time.perf_counter()
     rounds = 0
     for r in range(args.repeats):
@@ -346,10 +354,9 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
             break
         gc.collect()  # start every repeat with nothing left for the cyclic collector
         block: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        # Step by step, in an order that rotates every round: contention that comes and goes over
-        # seconds then hits the three variants alike, and none always runs right after the same other.
+        # Step by step, so that contention that comes and goes over seconds hits the three alike.
         for _ in range(args.steps_per_repeat):
-            for v in VARIANTS[rounds % 3 :] + VARIANTS[: rounds % 3]:
+            for v in ORDERS[rounds % len(ORDERS)]:
                 t0 = time.perf_counter()
                 steps[v]()
                 block[v].append(time.perf_counter() - t0)
@@ -357,6 +364,7 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
         for v in VARIANTS:
             times[v] += block[v]
             medians[v].append(statistics.median(block[v]))
+        load.append(os.getloadavg()[0])
     wall = time.perf_counter() - start
 
     ratio_ab = [a / b for a, b in zip(medians["A"], medians["B"], strict=True)]
@@ -385,6 +393,7 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
         "agree": agree,
         "wall": wall,
         "repeats_done": len(medians["A"]),
+        "load": (min(load), max(load)),
         "hf_class": type(hf).__name__,
         "hf_attention": hf.config._attn_implementation,
     }
@@ -420,9 +429,12 @@ def render(data: dict, args: argparse.Namespace, command: str) -> str:
         "",
         f"Threads: torch intra-op {torch.get_num_threads()}, inter-op {torch.get_num_interop_threads()}; "
         f"{data['repeats_done']} repeats (of {args.repeats} requested; time budget {args.max_seconds:g} s) x "
-        f"{args.steps_per_repeat} steps per variant, alternating step by step in an order rotated every "
-        f"round (A B C, B C A, C A B); {args.warmup} warm-up "
-        f"steps each; {data['wall']:.1f} s timed.",
+        f"{args.steps_per_repeat} steps per variant, alternating step by step in orders that cycle "
+        f"through {', '.join(' '.join(o) for o in ORDERS)}; {args.warmup} warm-up "
+        f"steps each; {data['wall']:.1f} s timed. Machine load while timing (1-min load average, sampled "
+        f"every repeat): {data['load'][0]:.1f}-{data['load'][1]:.1f} on {os.cpu_count()} CPUs, of which "
+        f"this run accounts for up to {torch.get_num_threads()}; the rest is other processes competing "
+        "for the cores, which inflates absolute times.",
         "",
         "## Timings",
         "",
