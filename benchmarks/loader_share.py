@@ -15,7 +15,6 @@ warm-up) are excluded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from scalable_transformer.bench.environment import environment
+from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.config.load import load_config, to_yaml
 from scalable_transformer.config.schema import Config, need
 from scalable_transformer.config.validate import resolve
@@ -141,19 +140,8 @@ def render(
         "Iteration time includes the batch-generator time; with workers the batches are prepared "
         "ahead in other processes, so what remains is the hand-over and the copy.",
         "",
-        "## Resolved config",
-        "",
-        "```yaml",
-        to_yaml(cfg).rstrip(),
-        "```",
-        "",
-        "## Environment",
-        "",
-        "```json",
-        json.dumps(environment(), indent=2, default=str),
-        "```",
-        "",
     ]
+    lines += record_sections(to_yaml(cfg))
     return "\n".join(lines)
 
 

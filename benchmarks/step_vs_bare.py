@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import os
 import shlex
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scalable_transformer.bench.environment import environment
+from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.config.load import ConfigError, load_config, to_yaml
 from scalable_transformer.config.schema import Config, need
 from scalable_transformer.config.validate import resolve
@@ -502,20 +501,7 @@ def render(data: dict, args: argparse.Namespace, command: str) -> str:
             "count and GEMMs with the norms elsewhere.",
             "",
         ]
-    lines += [
-        "## Resolved config",
-        "",
-        "```yaml",
-        to_yaml(cfg).rstrip(),
-        "```",
-        "",
-        "## Environment",
-        "",
-        "```json",
-        json.dumps(environment(), indent=2, default=str),
-        "```",
-        "",
-    ]
+    lines += record_sections(to_yaml(cfg))
     return "\n".join(lines)
 
 

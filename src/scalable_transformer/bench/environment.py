@@ -7,6 +7,7 @@ directory and every stored result carries one (`stx env` prints it).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -113,3 +114,12 @@ def environment() -> dict[str, Any]:
             if k in os.environ
         },
     }
+
+
+def record_sections(resolved_config_yaml: str | None = None) -> list[str]:
+    """Markdown lines every benchmark record ends with: the resolved config (if any) and this environment."""
+    lines: list[str] = []
+    if resolved_config_yaml is not None:
+        lines += ["## Resolved config", "", "```yaml", resolved_config_yaml.rstrip(), "```", ""]
+    lines += ["## Environment", "", "```json", json.dumps(environment(), indent=2, default=str), "```", ""]
+    return lines

@@ -123,6 +123,16 @@ def train_wordpiece(texts: Sequence[str], vocab_size: int) -> HFTokenizer:
     return _train_wordpiece(texts, vocab_size, lowercase=True, length=len(texts))
 
 
+def _add_bert_post_processor(tok: HFTokenizer) -> None:
+    """[CLS] A [SEP] (B [SEP]) on encode, so the saved file is a complete BERT tokenizer for other tools."""
+    cls_id, sep_id = tok.token_to_id(CLS), tok.token_to_id(SEP)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}",
+        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+        special_tokens=[(CLS, cls_id), (SEP, sep_id)],
+    )
+
+
 def _train_wordpiece(
     texts: Iterable[str], vocab_size: int, lowercase: bool, length: int | None = None
 ) -> HFTokenizer:
@@ -151,12 +161,7 @@ def _train_wordpiece(
     spec["model"]["vocab"] = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *rest])}
     tok = HFTokenizer.from_str(json.dumps(spec))
     # So the saved file is a complete BERT tokenizer for other tools; our wrapper never adds them.
-    cls_id, sep_id = tok.token_to_id(CLS), tok.token_to_id(SEP)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{CLS} $A {SEP}",
-        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
-        special_tokens=[(CLS, cls_id), (SEP, sep_id)],
-    )
+    _add_bert_post_processor(tok)
     return tok
 
 
@@ -220,12 +225,7 @@ def bert_wordpiece_from_vocab(vocab_file: str | os.PathLike[str], lowercase: boo
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
     tok.add_special_tokens(list(BERT_SPECIAL_TOKENS))  # never split or normalized; ids unchanged
-    cls_id, sep_id = tok.token_to_id(CLS), tok.token_to_id(SEP)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{CLS} $A {SEP}",
-        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
-        special_tokens=[(CLS, cls_id), (SEP, sep_id)],
-    )
+    _add_bert_post_processor(tok)
     return tok
 
 
