@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scalable_transformer.bench.environment import environment
+from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.data.corpus import embedded_documents
 from scalable_transformer.data.preprocess import preprocess
 from scalable_transformer.data.tokenizers import Tokenizer, load_tokenizer
@@ -274,13 +274,8 @@ def to_markdown(res: dict, args: argparse.Namespace, command: str) -> str:
         "can scale in wall time; the per-CPU-second rows then tell what 2 workers would give on free "
         "cores: P2 / P1 per CPU-second x 2 = the expected speed-up.",
         "",
-        "## Environment",
-        "",
-        "```json",
-        json.dumps(environment(), indent=2, default=str),
-        "```",
-        "",
     ]
+    lines += record_sections()
     return "\n".join(lines)
 
 
