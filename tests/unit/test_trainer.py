@@ -173,3 +173,14 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path):
     a, b, c = run(7, "a"), run(7, "b"), run(8, "c")
     assert len(a) == 4 and a == b
     assert a != c
+
+
+def test_static_loss_scale_skips_overflow_without_backing_off():
+    cfg = tiny_cfg("gpt", 2, 1, "train.precision=fp16", "train.loss_scale=256")
+    trainer = make_trainer(cfg, [])
+    batch = global_batches("gpt", size=2, steps=1)[0]
+    handle = trainer.model.get_submodule("layers")[0].register_forward_hook(lambda m, i, out: out * math.inf)
+    result = trainer.train_step([batch])
+    handle.remove()
+    assert result.skipped and trainer.scaler.get_scale() == 256.0
+    assert trainer.scheduler.last_epoch == 0

@@ -17,6 +17,7 @@ from ..metrics.memory import MemoryTracker
 from ..metrics.sinks import Sinks
 from ..metrics.timers import Timers
 from ..models import compute_loss, model_inputs
+from .loss_scale import build_loss_scaler
 
 Batch = dict[str, torch.Tensor]
 PHASES = ("forward-compute", "backward-compute", "optimizer", "batch-generator")
@@ -80,14 +81,7 @@ class Trainer:
         sync = torch.cuda.synchronize if device.type == "cuda" and cfg.logging.timers_sync else None
         self.timers = Timers(sync)
         self.memory = MemoryTracker(device)
-        self.scaler = torch.amp.GradScaler(
-            device.type,
-            enabled=cfg.train.precision == "fp16",
-            init_scale=cfg.train.loss_scale or 2.0**cfg.train.initial_scale_power,
-            growth_interval=cfg.train.loss_scale_window if cfg.train.loss_scale is None else 2**31 - 1,
-            growth_factor=2.0 if cfg.train.loss_scale is None else 1.0,
-            backoff_factor=0.5 if cfg.train.loss_scale is None else 1.0,
-        )
+        self.scaler = build_loss_scaler(cfg.train, device)
         self.history = History()
         self.iteration = 0
         self.consumed_samples = 0
@@ -125,10 +119,11 @@ class Trainer:
             clip = self.cfg.optim.clip_grad or math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
             lr = self.optimizer.param_groups[0]["lr"]
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skipped by the scaler when grads hold inf/nan
+            # The scaler skips the update when the unscaled grads hold inf/nan, which is exactly when
+            # their norm is not finite; this also holds for a static loss scale, which never backs off.
+            skipped = self.scaler.is_enabled() and not math.isfinite(grad_norm)
+            self.scaler.step(self.optimizer)
             self.scaler.update()
-            skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
             if not skipped:  # as Megatron and DeepSpeed: a skipped update does not advance the schedule
                 self.scheduler.step()
         return StepResult(
