@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bert_checks import MaskTally, check_bert_sample
 
 from scalable_transformer.config.schema import Config
 from scalable_transformer.data import corpus as corpus_mod
@@ -174,10 +175,6 @@ def test_tokenizer_without_bert_tokens(tmp_path, tok):
 # ---------------------------------------------------------------- the embedded corpus as indexed datasets
 
 
-def _original(sample: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.where(sample["labels"] != -100, sample["labels"], sample["input_ids"])
-
-
 def test_embedded_corpus_is_preprocessed_once(cache, tok, bert_sets):
     prefix = embedded_dataset_prefix(tok, "bert")
     assert prefix.startswith(str(cache / "datasets")) and tok.fingerprint in prefix
@@ -209,36 +206,15 @@ def test_embedded_corpus_is_preprocessed_once(cache, tok, bert_sets):
 def test_bert_sample_invariants(tok, bert_sets):
     train, valid, test = bert_sets
     assert len(train) >= 300 * 16 and len(valid) >= 10 * 16 and len(test) >= 1
-    special = torch.tensor(sorted(tok.special_ids))
-    selected = candidates = n_mask = n_same = 0
-    nsp, lengths = [], []
+    tally = MaskTally()
     for i in range(0, 4000, 2):
-        x = train[i]
-        assert set(x) == {"input_ids", "token_type_ids", "attention_mask", "labels", "nsp_labels"}
-        assert all(v.dtype == torch.long for v in x.values())
-        ids, types, att, labels = x["input_ids"], x["token_type_ids"], x["attention_mask"], x["labels"]
-        assert ids.shape == types.shape == att.shape == labels.shape == (SEQ,)
-        n = int(att.sum())
-        assert att.tolist() == [1] * n + [0] * (SEQ - n)
-        assert (ids[n:] == tok.pad_id).all() and ids[0] == tok.cls_id and ids[n - 1] == tok.sep_id
-        seps = (ids == tok.sep_id).nonzero().flatten().tolist()
-        assert len(seps) == 2 and 1 < seps[0] < n - 2  # both segments non-empty
-        assert types.tolist() == [0] * (seps[0] + 1) + [1] * (n - seps[0] - 1) + [0] * (SEQ - n)
-        masked = labels != -100
-        assert masked.any() and not torch.isin(labels[masked], special).any()
-        assert not ((ids == tok.mask_id) & ~masked).any()  # [MASK] only where a label is
-        candidates += int((~torch.isin(_original(x)[:n], special)).sum())
-        selected += int(masked.sum())
-        n_mask += int((ids[masked] == tok.mask_id).sum())
-        n_same += int((ids[masked] == labels[masked]).sum())
-        nsp.append(int(x["nsp_labels"]))
-        lengths.append(n)
-    assert selected / candidates == pytest.approx(0.15, abs=0.01)
-    assert n_mask / selected == pytest.approx(0.8, abs=0.02)
-    assert n_same / selected == pytest.approx(0.1 + 0.1 / tok.vocab_size, abs=0.02)
-    assert np.mean(nsp) == pytest.approx(0.5, abs=0.05)
+        check_bert_sample(train[i], tok, SEQ, tally)
+    assert tally.selected / tally.candidates == pytest.approx(0.15, abs=0.01)
+    assert tally.replaced_by_mask / tally.selected == pytest.approx(0.8, abs=0.02)
+    assert tally.kept / tally.selected == pytest.approx(0.1 + 0.1 / tok.vocab_size, abs=0.02)
+    assert np.mean(tally.nsp) == pytest.approx(0.5, abs=0.05)
     # Shorter samples with probability short_seq_prob (0.1), plus the ends of documents.
-    assert 0.08 < np.mean(np.array(lengths) < SEQ) < 0.5
+    assert 0.08 < np.mean(np.array(tally.lengths) < SEQ) < 0.5
 
 
 def test_bert_is_deterministic_per_seed(tok, bert_sets):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bert_checks import MaskTally, check_bert_sample, original_ids
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
@@ -258,12 +259,8 @@ def test_bert_samples_mapping_follows_megatron_rules(bert_data):
     assert 2 not in build_samples_mapping(bounds, long, 0, 61, 0.1, 2, 4, None)[:, 3]
 
 
-def _original(x: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.where(x["labels"] != -100, x["labels"], x["input_ids"])
-
-
 def _segments(x: dict[str, torch.Tensor], sep_id: int) -> tuple[list[int], list[int]]:
-    ids = _original(x).tolist()
+    ids = original_ids(x).tolist()
     first, second = [i for i, t in enumerate(ids) if t == sep_id]
     return ids[1:first], ids[first + 1 : second]
 
@@ -293,31 +290,13 @@ def test_bert_binary_head_tasks(bert_data, tok, task):
 def test_bert_sample_invariants_and_masking(bert_data, tok):
     ds = BertDataset(bert_data, tok, 48, seed=5, num_samples=3000)
     assert len(ds) >= 3000
-    special = torch.tensor(sorted(tok.special_ids))
-    selected = candidates = n_mask = n_same = short = 0
+    tally = MaskTally()
     for i in range(3000):
-        x = ds[i]
-        assert set(x) == {"input_ids", "token_type_ids", "attention_mask", "labels", "nsp_labels"}
-        ids, types, att, labels = x["input_ids"], x["token_type_ids"], x["attention_mask"], x["labels"]
-        assert ids.shape == types.shape == att.shape == labels.shape == (48,)
-        n = int(att.sum())
-        assert att.tolist() == [1] * n + [0] * (48 - n)
-        assert (ids[n:] == tok.pad_id).all() and ids[0] == tok.cls_id and ids[n - 1] == tok.sep_id
-        seps = (ids == tok.sep_id).nonzero().flatten().tolist()
-        assert len(seps) == 2 and 1 < seps[0] < n - 2  # both segments non-empty
-        assert types.tolist() == [0] * (seps[0] + 1) + [1] * (n - seps[0] - 1) + [0] * (48 - n)
-        masked = labels != -100
-        assert masked.any() and not torch.isin(labels[masked], special).any()
-        assert not ((ids == tok.mask_id) & ~masked).any()  # [MASK] only where a label is
-        candidates += int((~torch.isin(_original(x)[:n], special)).sum())
-        selected += int(masked.sum())
-        n_mask += int((ids[masked] == tok.mask_id).sum())
-        n_same += int((ids[masked] == labels[masked]).sum())
-        short += n < 48
-    assert selected / candidates == pytest.approx(0.15, abs=0.01)
-    assert n_mask / selected == pytest.approx(0.8, abs=0.02)
-    assert n_same / selected == pytest.approx(0.1, abs=0.02)
-    assert short / 3000 > 0.05  # short targets (0.1) and document ends
+        check_bert_sample(ds[i], tok, 48, tally)
+    assert tally.selected / tally.candidates == pytest.approx(0.15, abs=0.01)
+    assert tally.replaced_by_mask / tally.selected == pytest.approx(0.8, abs=0.02)
+    assert tally.kept / tally.selected == pytest.approx(0.1, abs=0.02)
+    assert np.mean(np.array(tally.lengths) < 48) > 0.05  # short targets (0.1) and document ends
     # Deterministic per (seed, index), whatever was read before.
     again = BertDataset(bert_data, tok, 48, seed=5, num_samples=3000)
     assert again.cache_hit
@@ -355,7 +334,7 @@ def test_bert_without_binary_head(bert_data, tok):
         x = ds[i]
         assert "nsp_labels" not in x
         assert int((x["input_ids"] == tok.sep_id).sum()) == 1 and not x["token_type_ids"].any()
-        words = _words(_original(x)[1 : int(x["attention_mask"].sum()) - 1].tolist())
+        words = _words(original_ids(x)[1 : int(x["attention_mask"].sum()) - 1].tolist())
         assert len({doc_of(t) for t in words}) == 1 and words == sorted(words)  # one contiguous segment
 
 
@@ -364,7 +343,7 @@ def test_bert_whole_word_masking(bert_data, tok):
     selected = candidates = 0
     for i in range(len(ds)):
         x = ds[i]
-        ids, labels = _original(x).tolist(), x["labels"].tolist()
+        ids, labels = original_ids(x).tolist(), x["labels"].tolist()
         n = int(x["attention_mask"].sum())
         words: list[list[int]] = []  # positions of each word: a '##' piece joins the token before it
         for p in range(1, n - 1):
