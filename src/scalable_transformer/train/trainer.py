@@ -37,7 +37,6 @@ class History:
     """Per-iteration wall times and the records the summary is computed from."""
 
     iteration_seconds: list[float] = field(default_factory=list)  # index i = iteration i + 1
-    losses: list[float] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)  # one per log interval
     first_logged_loss: float | None = None
     last_logged_loss: float | None = None
@@ -104,7 +103,7 @@ class Trainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        normalizers = step_normalizers(self.model_type, micro_batches)
+        normalizers = step_normalizers(micro_batches)
         totals: dict[str, float] = {}
         for micro in micro_batches:
             with self.timers("forward-compute"), autocast_context(self.cfg.train.precision, self.device):
@@ -137,7 +136,7 @@ class Trainer:
         """Loss, perplexity (and MLM/binary accuracy for BERT) over eval_iters validation micro-batches."""
         self.model.eval()
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.valid_batches()]
-        normalizers = step_normalizers(self.model_type, batches)
+        normalizers = step_normalizers(batches)
         totals: dict[str, float] = {}
         for batch in batches:
             with autocast_context(self.cfg.train.precision, self.device):
@@ -169,7 +168,6 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += self.global_batch
             self.last_lr = result.lr
-            h.losses.append(result.loss)
             h.skipped_iterations += result.skipped
             interval.add(result)
 
@@ -253,7 +251,7 @@ class Interval:
         return {k: self.sums[k] / self.counted if self.counted else math.nan for k in keys}
 
 
-def step_normalizers(model_type: str, micro_batches: list[Batch]) -> dict[str, int]:
+def step_normalizers(micro_batches: list[Batch]) -> dict[str, int]:
     """Counts over the whole step that each micro-batch's summed loss is divided by."""
     labelled = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     samples = sum(int(b["input_ids"].shape[0]) for b in micro_batches)
