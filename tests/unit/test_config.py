@@ -223,8 +223,6 @@ def test_cross_checks():
 def test_features_of_later_issues_fail_loudly():
     with pytest.raises(ConfigError, match="issue 5"):
         resolve(load_config(None, ["checkpoint.save=/tmp/x"]))
-    with pytest.raises(ConfigError, match="issue 4"):
-        resolve(load_config(None, ["parallel.tp=2"]))
 
 
 def test_base_preset_and_missing_file(tmp_path):

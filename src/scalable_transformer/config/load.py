@@ -87,8 +87,8 @@ def _precision_block(precision: str):
         "loss_scale": "train.loss_scale",
         "initial_scale_power": "train.initial_scale_power",
         "loss_scale_window": "train.loss_scale_window",
-        "hysteresis": None,
-        "min_loss_scale": None,
+        "hysteresis": "train.hysteresis",
+        "min_loss_scale": "train.min_loss_scale",
         "auto_cast": None,
         "consecutive_hysteresis": None,
         "immediate_grad_update": None,
@@ -118,9 +118,7 @@ def _precision_block(precision: str):
                 out.append(Assignment(target, v, source))
             else:
                 warnings.warn(
-                    f"{source}: '{key}.{sub}' is accepted but has no effect yet: dynamic loss "
-                    "scaling uses torch.amp.GradScaler (no hysteresis / min scale) until the "
-                    "parallel-engine issue lands",
+                    f"{source}: '{key}.{sub}' is a DeepSpeed knob with no equivalent here; ignored",
                     stacklevel=2,
                 )
         return out
@@ -188,6 +186,21 @@ def _ds_scheduler(value: Any, source: str, key: str) -> list[Assignment]:
     return out
 
 
+def _offload_device(value: Any, source: str, key: str) -> bool:
+    """DeepSpeed `offload_*: {device: cpu|none, pin_memory: ...}` -> on/off (NVMe has no equivalent)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: '{key}' must be a block like {{device: cpu}}, got {value!r}")
+    device = str(value.get("device", "cpu")).lower()
+    if device not in ("cpu", "none"):
+        raise ConfigError(
+            f"{source}: '{key}.device' = {device!r}: only 'cpu' (FSDP2 CPU offload) or 'none' are "
+            "supported; NVMe offload has no PyTorch equivalent"
+        )
+    return device == "cpu"
+
+
 def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
     """DeepSpeed `zero_optimization` block: the stage is honoured; bucket/overlap knobs are tuning only."""
     if not isinstance(value, dict):
@@ -197,11 +210,11 @@ def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
         k = norm_key(sub)
         if k == "stage":
             out.append(Assignment("parallel.zero_stage", v, source))
-        elif k.startswith("offload") or k == "cpu_offload":
-            raise ConfigError(
-                f"{source}: '{key}.{sub}' (CPU offload) is not available yet: it arrives "
-                "with the parallel engine (issue 4)"
-            )
+        elif k in ("offload_optimizer", "offload_param"):
+            out.append(Assignment(f"parallel.{k}", _offload_device(v, source, f"{key}.{sub}"), source))
+        elif k in ("cpu_offload", "cpu_offload_params"):  # DeepSpeed's older boolean spellings
+            target = "offload_optimizer" if k == "cpu_offload" else "offload_param"
+            out.append(Assignment(f"parallel.{target}", bool(v), source))
         else:
             warnings.warn(
                 f"{source}: '{key}.{sub}' is a DeepSpeed tuning knob with no equivalent here; ignored",

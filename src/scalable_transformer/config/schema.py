@@ -97,7 +97,51 @@ class ParallelConfig:
     pp: int = opt(
         1, "Pipeline-parallel size.", aliases=("pipeline-model-parallel-size", "pipe-parallel-size")
     )
-    zero_stage: int = opt(0, "ZeRO stage: 0 DDP, 1 optimizer state sharded, 2 + gradients, 3 + parameters.")
+    zero_stage: int = opt(
+        0,
+        "ZeRO stage: 0 DDP, 1 optimizer state sharded (ZeroRedundancyOptimizer), 2 + gradients "
+        "(FSDP2, parameters kept after forward), 3 + parameters (FSDP2, resharded after forward).",
+    )
+    offload_optimizer: bool = opt(
+        False,
+        "ZeRO-2/3: keep the sharded fp32 parameters, gradients and optimizer state in host memory and "
+        "step the optimizer there (FSDP2 CPUOffloadPolicy, which offloads parameters too).",
+    )
+    offload_param: bool = opt(
+        False, "ZeRO-3: keep the sharded parameters in host memory between uses (FSDP2 CPUOffloadPolicy)."
+    )
+    grad_reduce_dtype: str = opt(
+        "fp32",
+        "Dtype gradients are reduced in across data-parallel ranks (Megatron "
+        "--accumulate-allreduce-grads-in-fp32 = fp32); bf16/fp16 halve the traffic.",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    sequence_parallel: bool = opt(
+        False,
+        "Tensor parallel: also split norms and dropout along the sequence (Megatron --sequence-parallel).",
+        aliases=("sequence-parallel",),
+    )
+    pipeline_schedule: str = opt(
+        "1f1b",
+        "Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b (needs "
+        "virtual_pipeline_stages > 1), looped-bfs, zero-bubble (interleaved), zbv (zero-bubble V, "
+        "2 stages per rank).",
+        choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"),
+    )
+    virtual_pipeline_stages: int = opt(
+        1,
+        "Model chunks (stages) per pipeline rank; > 1 for interleaved schedules.",
+        aliases=("virtual-pipeline-model-parallel-size",),
+    )
+    pipeline_layers: str | None = opt(
+        None,
+        "Transformer layers per pipeline stage, comma-separated (e.g. '3,5'); default: even split.",
+    )
+    timeout_minutes: float = opt(
+        10.0,
+        "Collective timeout: a rank waiting longer than this fails the job instead of hanging.",
+        aliases=("distributed-timeout-minutes",),
+    )
     activation_checkpointing: str = opt(
         "none",
         "Recompute activations in backward: none, full (every checkpoint_num_layers layers) "
@@ -234,6 +278,12 @@ class TrainConfig:
     initial_scale_power: int = opt(16, "fp16: dynamic loss scale starts at 2**initial_scale_power.")
     loss_scale_window: int = opt(
         1000, "fp16: steps without overflow before the scale doubles.", aliases=("loss-scale-window",)
+    )
+    hysteresis: int = opt(
+        2, "fp16: overflowing steps tolerated before the dynamic scale is halved.", aliases=("hysteresis",)
+    )
+    min_loss_scale: float = opt(
+        1.0, "fp16: the dynamic scale never drops below this.", aliases=("min-loss-scale",)
     )
     device: str = opt("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
     eval_interval: int = opt(

@@ -12,6 +12,12 @@ from .load import ConfigError
 from .schema import Config
 
 
+def check_layout(cfg: Config, world_size: int) -> None:
+    from ..parallel.dims import check_layout as check  # parallel imports config: import late
+
+    check(cfg, world_size)
+
+
 def _positive(value: int | float | None, key: str, allow_zero: bool = False) -> None:
     if value is None:
         return
@@ -91,28 +97,22 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
             "[SEP] needs at least 8)"
         )
 
-    # layout: only the single-process engine exists until the parallel-engine issue lands
-    if p.tp != 1 or p.pp != 1:
-        raise ConfigError(
-            f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism arrive with "
-            "the parallel engine (issue 4); use tp=1, pp=1"
-        )
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+    # layout: dp inferred here; every divisibility rule is checked by parallel.dims.check_layout below
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
     model_parallel = p.tp * p.pp
-    if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not divisible by tp x pp = {model_parallel}")
     if p.dp == -1:
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"the world size ({world_size} processes) is not divisible by parallel.tp ({p.tp}) x "
+                f"parallel.pp ({p.pp}) = {model_parallel}"
+            )
         p.dp = world_size // model_parallel
     if p.dp * model_parallel != world_size:
         raise ConfigError(
-            f"parallel.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {p.dp * model_parallel} "
-            f"must equal the world size ({world_size})"
-        )
-    if world_size > 1 or p.zero_stage:
-        raise ConfigError(
-            "multi-process training and ZeRO arrive with the parallel engine (issue 4); "
-            "run on one process with parallel.zero_stage=0"
+            f"parallel.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {p.dp * model_parallel} must equal the "
+            f"world size ({world_size} processes)"
         )
 
     # batch sizes: global = micro x accumulation x dp, as DeepSpeed checks it
@@ -144,6 +144,8 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
     if o.lr_warmup_fraction is not None and not 0.0 <= o.lr_warmup_fraction <= 1.0:
         raise ConfigError(f"optim.lr_warmup_fraction must be in [0, 1], got {o.lr_warmup_fraction}")
+
+    check_layout(cfg, world_size)
 
     # features that arrive with later issues fail loudly instead of being ignored
     if cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.save_interval:

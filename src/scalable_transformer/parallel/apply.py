@@ -1,34 +1,50 @@
-"""parallelize(): apply parallelism to a plain model in one fixed, documented order.
+"""parallelize(): apply parallelism to a plain model (or pipeline stage) in one fixed, documented order.
 
 Order (torchtitan's): tensor parallel -> activation checkpointing -> torch.compile -> FSDP/DDP.
 TP must see the plain Linear layers; checkpointing must wrap whole blocks before compile traces
-them; FSDP/DDP wrap last so they shard/replicate the final module structure. Only the
-single-process steps exist until the parallel-engine issue lands; each later step slots into
-this function in its place.
+them; FSDP/DDP wrap last so they shard/replicate the final module structure.
+
+Data parallelism by ZeRO stage, as DeepSpeed users name it:
+  0  DistributedDataParallel (gradients all-reduced, everything replicated)
+  1  DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded; see `train/optim.py`)
+  2  FSDP2 fully_shard per block and root, parameters kept unsharded after forward
+  3  FSDP2 fully_shard, parameters resharded after forward (gathered again for backward)
+Offload (ZeRO-2/3) is FSDP2's CPUOffloadPolicy. The wrappers average gradients over dp; the
+trainer multiplies the loss by dp so the step's gradient is the global token-weighted mean.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from ..config.load import ConfigError
 from ..config.schema import Config
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's transformer blocks (every model in `models/` keeps them in `.layers`)."""
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of the model's transformer blocks, in order; `layers` is an nn.ModuleList (full
+    model) or an nn.ModuleDict keyed by the global layer index (pipeline stage)."""
     layers = model.get_submodule("layers")
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}.layers must be an nn.ModuleList of transformer blocks")
-    return layers
+    if not isinstance(layers, nn.ModuleList | nn.ModuleDict):
+        raise TypeError(f"{type(model).__name__}.layers must hold the transformer blocks (ModuleList/Dict)")
+    return list(layers.named_children())
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, num_layers: int) -> None:
-    """Recompute each transformer block's activations in backward (non-reentrant checkpointing).
+def _replace_block(model: nn.Module, name: str, new: nn.Module) -> None:
+    model.get_submodule("layers").register_module(name, new)
 
-    `full` wraps every block; `selective` wraps only the attention core of each block (the
-    s^2 part whose activations are largest and cheapest to recompute).
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, num_layers: int) -> None:
+    """Recompute activations in backward (non-reentrant checkpointing).
+
+    `full` wraps every block (checkpoint_num_layers = 1); `selective` wraps only the attention core of
+    each block (the s^2 part whose activations are largest and cheapest to recompute).
     """
     if mode == "none":
         return
@@ -37,10 +53,11 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, num_layers
             f"parallel.checkpoint_num_layers = {num_layers}: only 1 (checkpoint every block) is "
             "supported in this version"
         )
-    layers = blocks(model)
-    for i, block in enumerate(layers):
+    for name, block in blocks(model):
         if mode == "full":
-            layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            _replace_block(
+                model, name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            )
         else:
             attention = block.get_submodule("attention")
             attention.core = checkpoint_wrapper(  # type: ignore[assignment]
@@ -48,20 +65,71 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, num_layers
             )
 
 
-def apply_compile(model: torch.nn.Module) -> None:
+def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: identical blocks share one compiled graph, cold start stays short."""
-    layers = blocks(model)
-    for i, block in enumerate(layers):
-        layers[i] = torch.compile(block)  # type: ignore[assignment]
+    for name, block in blocks(model):
+        _replace_block(model, name, torch.compile(block))  # type: ignore[arg-type]
 
 
-def parallelize(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """Apply the configured parallelism and memory options to `model`, in the order above."""
-    # 1. tensor parallel: arrives with the parallel engine (issue 4)
-    apply_activation_checkpointing(
-        model, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_num_layers
+def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device) -> None:
+    """ZeRO-2/3: FSDP2 fully_shard on every block, then on the root (embeddings, heads)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    p = cfg.parallel
+    offload = p.offload_optimizer or p.offload_param
+    # pin_memory needs an accelerator; on a CPU-only host the default (True) raises
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype])
+    kwargs = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": p.zero_stage == 3,
+        "offload_policy": policy,
+        "mp_policy": mixed,
+    }
+    for _, block in blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device) -> nn.Module:
+    """ZeRO-0/1: DistributedDataParallel over the data-parallel group (grad reduction dtype via comm hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(
+        model,
+        process_group=dp_group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,  # the models' buffers are derived tables, equal on every rank
     )
-    if cfg.parallel.compile:
+    if cfg.parallel.grad_reduce_dtype == "bf16":
+        ddp.register_comm_hook(dp_group, default_hooks.bf16_compress_hook)
+    elif cfg.parallel.grad_reduce_dtype == "fp16":
+        ddp.register_comm_hook(dp_group, default_hooks.fp16_compress_hook)
+    return ddp
+
+
+def parallelize(
+    model: nn.Module, cfg: Config, mesh: Any = None, device: torch.device | None = None
+) -> nn.Module:
+    """Apply the configured parallelism and memory options to `model`, in the order above.
+
+    `mesh`: the ("pp", "dp", "tp") DeviceMesh, or None for a plain single-process run. Returns the
+    module to train (a DDP wrapper for ZeRO-0/1 with dp > 1; the same module otherwise).
+    """
+    p = cfg.parallel
+    device = device or torch.device("cpu")
+    if mesh is not None and p.tp > 1:
+        from .tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+    apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers)
+    if p.compile:
         apply_compile(model)
-    # 4. FSDP / DDP: arrive with the parallel engine (issue 4)
+    if mesh is None:
+        return model
+    if p.zero_stage >= 2:
+        apply_fsdp(model, cfg, mesh["dp"], device)
+    elif p.dp > 1:
+        model = apply_ddp(model, cfg, mesh["dp"].get_group(), device)
     return model

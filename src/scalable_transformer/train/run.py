@@ -6,6 +6,7 @@ optimizer -> Trainer.fit -> sinks and summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from rich.console import Console
 
 from ..bench.environment import environment
@@ -31,8 +33,16 @@ from ..metrics.hardware import resolve_peak
 from ..metrics.sinks import ConsoleSink, JsonlSink, Sinks, TensorBoardSink
 from ..models import build_model, count_parameters
 from ..parallel.apply import parallelize
+from ..parallel.dims import ParallelDims
+from ..parallel.distributed import (
+    all_reduce_floats,
+    env_world_size,
+    init_distributed,
+    is_main_process,
+    shutdown_distributed,
+)
 from .optim import build_optimizer, build_scheduler
-from .trainer import History, Trainer
+from .trainer import History, Layout, Trainer
 
 
 def select_device(cfg: Config) -> torch.device:
@@ -67,14 +77,16 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def summarize(cfg: Config, history: History, flops, peak, num_params: int, wall_seconds: float) -> dict:
+def summarize(
+    cfg: Config, history: History, flops, peak, num_params: int, wall_seconds: float, num_devices: int = 1
+) -> dict:
     """Median throughput over the post-warm-up window, plus the losses and memory of the run."""
     times = history.iteration_seconds
     global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
     warmup = cfg.logging.warmup_iters if len(times) > cfg.logging.warmup_iters else 0
     window = times[warmup:]
     median = statistics.median(window)
-    perf = throughput_metrics(flops, median, 1, peak.flops_per_second)
+    perf = throughput_metrics(flops, median, num_devices, peak.flops_per_second)
     phases: dict[str, float] = {}
     records = [r for r in history.records if r["iteration"] > warmup] or history.records
     for key in records[0] if records else {}:
@@ -108,19 +120,51 @@ def summarize(cfg: Config, history: History, flops, peak, num_params: int, wall_
     }
 
 
-def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dict]:
-    """Train as the config says; return the run directory and the summary written into it."""
+@contextlib.contextmanager
+def rank_zero_first():
+    """Rank 0 runs the block first (building caches: tokenizer, index mappings, CPU peak), then the
+    others, which then read what rank 0 wrote instead of racing it."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed and dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if distributed and dist.get_rank() == 0:
+        dist.barrier()
+
+
+def run_training(cfg: Config, console: Console | None = None) -> tuple[Path | None, dict]:
+    """Train as the config says; return the run directory (None on ranks other than 0) and the summary.
+
+    Under a launcher (WORLD_SIZE > 1) every rank calls this; the layout is checked before any
+    process group work, and the process group is torn down on the way out, also after an error.
+    """
     start = time.perf_counter()
     console = console or Console(highlight=False, soft_wrap=True)
     device = select_device(cfg)
+    world = env_world_size()
+    # Layout checks that need no tokenizer run first, so a bad layout fails before anything starts.
+    resolve(cfg, world)
+    needs_group = world > 1 or cfg.parallel.zero_stage >= 2
+    created = init_distributed(device, cfg.parallel.timeout_minutes, needed=needs_group)
+    try:
+        return _run(cfg, console, device, world, start)
+    finally:
+        shutdown_distributed(created)
+
+
+def _run(
+    cfg: Config, console: Console, device: torch.device, world: int, start: float
+) -> tuple[Path | None, dict]:
+    main = is_main_process()
     d = cfg.data
-    tokenizer = load_tokenizer(
-        d.tokenizer,
-        d.tokenizer_vocab_size,
-        vocab_file=d.vocab_file,
-        merge_file=d.merge_file,
-        tokenizer_type=d.tokenizer_type,
-    )
+    with rank_zero_first():
+        tokenizer = load_tokenizer(
+            d.tokenizer,
+            d.tokenizer_vocab_size,
+            vocab_file=d.vocab_file,
+            merge_file=d.merge_file,
+            tokenizer_type=d.tokenizer_type,
+        )
     if cfg.model.vocab_size is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
     elif cfg.model.vocab_size < tokenizer.vocab_size:
@@ -128,26 +172,36 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); remove it to use the tokenizer's size"
         )
-    cfg = resolve(cfg, world_size=1)
+    cfg = resolve(cfg, world_size=world)
+    dims = ParallelDims.from_config(cfg)
+    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
+    coords = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)
 
-    train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
+    with rank_zero_first():
+        train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
+        peak = resolve_peak(
+            device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops
+        )
     train_loader = build_loader(
         train_ds,
         cfg.train.micro_batch_size,
         consumed_samples=0,
         seed=cfg.train.seed,
+        dp_rank=coords["dp"],
+        dp_size=dims.dp,
         num_workers=cfg.data.num_workers,
     )
 
     def valid_batches():
         return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
 
-    peak = resolve_peak(device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops)
     set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
-    model = build_model(cfg.model).to(device)
+    model, layout = build_parallel_model(cfg, dims, mesh, device, coords)
     num_params = count_parameters(cfg.model)
-    model = parallelize(model, cfg)
-    optimizer = build_optimizer(model, cfg.optim)
+    zero_group = (
+        mesh["dp"].get_group() if mesh is not None and cfg.parallel.zero_stage == 1 and dims.dp > 1 else None
+    )
+    optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
 
     flops = flops_per_iteration(
@@ -157,26 +211,29 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
         cfg.parallel.activation_checkpointing,
     )
 
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    write_json(run_dir / "env.json", environment())
-    sinks: list = [ConsoleSink(console), JsonlSink(run_dir / "metrics.jsonl")]
-    if cfg.logging.tensorboard:
-        sinks.append(TensorBoardSink(Path(cfg.logging.tensorboard_dir or run_dir / "tensorboard")))
-    console.print(f"[bold]run directory[/]: {run_dir}")
-    console.print(
-        f"model: {cfg.model.type}, {num_params:,} parameters, {cfg.model.num_layers} layers x "
-        f"{cfg.model.hidden_size} hidden, seq {cfg.model.seq_length}, vocab {cfg.model.vocab_size}; "
-        f"device {device}, precision {cfg.train.precision}; global batch {cfg.train.global_batch_size}"
-        f" = micro {cfg.train.micro_batch_size} x accumulation "
-        f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp}"
-    )
-    console.print(
-        f"TFLOPs/MFU/HFU: FLOPs convention '{flops.convention}' "
-        f"({flops.model_flops / 1e9:.2f} model GFLOPs, {flops.hardware_flops / 1e9:.2f} hardware "
-        f"GFLOPs per iteration); peak {peak.flops_per_second / 1e12:.3f} TFLOP/s per device from "
-        f"{peak.source}"
-    )
+    run_dir = make_run_dir(cfg) if main else None
+    sinks: list = []
+    if run_dir is not None:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+        write_json(run_dir / "env.json", environment())
+        sinks = [ConsoleSink(console), JsonlSink(run_dir / "metrics.jsonl")]
+        if cfg.logging.tensorboard:
+            sinks.append(TensorBoardSink(Path(cfg.logging.tensorboard_dir or run_dir / "tensorboard")))
+        console.print(f"[bold]run directory[/]: {run_dir}")
+        console.print(
+            f"model: {cfg.model.type}, {num_params:,} parameters, {cfg.model.num_layers} layers x "
+            f"{cfg.model.hidden_size} hidden, seq {cfg.model.seq_length}, vocab {cfg.model.vocab_size}; "
+            f"device {device}, precision {cfg.train.precision}; global batch {cfg.train.global_batch_size}"
+            f" = micro {cfg.train.micro_batch_size} x accumulation "
+            f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp}"
+        )
+        console.print(f"layout: {world} process(es), {describe_layout(cfg)}")
+        console.print(
+            f"TFLOPs/MFU/HFU: FLOPs convention '{flops.convention}' "
+            f"({flops.model_flops / 1e9:.2f} model GFLOPs, {flops.hardware_flops / 1e9:.2f} hardware "
+            f"GFLOPs per iteration) over {world} device(s); peak {peak.flops_per_second / 1e12:.3f} "
+            f"TFLOP/s per device from {peak.source}"
+        )
 
     trainer = Trainer(
         cfg,
@@ -189,20 +246,86 @@ def run_training(cfg: Config, console: Console | None = None) -> tuple[Path, dic
         Sinks(sinks),
         flops,
         peak.flops_per_second,
+        num_devices=world,
+        layout=layout,
     )
     try:
         history = trainer.fit()
     finally:
         trainer.sinks.close()
-    summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start)
+    per_rank_peak = gather_per_rank(history.peak_memory_bytes, world)
+    summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
+    summary["peak_memory_bytes_per_rank"] = per_rank_peak
+    summary["layout"] = describe_layout(cfg)
+    summary["world_size"] = world
+    if run_dir is None:
+        return None, summary
     write_json(run_dir / "summary.json", summary)
     console.print(
         f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
         f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
         f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {100 * summary['mfu']:.2f}%, "
-        f"HFU {100 * summary['hfu']:.2f}% ({flops.convention} convention) over iterations "
+        f"HFU {100 * summary['hfu']:.2f}% ({flops.convention} convention, {world} device(s)) over iterations "
         f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
-        f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; summary: "
-        f"{run_dir / 'summary.json'}"
+        f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "
+        f"rank {', '.join(f'{b / 2**20:.0f}' for b in per_rank_peak)} MiB ({history.peak_memory_method}); "
+        f"summary: {run_dir / 'summary.json'}"
     )
     return run_dir, summary
+
+
+def describe_layout(cfg: Config) -> str:
+    """'dp=2 tp=1 pp=1 zero3+offload, activation checkpointing full': the layout label of a run."""
+    p = cfg.parallel
+    parts = [f"dp={p.dp}", f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
+    if p.offload_optimizer or p.offload_param:
+        parts[-1] += "+offload"
+    if p.sequence_parallel:
+        parts.append("sequence-parallel")
+    if p.pp > 1:
+        parts.append(
+            f"schedule {p.pipeline_schedule}"
+            + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
+        )
+    if p.activation_checkpointing != "none":
+        parts.append(f"recompute {p.activation_checkpointing}")
+    return " ".join(parts)
+
+
+def gather_per_rank(value: float, world: int) -> list[int]:
+    """One number from every rank, in rank order (all ranks call this)."""
+    if world == 1 or not dist.is_initialized():
+        return [int(value)]
+    slots = [0.0] * world
+    slots[dist.get_rank()] = float(value)
+    return [int(v) for v in all_reduce_floats(slots)]
+
+
+def build_parallel_model(
+    cfg: Config, dims: ParallelDims, mesh, device: torch.device, coords: dict[str, int]
+) -> tuple[torch.nn.Module, Layout]:
+    """The plain model, split into this rank's pipeline stages when pp > 1, each parallelized."""
+    model = build_model(cfg.model).to(device)
+    if mesh is None:
+        return parallelize(model, cfg), Layout()
+    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
+    if dims.pp == 1:
+        return parallelize(model, cfg, mesh, device), Layout(dp=dims.dp, tp=dims.tp, dp_group=dp_group)
+    from ..parallel.pipeline import PipelineRunner, split_model, stage_ids
+
+    p = cfg.parallel
+    ids = stage_ids(dims.pp, coords["pp"], p.virtual_pipeline_stages, p.pipeline_schedule)
+    stages = [parallelize(stage, cfg, mesh, device) for stage in split_model(model, cfg, coords["pp"])]
+    pp_group = mesh["pp"].get_group()
+    runner = PipelineRunner(
+        stages, ids, cfg, pp_group, device, need(cfg.train.gradient_accumulation_steps, "accumulation")
+    )
+    layout = Layout(
+        dp=dims.dp,
+        tp=dims.tp,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        pipeline=runner,
+        grad_norm_excluded=runner.grad_norm_excluded(),
+    )
+    return torch.nn.ModuleList(stages), layout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,10 +18,12 @@ from ..metrics.memory import MemoryTracker
 from ..metrics.sinks import Sinks
 from ..metrics.timers import Timers
 from ..models import compute_loss, model_inputs
+from ..parallel.distributed import all_reduce_floats, env_rank
+from ..parallel.grads import clip_grads, grad_norm, local
 from .loss_scale import build_loss_scaler
 
 Batch = dict[str, torch.Tensor]
-PHASES = ("forward-compute", "backward-compute", "optimizer", "batch-generator")
+PHASES = ("forward-compute", "backward-compute", "forward-backward", "optimizer", "batch-generator")
 
 
 @dataclass
@@ -53,6 +56,36 @@ def autocast_context(precision: str, device: torch.device) -> contextlib.Abstrac
     return torch.autocast(device.type, dtype=dtype)
 
 
+@dataclass
+class Layout:
+    """The distributed context of a step: process groups and the pipeline runner (None = plain run)."""
+
+    dp: int = 1
+    tp: int = 1
+    dp_group: Any = None  # None: no data parallelism (or no process group at all)
+    pp_group: Any = None
+    pipeline: Any = None  # parallel.pipeline.PipelineRunner when pp > 1
+    grad_norm_excluded: set[int] = field(default_factory=set)
+
+
+def loss_context(tp: int) -> contextlib.AbstractContextManager:
+    """Vocabulary-parallel cross entropy on the sharded logits when tensor parallel."""
+    if tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Skip the data-parallel gradient reduction on all but the last micro-batch of a step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (ZeRO-2/3)
+        model.set_requires_gradient_sync(sync)
+    elif hasattr(model, "no_sync") and not sync:  # DDP (ZeRO-0/1)
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 class Trainer:
     """Runs `train_iters` optimizer steps of `gradient_accumulation_steps` micro-batches each."""
 
@@ -69,6 +102,7 @@ class Trainer:
         flops: FlopsCount,
         peak_flops_per_device: float,
         num_devices: int = 1,
+        layout: Layout | None = None,
     ):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.train_batches, self.valid_batches = train_batches, valid_batches
@@ -80,7 +114,8 @@ class Trainer:
         sync = torch.cuda.synchronize if device.type == "cuda" and cfg.logging.timers_sync else None
         self.timers = Timers(sync)
         self.memory = MemoryTracker(device)
-        self.scaler = build_loss_scaler(cfg.train, device)
+        self.scaler = build_loss_scaler(cfg.train)
+        self.layout = layout or Layout()
         self.history = History()
         self.iteration = 0
         self.consumed_samples = 0
@@ -103,31 +138,49 @@ class Trainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        normalizers = step_normalizers(micro_batches)
-        totals: dict[str, float] = {}
-        for micro in micro_batches:
-            with self.timers("forward-compute"), autocast_context(self.cfg.train.precision, self.device):
-                outputs = self.model(*model_inputs(self.model_type, micro))
-                loss, metrics = compute_loss(self.model_type, outputs, micro, normalizers)
-            with self.timers("backward-compute"):
-                self.scaler.scale(loss).backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+        layout = self.layout
+        normalizers = step_normalizers(micro_batches, layout.dp_group)
+        # DDP/FSDP average gradients over dp; the losses are already shares of the global mean
+        multiplier = float(layout.dp)
+        if layout.pipeline is not None:
+            with self.timers("forward-backward"), autocast_context(self.cfg.train.precision, self.device):
+                totals = layout.pipeline.train_step(
+                    micro_batches, normalizers, multiplier * self.scaler.get_scale()
+                )
+        else:
+            totals = {}
+            last = len(micro_batches) - 1
+            for i, micro in enumerate(micro_batches):
+                with gradient_sync(self.model, i == last), loss_context(layout.tp):
+                    with (
+                        self.timers("forward-compute"),
+                        autocast_context(self.cfg.train.precision, self.device),
+                    ):
+                        outputs = self.model(*model_inputs(self.model_type, micro))
+                        loss, metrics = compute_loss(self.model_type, outputs, micro, normalizers)
+                    with self.timers("backward-compute"):
+                        self.scaler.scale(loss * multiplier).backward()
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + float(v)
+        if layout.dp_group is not None:
+            keys = sorted(totals)
+            totals = dict(
+                zip(keys, all_reduce_floats([totals[k] for k in keys], layout.dp_group), strict=True)
+            )
         with self.timers("optimizer"):
-            self.scaler.unscale_(self.optimizer)
-            clip = self.cfg.optim.clip_grad or math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            if layout.pipeline is not None:
+                layout.pipeline.sync_tied_grads()
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
+            norm = float(grad_norm(params, exclude=layout.grad_norm_excluded, pp_group=layout.pp_group))
             lr = self.optimizer.param_groups[0]["lr"]
-            # The scaler skips the update when the unscaled grads hold inf/nan, which is exactly when
-            # their norm is not finite; this also holds for a static loss scale, which never backs off.
-            skipped = self.scaler.is_enabled() and not math.isfinite(grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            if not skipped:  # as Megatron and DeepSpeed: a skipped update does not advance the schedule
+            # as Megatron and DeepSpeed: an overflowing fp16 step is skipped and does not advance the schedule
+            if not found_inf:
+                clip_grads(params, self.cfg.optim.clip_grad or math.inf, norm)
+                self.optimizer.step()
                 self.scheduler.step()
-        return StepResult(
-            loss=totals.pop("loss"), grad_norm=grad_norm, skipped=skipped, lr=lr, metrics=totals
-        )
+            self.scaler.update(found_inf)
+        return StepResult(loss=totals.pop("loss"), grad_norm=norm, skipped=found_inf, lr=lr, metrics=totals)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -135,11 +188,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Loss, perplexity (and MLM/binary accuracy for BERT) over eval_iters validation micro-batches."""
         self.model.eval()
+        # Every rank evaluates the same batches: ZeRO-3 and pipeline stages need all ranks in each forward.
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.valid_batches()]
         normalizers = step_normalizers(batches)
         totals: dict[str, float] = {}
-        for batch in batches:
+        if self.layout.pipeline is not None:
             with autocast_context(self.cfg.train.precision, self.device):
+                totals = self.layout.pipeline.evaluate(batches, normalizers)
+        for batch in batches if self.layout.pipeline is None else []:
+            with autocast_context(self.cfg.train.precision, self.device), loss_context(self.layout.tp):
                 outputs = self.model(*model_inputs(self.model_type, batch))
                 _, metrics = compute_loss(self.model_type, outputs, batch, normalizers)
             for k, v in metrics.items():
@@ -159,7 +216,12 @@ class Trainer:
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
         interval = Interval(start=time.perf_counter())
         self.memory.reset_peak()
+        fail_at = injected_failure()
         while self.iteration < cfg.train.train_iters:
+            if fail_at is not None and fail_at[1] == self.iteration + 1 and fail_at[0] == env_rank():
+                raise RuntimeError(
+                    f"injected failure (STX_FAIL_AT) on rank {fail_at[0]} at iteration {fail_at[1]}"
+                )
             t0 = time.perf_counter()
             result = self.train_step(self._next_micro_batches())
             if self.device.type == "cuda":
@@ -215,9 +277,8 @@ class Trainer:
         }
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()
-        for name, ms in self.timers.elapsed_ms(
-            list(PHASES), normalizer=interval.iterations, reset=True
-        ).items():
+        phases = [name for name in PHASES if name in self.timers.names()]
+        for name, ms in self.timers.elapsed_ms(phases, normalizer=interval.iterations, reset=True).items():
             record[f"time_ms/{name}"] = ms
         return record
 
@@ -251,8 +312,24 @@ class Interval:
         return {k: self.sums[k] / self.counted if self.counted else math.nan for k in keys}
 
 
-def step_normalizers(micro_batches: list[Batch]) -> dict[str, int]:
-    """Counts over the whole step that each micro-batch's summed loss is divided by."""
+def injected_failure() -> tuple[int, int] | None:
+    """STX_FAIL_AT="RANK:ITERATION" makes that rank raise at the start of that (1-based) iteration:
+    the fault injection the launcher's crash tests use."""
+    spec = os.environ.get("STX_FAIL_AT")
+    if not spec:
+        return None
+    try:
+        rank, iteration = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"STX_FAIL_AT={spec!r}: expected RANK:ITERATION, e.g. 1:3") from None
+    return rank, iteration
+
+
+def step_normalizers(micro_batches: list[Batch], dp_group: Any = None) -> dict[str, int]:
+    """Counts over the whole step (all data-parallel ranks) that each micro-batch's summed loss is
+    divided by, so every rank's losses are shares of the one global mean."""
     labelled = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
     samples = sum(int(b["input_ids"].shape[0]) for b in micro_batches)
+    if dp_group is not None:
+        labelled, samples = (int(x) for x in all_reduce_floats([labelled, samples], dp_group))
     return {"tokens": max(labelled, 1), "samples": samples}

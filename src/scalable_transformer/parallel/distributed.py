@@ -1,0 +1,71 @@
+"""Process-group setup and teardown, and the few collectives the trainer needs on plain floats.
+
+Launchers (torchrun, `stx launch`, Slurm) export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT; `init_distributed` reads them. Backend by device: nccl for CUDA tensors plus gloo for
+CPU tensors (CPU offload and host-side reductions), gloo alone on CPU. A single process that needs a
+process group (ZeRO/FSDP on one device) gets a private one-rank group over an in-memory store.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def env_world_size() -> int:
+    """World size the launcher asked for (1 when started without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_distributed(device: torch.device, timeout_minutes: float, *, needed: bool) -> bool:
+    """Join (or create) the default process group; returns True when this call created it.
+
+    `needed`: the layout uses collectives (world size > 1, or ZeRO/FSDP on one process).
+    """
+    if dist.is_initialized():
+        return False
+    world = env_world_size()
+    if world == 1 and not needed:
+        return False
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    timeout = dt.timedelta(minutes=timeout_minutes)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    return True
+
+
+def shutdown_distributed(created: bool) -> None:
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def all_reduce_floats(values: list[float], group=None, op=dist.ReduceOp.SUM) -> list[float]:
+    """Reduce a few Python floats across `group` (one collective, float64 on the host)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.tolist()
+
+
+def collective_device(group) -> torch.device:
+    """Host tensors for gloo groups; the current CUDA device for nccl-only groups."""
+    backend = dist.get_backend(group)
+    if "gloo" in str(backend) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
