@@ -1,0 +1,282 @@
+"""`stx launch`: N processes on this node through torchrun's own agent (`elastic_launch`).
+
+Each rank runs `python -u -m scalable_transformer.cli SUBCOMMAND ARGS...`; the agent sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Rendezvous is picked as torchrun picks it: one
+node and no --master-port -> c10d on localhost:0 (torchrun --standalone), so the agent's store takes
+a free port and two jobs at once never collide; otherwise static at MASTER_ADDR:MASTER_PORT with
+this node's rank.
+
+Failures: with max_restarts=0, the first rank to exit non-zero makes the agent SIGTERM the others
+(and SIGKILL those still alive 30 s later: torch's fixed grace on this path, which
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT does not change) and raise ChildFailedError. We name the root-cause
+rank, its exit code, its exception and traceback tail (from the error.json that `@record` in cli's
+`__main__` writes, else the tail of its stderr) and exit 1.
+
+Output: rank 0's stdout straight through (every rank's, prefixed `[rankN]:`, with ranks_output
+"all"); every rank's stderr, prefixed. What is not shown goes to files under the log directory
+(a temporary one, removed at exit, unless log_dir is given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+import signal
+import sys
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessFailure, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+RANKS_OUTPUT = ("0", "all")
+DEFAULT_MASTER_PORT = 29500  # torchrun's, for static rendezvous
+STATIC_RUN_ID = "stx"  # static rendezvous: every node must use the same run id (torchrun uses "none")
+TRACEBACK_FRAMES = 4  # frames of the failing rank's traceback in the report
+STDERR_LINES = 12  # lines of its stderr when it left no error file
+LOG_PREFIX = "[rank${rank}]:"  # torchrun's template syntax: global rank of the line's process
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """What `stx launch` takes besides the command; ValueError on a bad value (before any process starts)."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.1  # seconds between the agent's polls: how fast a failure is noticed
+    log_dir: str | None = None
+    ranks_output: str = "0"  # whose stdout is shown: "0" (rank 0) or "all"
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}"
+            )
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError(
+                f"--nnodes {self.nnodes} needs --master-addr: the address of node 0, reachable from all nodes"
+            )
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not self.monitor_interval > 0:
+            raise ValueError(f"--monitor-interval must be > 0 seconds, got {self.monitor_interval}")
+        if self.ranks_output not in RANKS_OUTPUT:
+            raise ValueError(
+                f"--ranks-output must be one of {', '.join(RANKS_OUTPUT)}, got {self.ranks_output!r}"
+            )
+
+
+def stx_command(subcommand: str, args: Sequence[str]) -> list[str]:
+    """The command line of one rank: `stx SUBCOMMAND ARGS...` in this interpreter, unbuffered."""
+    return [sys.executable, "-u", "-m", "scalable_transformer.cli", subcommand, *args]
+
+
+def worker_threads(nproc_per_node: int) -> int:
+    """Threads per rank so that the ranks together use this machine's cores once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // nproc_per_node)
+
+
+def rendezvous(opts: LaunchOptions) -> tuple[str, str, str, dict[str, Any]]:
+    """(backend, endpoint, run id, backend configs), chosen as torchrun chooses them."""
+    if opts.nnodes == 1 and opts.master_port is None:
+        return "c10d", "localhost:0", uuid.uuid4().hex, {}
+    endpoint = f"{opts.master_addr or '127.0.0.1'}:{opts.master_port or DEFAULT_MASTER_PORT}"
+    return "static", endpoint, STATIC_RUN_ID, {"rank": opts.node_rank}
+
+
+def launch(opts: LaunchOptions, command: Sequence[str]) -> int:
+    """Run `command` (executable, then arguments) as opts.nproc_per_node ranks on this node.
+
+    Returns the launcher's exit code: 0 when every rank succeeded, 1 when one failed (reported on
+    stderr), 128 + N when the launcher was stopped by signal N.
+    """
+    backend, endpoint, run_id, rdzv_configs = rendezvous(opts)
+    with _log_root(opts.log_dir) as log_root, _worker_env(opts.nproc_per_node) as threads:
+        config = LaunchConfig(
+            min_nodes=opts.nnodes,
+            max_nodes=opts.nnodes,
+            nproc_per_node=opts.nproc_per_node,
+            run_id=run_id,
+            rdzv_backend=backend,
+            rdzv_endpoint=endpoint,
+            rdzv_configs=rdzv_configs,
+            max_restarts=opts.max_restarts,
+            monitor_interval=opts.monitor_interval,
+            logs_specs=_logs_specs(opts, log_root),
+            log_line_prefix_template=LOG_PREFIX,
+        )
+        print(
+            f"stx launch: {opts.nproc_per_node} processes on node {opts.node_rank} of {opts.nnodes} "
+            f"(rendezvous {backend} {endpoint}, OMP_NUM_THREADS={threads})"
+            + (f"; logs in {log_root}" if opts.log_dir else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        # The agent substitutes ${local_rank} in arguments (and turns $$ into $): escape every $ so
+        # the command reaches the ranks untouched.
+        args = [arg.replace("$", "$$") for arg in command[1:]]
+        # torch's SubprocessHandler closes its log files only for the ranks it had to stop; the
+        # others' are collected with the agent (here, or with the exception that references it).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            try:
+                elastic_launch(config, command[0])(*args)
+            except ChildFailedError as e:
+                print(failure_report(e.failures, log_root, run_id), file=sys.stderr, flush=True)
+                return 1
+            except SignalException as e:
+                print(
+                    f"stx launch: stopped by {signal.Signals(e.sigval).name}; every rank was terminated",
+                    file=sys.stderr,
+                )
+                return 128 + int(e.sigval)
+            except RendezvousError as e:
+                print(f"stx launch: error: rendezvous at {endpoint} failed: {e}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def _logs_specs(opts: LaunchOptions, log_root: str) -> DefaultLogsSpecs:
+    """Every rank's stderr is written to a file and tailed to ours with a prefix (tee), so a failure
+    report can quote it; stdout is shown for rank 0 only (to the console directly, unprefixed) or,
+    with "all", tee'd for every rank."""
+    if opts.ranks_output == "all":
+        return DefaultLogsSpecs(log_dir=log_root, tee=Std.ALL)
+    shown = 0 if opts.node_rank == 0 else None  # global rank 0 is local rank 0 of node 0
+    redirects = {r: Std.NONE if r == shown else Std.OUT for r in range(opts.nproc_per_node)}
+    return DefaultLogsSpecs(log_dir=log_root, redirects=redirects, tee=Std.ERR)
+
+
+@contextlib.contextmanager
+def _log_root(log_dir: str | None) -> Iterator[str]:
+    if log_dir:
+        yield log_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="stx-launch-") as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _worker_env(nproc_per_node: int) -> Iterator[str]:
+    """OMP_NUM_THREADS for the ranks (the agent passes ours on), unless the user set it: without it
+    every rank would start one thread per core and N ranks would oversubscribe the machine N times.
+    This is the one place it is set: elastic_launch itself does not (torchrun's CLI sets 1)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield os.environ["OMP_NUM_THREADS"]
+        return
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc_per_node))
+    try:
+        yield os.environ["OMP_NUM_THREADS"]
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+# ---------------------------------------------------------------------------- failure report
+
+
+def failure_report(failures: dict[int, ProcessFailure], log_root: str, run_id: str) -> str:
+    """Which rank failed first and why (exception, traceback tail), then the ranks brought down."""
+    ordered = sorted(failures, key=lambda rank: _root_cause_key(rank, failures[rank]))
+    root, root_failure = ordered[0], failures[ordered[0]]
+    lines = [f"stx launch: rank {root} {_how(root_failure)}"]
+    error = _recorded_error(root_failure)
+    if error is not None:
+        message, callstack = error
+        lines.append(f"  {message}")
+        tail = traceback_tail(callstack)
+        if tail:
+            lines.append("  traceback (innermost frames):")
+            lines.extend(f"    {line}" for line in tail)
+    else:
+        stderr = _stderr_tail(root_failure, log_root, run_id)
+        if stderr:
+            lines.append(f"  its stderr (last {len(stderr)} lines):")
+            lines.extend(f"    {line}" for line in stderr)
+    others = []
+    for rank in ordered[1:]:
+        failure = failures[rank]
+        error = _recorded_error(failure)
+        detail = f": {_first_line(error[0])}" if error is not None else ""
+        others.append(f"  rank {rank} {_how(failure)}{detail}")
+    if others:
+        lines.append("stx launch: the other ranks were stopped or failed after it:")
+        lines.extend(others)
+    return "\n".join(lines)
+
+
+def _root_cause_key(rank: int, failure: ProcessFailure) -> tuple[int, float, int]:
+    """A rank that exited with an error comes first, then one killed by a signal other than SIGTERM
+    (a crash, the OOM killer), then SIGTERM (what the agent sends the survivors); within a tier the
+    earliest. The error file's mtime orders ranks finer than ProcessFailure.timestamp (seconds)."""
+    if failure.exitcode > 0:
+        tier = 0
+    elif failure.exitcode != -signal.SIGTERM:
+        tier = 1
+    else:
+        tier = 2
+    when = float(failure.timestamp)
+    with contextlib.suppress(OSError):
+        when = os.stat(failure.error_file).st_mtime
+    return tier, when, rank
+
+
+def traceback_tail(callstack: str, frames: int = TRACEBACK_FRAMES) -> list[str]:
+    """The last `frames` frames of a formatted traceback and the exception lines after them,
+    without Python 3.11's ^^^ position markers."""
+    lines = [line for line in callstack.rstrip("\n").splitlines() if line.strip(" ^~")]
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    return lines[starts[-frames] if len(starts) >= frames else 0 :][-4 * frames - 8 :]
+
+
+def _how(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by signal {failure.signal_name()} (exit code {failure.exitcode})"
+    return f"failed with exit code {failure.exitcode}"
+
+
+def _recorded_error(failure: ProcessFailure) -> tuple[str, str] | None:
+    """(exception type: message, traceback) from the rank's error.json, if `@record` wrote one."""
+    message = failure.message
+    if not isinstance(message, dict):
+        return None
+    extra = message.get("extraInfo", {})
+    return str(message.get("message", "")), str(extra.get("py_callstack", ""))
+
+
+def _stderr_tail(failure: ProcessFailure, log_root: str, run_id: str) -> list[str]:
+    """Last lines of the rank's stderr.log (latest attempt); a rank without an error file (exit via
+    sys.exit, a signal, a non-Python failure) has said why there, if anywhere."""
+    pattern = os.path.join(
+        glob.escape(log_root), f"{glob.escape(run_id)}_*", "attempt_*", str(failure.local_rank), "stderr.log"
+    )
+    # The newest file: a --log-dir may hold earlier jobs (the static run id is the same for all).
+    paths = glob.glob(pattern)
+    try:
+        text = Path(max(paths, key=os.path.getmtime)).read_text(encoding="utf-8", errors="replace")
+    except (ValueError, OSError):  # no file (max of nothing), or unreadable
+        return []
+    return [line for line in text.splitlines() if line.strip()][-STDERR_LINES:]
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
