@@ -12,9 +12,12 @@ from torch import nn
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.layers import (
     Embedding,
+    Logits,
     RotaryEmbedding,
     TransformerBlock,
+    argmax_rows,
     check_model_config,
+    cross_entropy_sum,
     init_weights,
     make_norm,
     padded_vocab_size,
@@ -33,11 +36,12 @@ class BertLMHead(nn.Module):
         self.norm = make_norm(cfg)
         self.decoder = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.bias = nn.Parameter(torch.zeros(vocab))
+        self.logits = Logits()
 
     def forward(self, x_bsh: torch.Tensor, word_weight_vh: torch.Tensor) -> torch.Tensor:
         x_bsh = self.norm(F.gelu(self.dense(x_bsh), approximate=self.approximate))
         weight_vh = word_weight_vh if self.decoder is None else self.decoder.weight
-        return F.linear(x_bsh, weight_vh, self.bias)
+        return self.logits(x_bsh, weight_vh, bias_v=self.bias)
 
 
 class BertModel(nn.Module):
@@ -106,11 +110,11 @@ def bert_loss(
     count = labelled_n.sum()
     # Sum / clamp(count) rather than mean: a micro-batch without masked tokens gives 0, not NaN.
     token_norm = normalizers["tokens"] if normalizers else count.clamp(min=1)
-    mlm_loss = F.cross_entropy(logits_nv, labels_n, ignore_index=IGNORE_INDEX, reduction="sum") / token_norm
+    mlm_loss = cross_entropy_sum(logits_nv, labels_n, IGNORE_INDEX) / token_norm
     metrics = {
         "mlm_loss": mlm_loss.detach(),
         # argmax over the labelled rows only: over all b*s rows it cost ~8% of a tiny-bert step
-        "mlm_correct": (logits_nv.detach()[labelled_n].argmax(-1) == labels_n[labelled_n]).sum().float(),
+        "mlm_correct": (argmax_rows(logits_nv.detach(), labelled_n) == labels_n[labelled_n]).sum().float(),
         "mlm_count": count.float(),
     }
     loss = mlm_loss

@@ -6,15 +6,16 @@ Shape legend: b batch, s sequence, h hidden, v padded vocabulary.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.layers import (
     Embedding,
+    Logits,
     RotaryEmbedding,
     TransformerBlock,
     check_model_config,
+    cross_entropy_sum,
     init_weights,
     make_norm,
     padded_vocab_size,
@@ -41,6 +42,7 @@ class GPTModel(nn.Module):
         # Post-LN blocks already end on a norm.
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.logits = Logits()
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -55,7 +57,7 @@ class GPTModel(nn.Module):
         if self.final_norm is not None:
             x_bsh = self.final_norm(x_bsh)
         weight_vh = self.embedding.word.weight if self.output is None else self.output.weight
-        return F.linear(x_bsh, weight_vh)
+        return self.logits(x_bsh, weight_vh)
 
 
 def gpt_loss(
@@ -68,9 +70,7 @@ def gpt_loss(
     """
     labels_n = batch["labels"].reshape(-1)
     count = (labels_n != IGNORE_INDEX).sum()
-    loss = F.cross_entropy(
-        logits_bsv.float().reshape(labels_n.numel(), -1), labels_n, ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    loss = cross_entropy_sum(logits_bsv.reshape(labels_n.numel(), -1), labels_n, IGNORE_INDEX)
     # Sum / clamp(count) rather than mean: a fully ignored micro-batch gives 0, not NaN.
     loss = loss / (normalizers["tokens"] if normalizers else count.clamp(min=1))
     return loss, {"lm_loss": loss.detach(), "loss": loss.detach()}

@@ -13,6 +13,8 @@ checkpointing can recompute just it.
 from __future__ import annotations
 
 import math
+import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -250,6 +252,17 @@ class MLP(nn.Module):
         return self.down(y_bsf)
 
 
+class Logits(nn.Module):
+    """x @ weight^T (+ bias): the output layer's matmul as a parameter-free module (adds no state-dict
+    keys), so that parallel/ can hook its inputs: tensor parallelism turns x into a DTensor here and
+    gets vocabulary-sharded logits from the sharded weight. Pass the bias by keyword."""
+
+    def forward(
+        self, x_bsh: torch.Tensor, weight_vh: torch.Tensor, *, bias_v: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x_bsh, weight_vh, bias_v)
+
+
 class TransformerBlock(nn.Module):
     """Pre-LN by default; post-LN (original BERT) when apply_residual_connection_post_layernorm."""
 
@@ -295,3 +308,56 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.zeros_(bias)
         elif isinstance(module, Embedding | RotaryEmbedding):
             module.reset_buffers()
+
+
+# ---------------------------------------------------------------- losses over (possibly sharded) logits
+# Tensor parallelism hands the losses DTensor logits sharded on the vocabulary (n rows, v columns
+# split over the tp ranks). These two helpers are the only code here that knows about that.
+
+
+def _dtensor_class() -> Any:
+    """DTensor's class if torch.distributed.tensor is loaded, else None. A DTensor cannot exist
+    before its module is imported, so this keeps the ~1 s import off the plain-tensor path."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed fp32 cross-entropy over the rows whose label is not ignore_index, as a plain scalar.
+
+    Vocab-sharded DTensor logits must come inside `torch.distributed.tensor.parallel.loss_parallel()`
+    (backward too): it computes the softmax with all-reduces of [n] maxima and sums instead of
+    gathering the logits; the replicated DTensor result is returned as its local (full) value.
+    """
+    loss = F.cross_entropy(logits_nv.float(), labels_n, ignore_index=ignore_index, reduction="sum")
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(loss, dtensor):
+        loss = loss.to_local()
+    return loss
+
+
+def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
+    """Vocabulary argmax [m] of the rows selected by the boolean mask rows_n (m = rows_n.sum()).
+
+    For DTensor logits sharded evenly on the vocabulary, each rank takes its shard's (max, first
+    argmax) of the selected rows and only those [m, 2] pairs are gathered; the first shard holding
+    the overall max wins, so ties resolve to the lowest index, as torch.argmax does.
+    """
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(logits_nv, dtensor):
+        return logits_nv[rows_n].argmax(-1)
+    placements = tuple(logits_nv.placements)
+    if not all(p.is_replicate() or p.is_shard(1) for p in placements):
+        raise ValueError(f"argmax_rows expects logits sharded on the vocabulary only, got {placements}")
+    local_mv = logits_nv.to_local()[rows_n]
+    if logits_nv.shape[1] % local_mv.shape[1]:
+        raise ValueError(f"argmax_rows needs evenly sharded logits, got {logits_nv.shape[1]} columns")
+    max_m, arg_m = local_mv.max(-1)
+    # float64 holds any fp32/bf16 logit and any vocabulary index exactly
+    pairs_m12 = torch.stack([max_m.double(), arg_m.double()], -1)[:, None, :]
+    pairs_mt2 = dtensor.from_local(
+        pairs_m12, logits_nv.device_mesh, placements, run_check=False
+    ).full_tensor()
+    shard_m = pairs_mt2[..., 0].argmax(-1)
+    local_index_m = pairs_mt2[..., 1].gather(-1, shard_m[:, None]).squeeze(-1).long()
+    return shard_m * local_mv.shape[1] + local_index_m

@@ -1,0 +1,243 @@
+"""Tensor (+ sequence) parallelism on 2 gloo processes reproduces the single-process training run.
+
+Every case builds the model with the same seed (fp32, dropout 0), trains 5 AdamW steps on the same
+fixed batches plainly (in the test process) and with `apply_tensor_parallel` on tp=2, and compares
+the per-step losses, the MLM accuracy counts, the first step's gradients, the final (gathered)
+weights and, for BERT, the final model's vocabulary argmax on the labelled rows.
+
+Tolerance: the tp run computes the same sums in another order (each rank contracts over half of
+the heads / MLP columns / vocabulary, then all-reduces or reduce-scatters; the softmax normalizer
+is a sum of two partial sums), so fp32 results differ by a few ulps per reduction, ~1e-7..1e-6
+relative. Limits and the largest differences measured over the five cases:
+  loss          rtol 1e-5                                      measured <= 1.5e-7 relative
+  gradients     atol 1e-5 * max|grad| of the parameter, rtol 1e-4   measured <= 9e-7 * max|grad|
+  weights       atol 1e-5 + rtol 1e-4                          measured <= 1.5e-6 absolute
+The gradient check is the sharp one: Adam's update ignores a gradient's scale, so a doubled or
+halved gradient (a reduction too many or too few) would pass the loss and weight checks but is off
+by 100% here. Weights move ~1e-3 per step (lr), so a wrong shard misses 1e-5 by orders of magnitude.
+Argmax indices and MLM correct counts are integers and must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from harness import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models import build_model, compute_loss, model_inputs
+from scalable_transformer.models.layers import argmax_rows
+from scalable_transformer.parallel.tensor import apply_tensor_parallel, loss_parallel_context
+
+STEPS, BATCH, SEED = 5, 4, 1234
+LOSS_RTOL, GRAD_ATOL, WEIGHT_ATOL, WEIGHT_RTOL = 1e-5, 1e-5, 1e-5, 1e-4
+
+
+def tiny(model_type: str, **overrides) -> ModelConfig:
+    base = dict(
+        type=model_type,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        seq_length=32,
+        max_position_embeddings=32,
+        vocab_size=500,  # padded to 512: 12 rows no token uses, sharded like the rest
+        make_vocab_size_divisible_by=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def batches(cfg: ModelConfig) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    b, s = BATCH, cfg.seq_length
+    assert cfg.vocab_size is not None
+    out = []
+    for _ in range(STEPS):
+        if cfg.type == "gpt":
+            tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=gen)
+            out.append({"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
+            continue
+        attention_mask = torch.ones(b, s, dtype=torch.long)
+        attention_mask[0, -5:] = 0
+        attention_mask[2, -11:] = 0
+        masked = (torch.rand(b, s, generator=gen) < 0.15) & attention_mask.bool()
+        input_ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
+        labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
+        out.append(
+            {
+                "input_ids": torch.where(masked, torch.full_like(input_ids, 3), input_ids) * attention_mask,
+                "token_type_ids": (torch.arange(s) >= s // 2).long().expand(b, s) * attention_mask,
+                "attention_mask": attention_mask,
+                "labels": labels,
+                "nsp_labels": torch.randint(0, 2, (b,), generator=gen),
+            }
+        )
+    return out
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> dict:
+    """5 AdamW steps: per-step losses and MLM correct counts, the first step's gradients, the final
+    weights (all full tensors) and, for BERT, the final model's argmax on the labelled rows."""
+    torch.manual_seed(SEED)
+    model = build_model(cfg)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel)
+    initial = {name: _full(p) for name, p in model.named_parameters()}
+    # foreach=False: the foreach kernels reject lists mixing DTensor and plain parameters.
+    # eps=1e-6: gradients that are zero in exact arithmetic (the key bias: softmax ignores a per-query
+    # constant) hold ~1e-10 of rounding noise, which Adam with eps=1e-8 would turn into 1e-5 steps.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6, foreach=False)
+    losses, correct, grads = [], [], {}
+    data = batches(cfg)
+    for batch in data:
+        optimizer.zero_grad()
+        with loss_parallel_context(tp):
+            outputs = model(*model_inputs(cfg.type, batch))
+            loss, metrics = compute_loss(cfg.type, outputs, batch)
+            loss.backward()
+        if not grads:
+            grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        losses.append(loss.item())
+        correct.append(metrics.get("mlm_correct", torch.tensor(0.0)).item())
+    argmax = None
+    if cfg.type == "bert":  # random labels are almost never predicted: compare the predictions
+        with torch.no_grad(), loss_parallel_context(tp):
+            logits_bsv = model(*model_inputs(cfg.type, data[0]))[0]
+            argmax = argmax_rows(
+                logits_bsv.reshape(-1, logits_bsv.shape[-1]), data[0]["labels"].reshape(-1) != -100
+            )
+    weights = {name: _full(p) for name, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "correct": correct,
+        "grads": grads,
+        "weights": weights,
+        "argmax": argmax,
+        "initial": initial,
+    }
+
+
+def _tp_worker(rank: int, world_size: int, cfg: ModelConfig, sequence_parallel: bool) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    result = train(cfg, mesh["tp"], sequence_parallel)
+    if cfg.type == "bert":
+        _check_argmax_rows(mesh)
+    return result
+
+
+def _check_argmax_rows(mesh) -> None:
+    """The sharded argmax equals torch.argmax, ties across shards included (lowest index wins)."""
+    logits_nv = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    logits_nv[1, [2, 6]] = 10.0  # tie between shard 0 and shard 1
+    logits_nv[3, [5, 7]] = 10.0  # tie inside shard 1
+    rows_n = torch.tensor([True, True, False, True, True, False])
+    sharded = distribute_tensor(logits_nv, mesh, [Shard(1)])
+    assert torch.equal(argmax_rows(sharded, rows_n), logits_nv[rows_n].argmax(-1))
+    assert argmax_rows(sharded, torch.zeros(6, dtype=torch.bool)).numel() == 0
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], relative: bool = False) -> float:
+    return max(
+        (a[n] - t).abs().max().item() / (t.abs().max().item() if relative else 1.0) for n, t in b.items()
+    )
+
+
+def check_equivalent(tmp_path, cfg: ModelConfig, sequence_parallel: bool) -> None:
+    torch.set_num_threads(1)
+    plain = train(cfg)
+    per_rank = run_distributed(_tp_worker, 2, cfg, sequence_parallel, tmp_dir=tmp_path, timeout=150)
+    # the run moved the weights far beyond the tolerance (AdamW: ~lr = 1e-3 per step)
+    assert _max_diff(plain["weights"], plain["initial"]) > 100 * WEIGHT_ATOL
+    for rank, result in enumerate(per_rank):
+        where = f"rank {rank}"
+        assert result["losses"] == pytest.approx(plain["losses"], rel=LOSS_RTOL, abs=0), where
+        assert result["correct"] == plain["correct"], where
+        if plain["argmax"] is not None:
+            assert torch.equal(result["argmax"], plain["argmax"]), where
+        for key, atol_scale, atol, rtol in [
+            ("grads", GRAD_ATOL, 0.0, 1e-4),
+            ("weights", 0.0, WEIGHT_ATOL, WEIGHT_RTOL),
+        ]:
+            assert result[key].keys() == plain[key].keys(), where
+            for name, expected in plain[key].items():
+                scale_atol = atol + atol_scale * expected.abs().max().item()
+                torch.testing.assert_close(
+                    result[key][name],
+                    expected,
+                    atol=scale_atol,
+                    rtol=rtol,
+                    msg=lambda m, n=name, w=where: f"{w} {n}: {m}",
+                )
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(per_rank[0]["losses"], plain["losses"], strict=True))
+    grad_diff = _max_diff(per_rank[0]["grads"], plain["grads"], relative=True)
+    weight_diff = _max_diff(per_rank[0]["weights"], plain["weights"])
+    print(f"loss rel {loss_diff:.1e}, grad rel-to-max {grad_diff:.1e}, weight abs {weight_diff:.1e}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpt_tp2(tmp_path):
+    check_equivalent(tmp_path, tiny("gpt"), sequence_parallel=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpt_tp2_sequence_parallel(tmp_path):
+    check_equivalent(tmp_path, tiny("gpt"), sequence_parallel=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpt_rotary_rmsnorm_geglu_untied_tp2_sequence_parallel(tmp_path):
+    cfg = tiny(
+        "gpt", position_embedding_type="rotary", norm="rmsnorm", activation="geglu", tie_word_embeddings=False
+    )
+    check_equivalent(tmp_path, cfg, sequence_parallel=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bert_binary_head_tp2(tmp_path):
+    check_equivalent(tmp_path, tiny("bert"), sequence_parallel=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bert_post_ln_untied_tp2_sequence_parallel(tmp_path):
+    cfg = tiny("bert", apply_residual_connection_post_layernorm=True, tie_word_embeddings=False)
+    check_equivalent(tmp_path, cfg, sequence_parallel=True)
+
+
+def test_plan_skips_children_a_pipeline_stage_lacks():
+    """A middle stage (ModuleDict of blocks keyed by global index, no embedding or heads) gets only
+    block entries, and no gather at its end even for post-LN models; the model's last block does."""
+    from torch import nn
+
+    from scalable_transformer.parallel.tensor import tensor_parallel_plan
+
+    cfg = tiny("bert", apply_residual_connection_post_layernorm=True)
+    model = build_model(cfg)
+    stage = nn.Module()
+    stage.layers = nn.ModuleDict({"0": model.layers[0]})
+    names = [name for name, _ in tensor_parallel_plan(stage, sequence_parallel=True)]
+    assert names and all(name.startswith("layers.0.") for name in names)
+    stage.cfg = dataclasses.replace(cfg)
+    assert "layers.0" not in [name for name, _ in tensor_parallel_plan(stage, sequence_parallel=True)]
+    stage.layers = nn.ModuleDict({"1": model.layers[1]})
+    assert "layers.1" in [name for name, _ in tensor_parallel_plan(stage, sequence_parallel=True)]
+    full = [name for name, _ in tensor_parallel_plan(model, sequence_parallel=False)]
+    assert {"embedding.word", "lm_head.logits", "layers.1.mlp.down"} <= set(full)
