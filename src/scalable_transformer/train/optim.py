@@ -48,6 +48,31 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
+def _tensor_kind(p: torch.Tensor) -> tuple:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return ("dtensor", id(p.device_mesh), p.placements)
+    return ("plain",)
+
+
+def split_by_tensor_kind(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Split each group so that it holds one kind of tensor only: plain, or DTensors of one mesh and
+    placement. torch's foreach kernels (AdamW foreach=True) reject a mix, which tensor parallelism
+    (sharded matrices next to replicated norms) and FSDP2 + TP (1-D and 2-D meshes) produce.
+    A plain model keeps exactly its groups."""
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        kinds: dict[tuple, list] = {}
+        for p in group["params"]:
+            kinds.setdefault(_tensor_kind(p), []).append(p)
+        if len(kinds) <= 1:
+            out.append(group)
+            continue
+        out += [{**group, "params": params} for params in kinds.values()]
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_group: Any = None) -> torch.optim.Optimizer:
     """The optimizer named by `cfg.optimizer` over `param_groups(model, cfg.weight_decay)`.
 
@@ -61,7 +86,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_group: Any = None) 
         raise ConfigError(f"optim.weight_decay must be >= 0, got {cfg.weight_decay}")
     if cfg.lr < 0:
         raise ConfigError(f"optim.lr must be >= 0, got {cfg.lr}")
-    groups = param_groups(model, cfg.weight_decay)
+    groups = split_by_tensor_kind(param_groups(model, cfg.weight_decay))
     if not any(g["params"] for g in groups):
         raise ValueError("the model has no trainable parameters")
     # foreach is bit-identical to the per-tensor loop and about 2x faster on CPU; fused would be ~7x
