@@ -21,6 +21,7 @@ from scalable_transformer.models.layers import (
     init_weights,
     make_norm,
     padded_vocab_size,
+    run_blocks,
 )
 
 IGNORE_INDEX = -100
@@ -58,6 +59,7 @@ class BertModel(nn.Module):
             if cfg.position_embedding_type == "rotary"
             else None
         )
+        self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
         self.layers = nn.ModuleList(TransformerBlock(cfg, causal=False) for _ in range(cfg.num_layers))
         # Post-LN blocks already end on a norm.
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
@@ -80,8 +82,7 @@ class BertModel(nn.Module):
         x_bsh = self.embedding(input_ids_bs, token_type_ids_bs)
         mask_b11s = None if attention_mask_bs is None else attention_mask_bs[:, None, None, :].bool()
         rotary = None if self.rotary is None else self.rotary(input_ids_bs.shape[1])
-        for layer in self.layers:
-            x_bsh = layer(x_bsh, mask_b11s, rotary)
+        x_bsh = run_blocks(self.layers, x_bsh, mask_b11s, rotary, self.recompute_chunk)
         if self.final_norm is not None:
             x_bsh = self.final_norm(x_bsh)
         mlm_logits_bsv = self.lm_head(x_bsh, self.embedding.word.weight)

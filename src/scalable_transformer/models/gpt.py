@@ -19,6 +19,7 @@ from scalable_transformer.models.layers import (
     init_weights,
     make_norm,
     padded_vocab_size,
+    run_blocks,
 )
 
 IGNORE_INDEX = -100
@@ -38,6 +39,7 @@ class GPTModel(nn.Module):
             if cfg.position_embedding_type == "rotary"
             else None
         )
+        self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
         self.layers = nn.ModuleList(TransformerBlock(cfg, causal=True) for _ in range(cfg.num_layers))
         # Post-LN blocks already end on a norm.
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
@@ -52,8 +54,7 @@ class GPTModel(nn.Module):
         """Token ids [b, s] -> next-token logits [b, s, v]."""
         x_bsh = self.embedding(input_ids_bs)
         rotary = None if self.rotary is None else self.rotary(input_ids_bs.shape[1])
-        for layer in self.layers:
-            x_bsh = layer(x_bsh, None, rotary)
+        x_bsh = run_blocks(self.layers, x_bsh, None, rotary, self.recompute_chunk)
         if self.final_norm is not None:
             x_bsh = self.final_norm(x_bsh)
         weight_vh = self.embedding.word.weight if self.output is None else self.output.weight

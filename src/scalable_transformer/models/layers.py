@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from scalable_transformer.config.schema import ModelConfig
@@ -285,6 +287,36 @@ class TransformerBlock(nn.Module):
             return self.norm2(x_bsh + self.dropout(self.mlp(x_bsh)))
         x_bsh = x_bsh + self.dropout(self.attention(self.norm1(x_bsh), mask_b11s, rotary))
         return x_bsh + self.dropout(self.mlp(self.norm2(x_bsh)))
+
+
+def run_blocks(
+    blocks: Iterable[nn.Module],
+    x_bsh: torch.Tensor,
+    mask_b11s: torch.Tensor | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    recompute_chunk: int = 0,
+) -> torch.Tensor:
+    """Run transformer blocks in order. recompute_chunk = k > 1: Megatron's uniform full recompute,
+    each run of k consecutive blocks is one non-reentrant checkpoint (only every k-th block's input
+    is kept; the k blocks are recomputed together in backward). 0 or 1: plain calls (per-block
+    checkpointing, when configured, is a wrapper around each block instead)."""
+    blocks = list(blocks)
+    if recompute_chunk <= 1 or not torch.is_grad_enabled():
+        for block in blocks:
+            x_bsh = block(x_bsh, mask_b11s, rotary)
+        return x_bsh
+    for start in range(0, len(blocks), recompute_chunk):
+        chunk = blocks[start : start + recompute_chunk]
+        x_bsh = torch.utils.checkpoint.checkpoint(
+            _run_chunk, chunk, x_bsh, mask_b11s, rotary, use_reentrant=False
+        )
+    return x_bsh
+
+
+def _run_chunk(chunk, x_bsh, mask_b11s, rotary):
+    for block in chunk:
+        x_bsh = block(x_bsh, mask_b11s, rotary)
+    return x_bsh
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:

@@ -43,16 +43,23 @@ def _replace_block(model: nn.Module, name: str, new: nn.Module) -> None:
 def apply_activation_checkpointing(model: nn.Module, mode: str, num_layers: int) -> None:
     """Recompute activations in backward (non-reentrant checkpointing).
 
-    `full` wraps every block (checkpoint_num_layers = 1); `selective` wraps only the attention core of
-    each block (the s^2 part whose activations are largest and cheapest to recompute).
+    `full` wraps every block (checkpoint_num_layers = 1) or checkpoints chunks of checkpoint_num_layers
+    consecutive blocks (Megatron's uniform method: fewer saved inputs, the chunk recomputed at once);
+    `selective` wraps only the attention core of each block (the s^2 part whose activations are
+    largest and cheapest to recompute).
     """
     if mode == "none":
         return
-    if num_layers != 1:
-        raise ConfigError(
-            f"parallel.checkpoint_num_layers = {num_layers}: only 1 (checkpoint every block) is "
-            "supported in this version"
-        )
+    if mode == "full" and num_layers > 1:
+        # Megatron's uniform method: the model runs its blocks in checkpointed chunks
+        # (models.layers.run_blocks)
+        if not hasattr(model, "recompute_chunk"):
+            raise ConfigError(
+                f"parallel.checkpoint_num_layers = {num_layers}: {type(model).__name__} does not run "
+                "its blocks through models.layers.run_blocks, so chunked recompute is unavailable"
+            )
+        setattr(model, "recompute_chunk", num_layers)  # noqa: B010 (a plain int attribute)
+        return
     for name, block in blocks(model):
         if mode == "full":
             _replace_block(

@@ -11,7 +11,7 @@ disjoint parameters. Clipping then scales every local shard by one coefficient.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ def _group_key(grad: torch.Tensor) -> tuple:
 def grad_norm(
     params: Iterable[torch.nn.Parameter],
     *,
-    exclude: set[int] = frozenset(),
-    pp_group=None,  # type: ignore[assignment]
+    exclude: Collection[int] = (),
+    pp_group=None,
 ) -> torch.Tensor:
     """Global L2 norm of the gradients of `params` (float64 scalar on CPU), counted once each.
 

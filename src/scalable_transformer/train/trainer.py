@@ -79,9 +79,12 @@ def loss_context(tp: int) -> contextlib.AbstractContextManager:
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Skip the data-parallel gradient reduction on all but the last micro-batch of a step."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (ZeRO-2/3)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FSDPModule):  # ZeRO-2/3
         model.set_requires_gradient_sync(sync)
-    elif hasattr(model, "no_sync") and not sync:  # DDP (ZeRO-0/1)
+    elif isinstance(model, DistributedDataParallel) and not sync:  # ZeRO-0/1
         return model.no_sync()
     return contextlib.nullcontext()
 
