@@ -98,6 +98,18 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
     fully_shard(model, **kwargs)
 
 
+def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any) -> None:
+    """ZeRO-0 with tensor parallel: DDP cannot replicate DTensor parameters, so use torch's FSDP2-based
+    `replicate` (same all-reduce semantics, composes with DTensor) per block and on the root."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[cfg.parallel.grad_reduce_dtype])
+    for _, block in blocks(model):
+        replicate(block, mesh=dp_mesh, mp_policy=mixed)
+    replicate(model, mesh=dp_mesh, mp_policy=mixed)
+
+
 def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device) -> nn.Module:
     """ZeRO-0/1: DistributedDataParallel over the data-parallel group (grad reduction dtype via comm hook)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -137,6 +149,8 @@ def parallelize(
         return model
     if p.zero_stage >= 2:
         apply_fsdp(model, cfg, mesh["dp"], device)
+    elif p.dp > 1 and p.tp > 1:
+        apply_replicate(model, cfg, mesh["dp"])
     elif p.dp > 1:
         model = apply_ddp(model, cfg, mesh["dp"].get_group(), device)
     return model

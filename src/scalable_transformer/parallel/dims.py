@@ -121,11 +121,11 @@ def check_layout(cfg: Config, world_size: int) -> None:
             "offload is FSDP2's CPUOffloadPolicy, which moves sharded parameters, gradients and optimizer "
             "state together; ZeRO-0/1 keep them unsharded on the device"
         )
-    if p.zero_stage in (0, 1) and p.dp > 1 and p.tp > 1:
+    if p.zero_stage == 1 and p.dp > 1 and p.tp > 1:
         raise ConfigError(
-            f"parallel.zero_stage = {p.zero_stage} with dp = {p.dp} and tp = {p.tp}: DDP and "
-            "ZeroRedundancyOptimizer cannot replicate tensor-parallel (DTensor) parameters; use "
-            "parallel.zero_stage = 2 (same optimizer-state sharding as ZeRO-1, gradients sharded too) or 3"
+            f"parallel.zero_stage = 1 with dp = {p.dp} and tp = {p.tp}: ZeroRedundancyOptimizer cannot "
+            "shard tensor-parallel (DTensor) parameters; use parallel.zero_stage = 2 (same optimizer-state "
+            "sharding as ZeRO-1, gradients sharded too), 3, or 0"
         )
     if p.zero_stage == 1 and p.pp > 1 and p.dp > 1:
         raise ConfigError(
