@@ -106,6 +106,11 @@ def test_deepspeed_zero_block_with_offload(tmp_path):
         (1, ["parallel.virtual_pipeline_stages=2"], r"need pipeline parallelism"),
         (
             2,
+            ["parallel.pp=2", "train.micro_batch_size=8", "train.global_batch_size=8"],
+            r"1f1b needs at least as many micro-batches per step as pipeline stages \(2\)",
+        ),
+        (
+            2,
             ["train.micro_batch_size=3", "train.global_batch_size=8"],
             r"global_batch_size \(8\) must be divisible",
         ),

@@ -179,6 +179,12 @@ def check_layout(cfg: Config, world_size: int) -> None:
                 f"parallel.virtual_pipeline_stages = {p.virtual_pipeline_stages} needs an interleaved "
                 f"schedule (interleaved-1f1b, looped-bfs, zero-bubble, zbv), not {p.pipeline_schedule}"
             )
+        stages = p.pp * p.virtual_pipeline_stages
+        if p.pipeline_schedule in ("1f1b", "zbv") and accumulation < stages:
+            raise ConfigError(
+                f"parallel.pipeline_schedule = {p.pipeline_schedule} needs at least as many micro-batches "
+                f"per step as pipeline stages ({stages}); train.gradient_accumulation_steps is {accumulation}"
+            )
         if interleaved and accumulation % p.pp:
             raise ConfigError(
                 f"parallel.pipeline_schedule = {p.pipeline_schedule}: the micro-batches per step "

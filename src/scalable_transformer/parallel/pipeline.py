@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config.schema import Config
 from ..models import compute_loss, model_inputs, padded_vocab_size
+from ..models.layers import run_blocks
 from .dims import stage_layer_counts
 
 Batch = dict[str, torch.Tensor]
@@ -154,6 +155,7 @@ class PipelineStageModule(nn.Module):
         self.rotary = copy.deepcopy(rotary) if rotary is not None else None
         layers = model.get_submodule("layers")
         self.layers = nn.ModuleDict({str(i): layers[i] for i in layer_ids})  # type: ignore[index]
+        self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
         if is_last:
             self.final_norm = getattr(model, "final_norm", None)
             if model_type == "gpt":
@@ -184,8 +186,7 @@ class PipelineStageModule(nn.Module):
             seq = self.seq_length
         mask_b11s = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         rotary = None if self.rotary is None else self.rotary(seq)
-        for layer in self.layers.values():
-            x_bsh = layer(x_bsh, mask_b11s, rotary)
+        x_bsh = run_blocks(self.layers.values(), x_bsh, mask_b11s, rotary, self.recompute_chunk)
         if not self.is_last:
             return x_bsh
         if self.final_norm is not None:

@@ -227,7 +227,11 @@ def _run(
             f" = micro {cfg.train.micro_batch_size} x accumulation "
             f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp}"
         )
-        console.print(f"layout: {world} process(es), {describe_layout(cfg)}")
+        bubble = pipeline_bubble(cfg)
+        console.print(
+            f"layout: {world} process(es), {describe_layout(cfg)}"
+            + (f"; pipeline bubble {100 * bubble:.1f}% of a step (theoretical)" if bubble is not None else "")
+        )
         console.print(
             f"TFLOPs/MFU/HFU: FLOPs convention '{flops.convention}' "
             f"({flops.model_flops / 1e9:.2f} model GFLOPs, {flops.hardware_flops / 1e9:.2f} hardware "
@@ -258,6 +262,7 @@ def _run(
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
     summary["layout"] = describe_layout(cfg)
     summary["world_size"] = world
+    summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
     if run_dir is None:
         return None, summary
     write_json(run_dir / "summary.json", summary)
@@ -290,6 +295,17 @@ def describe_layout(cfg: Config) -> str:
     if p.activation_checkpointing != "none":
         parts.append(f"recompute {p.activation_checkpointing}")
     return " ".join(parts)
+
+
+def pipeline_bubble(cfg: Config) -> float | None:
+    """Idle share of a pipeline step, in theory: (pp - 1) / (v * m + pp - 1) for m micro-batches and
+    v stages per rank (GPipe and 1F1B: v = 1; Narayanan et al. 2021); None without pipelining. The
+    zero-bubble schedules fill most of it, so this is their upper bound."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return None
+    m = need(cfg.train.gradient_accumulation_steps, "train.gradient_accumulation_steps")
+    return (p.pp - 1) / (p.virtual_pipeline_stages * m + p.pp - 1)
 
 
 def gather_per_rank(value: float, world: int) -> list[int]:
