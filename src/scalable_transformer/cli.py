@@ -16,7 +16,9 @@ EPILOG = """Examples:
   stx config show bert-345m
   stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
   stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
-  stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16"""
+  stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16
+  stx sweep sweep.yaml
+  stx report results.sqlite --output report/"""
 
 
 def _split_config_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -126,6 +128,73 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(opts, stx_command(args.subcommand, args.args))
 
 
+# --- sweeps and reports (bench/sweep.py, bench/report.py, bench/importers.py) -----------------------
+
+REPORT_USAGE = """stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2] [--format md|csv|html]
+                  [--output DIR] [--device-memory-gb G]
+       stx report export STORE --format csv|parquet --output FILE
+       stx report import-log FILE --format megatron|deepspeed [--store PATH] [--label L] [--devices N]"""
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .bench.sweep import main_sweep
+
+    return main_sweep(args)
+
+
+def _report_parsers() -> dict[str, argparse.ArgumentParser]:
+    table = argparse.ArgumentParser(prog="stx report", usage=REPORT_USAGE)
+    table.add_argument(
+        "store", nargs="?", default="results.sqlite", help="results store (default results.sqlite)"
+    )
+    table.add_argument(
+        "--rows", default="label", help="row keys, comma-separated (default label: the layout)"
+    )
+    table.add_argument(
+        "--cols", default="devices", help="column keys (default devices: '2', or '4*8' for nodes)"
+    )
+    table.add_argument(
+        "--value",
+        default="samples_per_second,tflops_per_device",
+        help="cell values: samples_per_second, tokens_per_second, tflops_per_device, mfu, hfu, peak_memory",
+    )
+    table.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what is printed")
+    table.add_argument("--output", help="directory: table/wide .md and .csv, report.html, PNG plots")
+    table.add_argument("--device-memory-gb", type=float, help="device memory line of the memory plot (GiB)")
+    export = argparse.ArgumentParser(prog="stx report export")
+    export.add_argument("store")
+    export.add_argument("--format", choices=("csv", "parquet"), required=True)
+    export.add_argument("--output", required=True)
+    imp = argparse.ArgumentParser(prog="stx report import-log")
+    imp.add_argument("file")
+    imp.add_argument("--format", choices=("megatron", "deepspeed"), required=True)
+    imp.add_argument("--store", default="results.sqlite", help="results store (default results.sqlite)")
+    imp.add_argument("--label", help="report row label (default: file name and format)")
+    imp.add_argument("--devices", type=int, help="GPUs of the job (default: world size from the log)")
+    imp.add_argument("--nnodes", type=int, default=1, help="nodes of the job (for the '4*8' column)")
+    imp.add_argument("--seq-length", type=int, help="tokens per sample, when the log does not say")
+    return {"table": table, "export": export, "import-log": imp}
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .bench import importers, report
+    from .bench.results import StoreError
+
+    parsers = _report_parsers()
+    rest = list(args.args)
+    action = rest.pop(0) if rest and rest[0] in ("export", "import-log") else "table"
+    sub_args = parsers[action].parse_args(rest)
+    try:
+        if action == "export":
+            return report.main_export(sub_args)
+        if action == "import-log":
+            return importers.main_import(sub_args)
+        return report.main_report(sub_args)
+    except StoreError as e:
+        print(f"stx report: error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stx",
@@ -182,6 +251,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="versions and hardware fingerprint (stored in every run directory)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_env)
+
+    # --- sweeps and reports ---
+    p = sub.add_parser(
+        "sweep",
+        help="run a grid of layouts (each via stx launch), catch OOM/timeout/crash, store every result",
+        description="stx sweep SWEEP.yaml: expand the axes, list invalid members, run the rest one job "
+        "each, and record them in the results store; a restarted sweep skips finished members.",
+    )
+    p.add_argument("sweep", help="the sweep file (YAML)")
+    p.add_argument("--store", help="results store (default: the sweep's store:, or results.sqlite beside it)")
+    p.add_argument("--retry-failed", action="store_true", help="rerun members stored as oom/timeout/crashed")
+    p.add_argument("--dry-run", action="store_true", help="list the members and invalid ones; run nothing")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser(
+        "report",
+        help="tables (md/csv/html) and plots from a results store; export; import Megatron/DeepSpeed logs",
+        usage=REPORT_USAGE,
+        description="Tables like the users' own (layout x device count) and a wide MosaicML-style table.",
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see usage")
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser(
         "launch",
@@ -241,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .config.load import ConfigError
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
+        # `stx report` has three forms with their own options (see REPORT_USAGE): parsed in cmd_report.
+        args = argparse.Namespace(fn=cmd_report, args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:
         return args.fn(args)

@@ -1,0 +1,320 @@
+"""`stx report import-log`: Megatron-LM and DeepSpeed training logs into the results store.
+
+Megatron-LM (training.py `training_log`) prints, every log interval,
+    iteration      100/  500000 | consumed samples:  800 | elapsed time per iteration (ms): 512.3 | ...
+with optional `samples per second:`, `TFLOPs:` (Megatron-DeepSpeed) or `throughput per GPU
+(TFLOP/s/GPU):` (Megatron-LM core) fields, then its timers as
+    time (ms) | forward-compute: 43.42 | backward-compute: 90.74 | ...
+and, at the start, the argument dump (`  world_size ........ 8`), read for the layout.
+
+DeepSpeed prints `SamplesPerSec=` / `RunningAvgSamplesPerSec=` / `CurrSamplesPerSec=` (engine and
+ThroughputTimer), `MaxMemAllocated=1.2GB`, and the FLOPs profiler's "Profile Summary" block
+(`world size:`, `batch size per GPU:`, `params per GPU:`, `iter latency:`, `FLOPS per GPU = ...:`,
+`samples/second:`).
+
+The first logged interval of a run is warm-up and is excluded from the medians, as for our runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+_ARG_RE = re.compile(r"^\s+([a-z_0-9]+) \.{3,} (.*)$")
+_NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+_UNITS = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+class LogFormatError(ValueError):
+    """A log with none of the lines the chosen format prints."""
+
+
+def _float(text: str) -> float | None:
+    m = re.search(_NUM, text)
+    return float(m.group(1)) if m else None
+
+
+def _scaled(text: str) -> float | None:
+    """'336.23 M' -> 336230000.0; '81.9 TFLOPS' -> 8.19e13; '76.67 ms' -> 0.07667 (seconds)."""
+    m = re.search(_NUM + r"\s*([KMGTP]?)(s|ms|us)?\b", text.strip())
+    if not m:
+        return None
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if m.group(3) == "ms":
+        value /= 1e3
+    elif m.group(3) == "us":
+        value /= 1e6
+    return value
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _post_warmup(values: list) -> list:
+    return values[1:] if len(values) > 1 else values
+
+
+def parse_megatron(text: str) -> dict[str, Any]:
+    """Summary of a Megatron-LM log: median post-warm-up figures, timers, the parsed arguments."""
+    args: dict[str, str] = {}
+    iterations: list[dict[str, float]] = []
+    timers: list[dict[str, float]] = []
+    for line in text.splitlines():
+        m = _ARG_RE.match(line)
+        if m:
+            args[m.group(1)] = m.group(2).strip()
+            continue
+        stripped = line.strip()
+        if re.match(r"^(\[.*?\]\s*)?iteration\s+\d+\s*/\s*\d+\s*\|", stripped):
+            fields: dict[str, float] = {}
+            head, *rest = stripped.split("|")
+            m = re.search(r"iteration\s+(\d+)\s*/\s*(\d+)", head)
+            assert m is not None
+            fields["iteration"], fields["train_iters"] = float(m.group(1)), float(m.group(2))
+            for part in rest:
+                if ":" not in part:
+                    continue
+                key, _, value = part.rpartition(":")
+                number = _float(value)
+                if number is not None:
+                    fields[key.strip().lower()] = number
+            iterations.append(fields)
+        elif stripped.startswith("time (ms)"):
+            timer = {}
+            for part in stripped.split("|")[1:]:
+                if ":" in part:
+                    key, _, value = part.partition(":")
+                    number = _float(value)
+                    if number is not None:
+                        timer[key.strip()] = number
+            timers.append(timer)
+    if not iterations and not timers:
+        raise LogFormatError(
+            "no Megatron-LM lines found (' iteration N/ M | ... elapsed time per iteration (ms): ...' "
+            "or 'time (ms) | forward-compute: ...')"
+        )
+
+    def arg_int(name: str) -> int | None:
+        value = args.get(name)
+        return int(value) if value is not None and value.isdigit() else None
+
+    window = _post_warmup(iterations)
+    elapsed = _median(
+        [it["elapsed time per iteration (ms)"] for it in window if "elapsed time per iteration (ms)" in it]
+    )
+    gbs = _median([it["global batch size"] for it in window if "global batch size" in it])
+    gbs = gbs or arg_int("global_batch_size")
+    sps = _median([it["samples per second"] for it in window if "samples per second" in it])
+    if sps is None and elapsed and gbs:
+        sps = gbs / (elapsed / 1e3)
+    tflops = _median(
+        [it[k] for it in window for k in ("tflops", "throughput per gpu (tflop/s/gpu)") if k in it]
+    )
+    seq = arg_int("seq_length") or arg_int("encoder_seq_length")
+    phases: dict[str, float] = {}
+    timer_window = _post_warmup(timers)
+    for key in dict.fromkeys(k for t in timer_window for k in t):
+        phases[key] = statistics.median(t[key] for t in timer_window if key in t)
+    world = arg_int("world_size")
+    return {
+        "source": "megatron",
+        "iterations": len(iterations),
+        "warmup_iterations_excluded": 1 if len(iterations) > 1 else 0,
+        "median_iteration_seconds": None if elapsed is None else elapsed / 1e3,
+        "samples_per_second": sps,
+        "tokens_per_second": None if sps is None or seq is None else sps * seq,
+        "tflops_per_device": tflops,
+        "flops_convention": "megatron (as logged)" if tflops is not None else None,
+        "global_batch_size": None if gbs is None else int(gbs),
+        "micro_batch_size": arg_int("micro_batch_size"),
+        "seq_length": seq,
+        "world_size": world,
+        "tp": arg_int("tensor_model_parallel_size"),
+        "pp": arg_int("pipeline_model_parallel_size"),
+        "dp": arg_int("data_parallel_size"),
+        "precision": "fp16" if args.get("fp16") == "True" else "bf16" if args.get("bf16") == "True" else None,
+        "activation_checkpointing": "full"
+        if args.get("checkpoint_activations") == "True" or args.get("recompute_granularity") == "full"
+        else args.get("recompute_granularity") or ("none" if args else None),
+        "num_layers": arg_int("num_layers"),
+        "hidden_size": arg_int("hidden_size"),
+        "phase_time_ms_median": phases,
+    }
+
+
+_DS_SPS = re.compile(r"(?<![A-Za-z])(RunningAvgSamplesPerSec|CurrSamplesPerSec|SamplesPerSec)=\s*" + _NUM)
+_DS_MEM = re.compile(r"MaxMemAllocated=\s*" + _NUM + r"\s*([KMGT]?)B")
+_DS_PROFILE_KEYS = {
+    "world size": "world_size",
+    "data parallel size": "dp",
+    "model parallel size": "tp",
+    "batch size per gpu": "micro_batch_size",
+    "params per gpu": "params_per_gpu",
+    "params of model = params per gpu * mp_size": "num_parameters",
+    "fwd flops per gpu": "fwd_flops_per_gpu",
+    "fwd latency": "fwd_latency_seconds",
+    "bwd latency": "bwd_latency_seconds",
+    "step latency": "step_latency_seconds",
+    "iter latency": "iter_latency_seconds",
+    "flops per gpu = 3 * fwd flops per gpu / iter latency": "flops_per_gpu",
+    "samples/second": "profiler_samples_per_second",
+}
+
+
+def parse_deepspeed(text: str) -> dict[str, Any]:
+    """Summary of a DeepSpeed log: median post-warm-up SamplesPerSec, max memory, FLOPs profiler."""
+    samples: dict[str, list[float]] = {}
+    mem: list[float] = []
+    profile: dict[str, float] = {}
+    in_profile = False
+    for line in text.splitlines():
+        for m in _DS_SPS.finditer(line):
+            samples.setdefault(m.group(1), []).append(float(m.group(2)))
+        mm = _DS_MEM.search(line)
+        if mm:
+            m = mm
+            mem.append(
+                float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
+            )
+        if "DeepSpeed Flops Profiler" in line:
+            in_profile = True
+            continue
+        if in_profile and ":" in line:
+            key, _, value = line.rpartition(":")
+            name = _DS_PROFILE_KEYS.get(re.sub(r"\s+", " ", key.strip().lower()))
+            if name:
+                number = _scaled(value)
+                if number is not None:
+                    profile[name] = number
+        if in_profile and line.startswith("------") and "Profiler" not in line and profile:
+            in_profile = False
+    if not samples and not profile:
+        raise LogFormatError(
+            "no DeepSpeed lines found ('SamplesPerSec=...' / 'RunningAvgSamplesPerSec=...' or the "
+            "'DeepSpeed Flops Profiler' summary)"
+        )
+    # The instantaneous figure over the window is the comparable one; the running average includes warm-up.
+    for key in ("CurrSamplesPerSec", "SamplesPerSec", "RunningAvgSamplesPerSec"):
+        if key in samples:
+            sps = _median(_post_warmup(samples[key]))
+            break
+    else:
+        sps = profile.get("profiler_samples_per_second")
+    tflops = profile.get("flops_per_gpu")
+    world = profile.get("world_size")
+    phases = {
+        name: profile[key] * 1e3
+        for name, key in (
+            ("forward", "fwd_latency_seconds"),
+            ("backward", "bwd_latency_seconds"),
+            ("optimizer", "step_latency_seconds"),
+        )
+        if key in profile
+    }
+    return {
+        "source": "deepspeed",
+        "iterations": max((len(v) for v in samples.values()), default=0),
+        "samples_per_second": sps,
+        "tflops_per_device": None if tflops is None else tflops / 1e12,
+        "flops_convention": "deepspeed flops profiler (3 x measured forward)" if tflops is not None else None,
+        "num_parameters": None if "num_parameters" not in profile else int(profile["num_parameters"]),
+        "micro_batch_size": None if "micro_batch_size" not in profile else int(profile["micro_batch_size"]),
+        "world_size": None if world is None else int(world),
+        "dp": None if "dp" not in profile else int(profile["dp"]),
+        "tp": None if "tp" not in profile else int(profile["tp"]),
+        "median_iteration_seconds": profile.get("iter_latency_seconds"),
+        "peak_memory_bytes_per_rank": [max(mem)] if mem else [],
+        "phase_time_ms_median": phases,
+    }
+
+
+PARSERS = {"megatron": parse_megatron, "deepspeed": parse_deepspeed}
+
+
+def import_log(
+    path: Path,
+    fmt: str,
+    store_path: Path,
+    label: str | None = None,
+    devices: int | None = None,
+    nnodes: int = 1,
+    seq_length: int | None = None,
+) -> dict[str, Any]:
+    """Parse `path` and store it as one result tagged source=fmt; importing the same file and label
+    again replaces its row (the identity is a hash of the file's content and the label)."""
+    from .results import ResultsStore
+
+    if fmt not in PARSERS:
+        raise ValueError(f"--format must be one of {', '.join(PARSERS)}, got {fmt!r}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        summary = PARSERS[fmt](text)
+    except LogFormatError as e:
+        raise ValueError(f"{path}: {e}") from e
+    if seq_length and not summary.get("seq_length"):
+        summary["seq_length"] = seq_length
+        if summary.get("samples_per_second"):
+            summary["tokens_per_second"] = summary["samples_per_second"] * seq_length
+    world = devices or summary.get("world_size")
+    label = label or f"{path.stem} ({fmt})"
+    digest = hashlib.sha256(text.encode() + b"\0" + label.encode()).hexdigest()[:20]
+    per_rank = summary.get("peak_memory_bytes_per_rank") or []
+    record: dict[str, Any] = {
+        "config_hash": f"{fmt}-{digest}",
+        "repeat": 0,
+        "source": fmt,
+        "label": label,
+        "status": "ok" if summary.get("samples_per_second") is not None else "crashed",
+        "error": None if summary.get("samples_per_second") is not None else "no throughput in the log",
+        "nproc": world,
+        "nnodes": nnodes,
+        "run_dir": str(path.resolve()),
+        "summary_json": json.dumps(summary),
+        "peak_memory_bytes_max": max(per_rank) if per_rank else None,
+    }
+    for key in (
+        "samples_per_second",
+        "tokens_per_second",
+        "tflops_per_device",
+        "flops_convention",
+        "seq_length",
+        "num_parameters",
+        "global_batch_size",
+        "micro_batch_size",
+        "tp",
+        "pp",
+        "dp",
+        "precision",
+        "activation_checkpointing",
+    ):
+        if summary.get(key) is not None:
+            record[key] = summary[key]
+    with ResultsStore(store_path) as store:
+        store.put(record)
+    return record
+
+
+def main_import(args: Any) -> int:
+    record = import_log(
+        Path(args.file),
+        fmt=args.format,
+        label=args.label,
+        devices=args.devices,
+        nnodes=args.nnodes,
+        seq_length=args.seq_length,
+        store_path=Path(args.store),
+    )
+    sps, tf = record.get("samples_per_second"), record.get("tflops_per_device")
+    print(
+        f"imported {args.file} as '{record['label']}' (source {args.format}, "
+        f"devices {record['nproc'] or '?'}): "
+        + (f"{sps:.2f} samples/s" if sps is not None else "no throughput found")
+        + (f", {tf:.2f} TFLOPs/dev" if tf is not None else "")
+        + f" -> {args.store}"
+    )
+    return 0

@@ -1,0 +1,469 @@
+"""`stx report`: the tables users keep by hand (layout x device count), a wide MosaicML-style table,
+and plots, from a results store.
+
+Every figure names its unit; TFLOPs, MFU and HFU name their FLOPs convention and the peak they divide by.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .results import ResultsStore, loads
+
+# value key -> (column in the store, unit shown in a cell, scale applied to the stored value)
+VALUES: dict[str, tuple[str, str, float]] = {
+    "samples_per_second": ("samples_per_second", "samples/s", 1.0),
+    "tokens_per_second": ("tokens_per_second", "tokens/s", 1.0),
+    "tflops_per_device": ("tflops_per_device", "TFLOPs/dev", 1.0),
+    "mfu": ("mfu", "% MFU", 100.0),
+    "hfu": ("hfu", "% HFU", 100.0),
+    "peak_memory": ("peak_memory_bytes_max", "GiB/dev peak", 1 / 2**30),
+    "overhead_seconds": ("overhead_seconds", "s overhead", 1.0),
+}
+ALIASES = {
+    "samples": "samples_per_second",
+    "samples/s": "samples_per_second",
+    "tokens": "tokens_per_second",
+    "tokens/s": "tokens_per_second",
+    "tflops": "tflops_per_device",
+    "tflops/dev": "tflops_per_device",
+    "peak_memory_bytes_max": "peak_memory",
+    "memory": "peak_memory",
+}
+FAILED = {"oom": "OOM", "timeout": "timeout", "crashed": "crashed", "invalid": "invalid"}
+
+
+def devices(row: dict[str, Any]) -> str:
+    """The users' column: '1*8' (nodes * processes per node) for several nodes, else the process count."""
+    nnodes = row.get("nnodes") or 1
+    nproc = row.get("nproc")
+    if nproc is None:
+        return "?"
+    return f"{nnodes}*{nproc // nnodes}" if nnodes > 1 else str(nproc)
+
+
+def total_devices(row: dict[str, Any]) -> int:
+    return int(row.get("nproc") or 1)
+
+
+def _key_value(row: dict[str, Any], key: str) -> str:
+    if key == "devices":
+        return devices(row)
+    if key in row:
+        value = row[key]
+        return "" if value is None else str(value)
+    overrides = loads(row.get("overrides_json")) or {}
+    return str(overrides.get(key, ""))
+
+
+def parse_values(spec: str) -> list[str]:
+    out = []
+    for raw in spec.split(","):
+        key = ALIASES.get(raw.strip().lower(), raw.strip())
+        if key not in VALUES:
+            raise ValueError(f"--value: unknown value {raw!r}; valid: {', '.join([*VALUES, *ALIASES])}")
+        out.append(key)
+    return out
+
+
+def fmt_number(x: float) -> str:
+    """Two decimals from 1 up (as the users' tables), three significant digits below."""
+    if x == 0 or abs(x) >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def _median(rows: list[dict[str, Any]], column: str) -> float | None:
+    values = [r[column] for r in rows if r.get(column) is not None]
+    return statistics.median(values) if values else None
+
+
+def cell(rows: list[dict[str, Any]], values: list[str]) -> str:
+    """'1658.93 samples/s, 2.94 TFLOPs/dev' from the ok repeats (median), else the failure ('OOM')."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        statuses = {r["status"] for r in rows}
+        for status in ("oom", "timeout", "crashed", "invalid"):
+            if status in statuses:
+                return FAILED[status]
+        return ""
+    parts = []
+    for key in values:
+        column, unit, scale = VALUES[key]
+        value = _median(ok, column)
+        parts.append("-" if value is None else f"{fmt_number(value * scale)} {unit}")
+    return ", ".join(parts)
+
+
+def grid(
+    rows: list[dict[str, Any]], row_keys: list[str], col_keys: list[str], values: list[str]
+) -> tuple[list[str], list[list[str]]]:
+    """Header and body of the layout x devices table."""
+
+    def row_id(r: dict[str, Any]) -> str:
+        return " ".join(_key_value(r, k) for k in row_keys)
+
+    def col_id(r: dict[str, Any]) -> str:
+        return " ".join(_key_value(r, k) for k in col_keys)
+
+    def col_sort(c: str) -> tuple:
+        try:
+            return (0, eval_devices(c), c)
+        except ValueError:
+            return (1, 0, c)
+
+    row_ids = list(dict.fromkeys(row_id(r) for r in rows))
+    col_ids = sorted(dict.fromkeys(col_id(r) for r in rows), key=col_sort)
+    corner = f"{' '.join(row_keys)} \\ {' '.join(col_keys)}"
+    header = [corner, *col_ids]
+    body = []
+    for rid in row_ids:
+        line = [rid]
+        for cid in col_ids:
+            members = [r for r in rows if row_id(r) == rid and col_id(r) == cid]
+            line.append(cell(members, values) if members else "")
+        body.append(line)
+    return header, body
+
+
+def eval_devices(text: str) -> int:
+    """'4*8' -> 32, '2' -> 2."""
+    parts = text.split("*")
+    if not all(p.strip().isdigit() for p in parts):
+        raise ValueError(text)
+    out = 1
+    for p in parts:
+        out *= int(p)
+    return out
+
+
+WIDE_COLUMNS = [
+    "model",
+    "seq len",
+    "MFU (%)",
+    "HFU (%)",
+    "tokens/s",
+    "tokens/s/device",
+    "params",
+    "global batch",
+    "micro batch",
+    "accumulation",
+    "sharding",
+    "activation checkpointing",
+    "precision",
+    "devices",
+    "source",
+    "status",
+]
+
+
+def wide(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """One line per result (repeats collapsed to their median), MosaicML's benchmark-table columns."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], devices(r), r["source"]), []).append(r)
+    body = []
+    for (label, dev, source), members in groups.items():
+        ok = [r for r in members if r["status"] == "ok"]
+        first = (ok or members)[0]
+        tps = _median(ok, "tokens_per_second")
+        mfu, hfu = _median(ok, "mfu"), _median(ok, "hfu")
+        zero = first.get("zero_stage")
+        sharding = "-" if zero is None else f"zero{zero}" + ("+offload" if first.get("offload") else "")
+        if first.get("tp") and first["tp"] > 1:
+            sharding += f" tp={first['tp']}"
+        if first.get("pp") and first["pp"] > 1:
+            sharding += f" pp={first['pp']}"
+
+        def num(x: Any) -> str:
+            return "-" if x is None else str(x)
+
+        body.append(
+            [
+                label,
+                num(first.get("seq_length")),
+                "-" if mfu is None else f"{100 * mfu:.2f}",
+                "-" if hfu is None else f"{100 * hfu:.2f}",
+                "-" if tps is None else fmt_number(tps),
+                "-" if tps is None else fmt_number(tps / total_devices(first)),
+                "-" if first.get("num_parameters") is None else f"{first['num_parameters'] / 1e6:.2f}M",
+                num(first.get("global_batch_size")),
+                num(first.get("micro_batch_size")),
+                num(first.get("gradient_accumulation_steps")),
+                sharding,
+                num(first.get("activation_checkpointing")),
+                num(first.get("precision")),
+                dev,
+                source,
+                "ok" if ok else FAILED.get(members[0]["status"], members[0]["status"]),
+            ]
+        )
+    return WIDE_COLUMNS, body
+
+
+def conventions_note(rows: list[dict[str, Any]]) -> str:
+    """Which FLOPs convention(s) and peak(s) the TFLOPs/MFU/HFU figures use."""
+    seen: dict[tuple, None] = {}
+    for r in rows:
+        if r["status"] != "ok" or (
+            r.get("flops_convention") is None and r.get("peak_flops_per_device") is None
+        ):
+            continue
+        summary = loads(r.get("summary_json")) or {}
+        peak = r.get("peak_flops_per_device")
+        key = (r.get("flops_convention"), peak, summary.get("peak_flops_source"))
+        seen[key] = None
+    if not seen:
+        return ""
+    parts = []
+    for conv, peak, source in seen:
+        peak_text = "peak unknown" if peak is None else f"peak {peak / 1e12:.3f} TFLOP/s per device"
+        parts.append(
+            f"FLOPs convention '{conv or 'as logged'}', {peak_text}" + (f" ({source})" if source else "")
+        )
+    return "TFLOPs/dev, MFU and HFU: " + "; ".join(parts) + "."
+
+
+def markdown(header: list[str], body: list[list[str]]) -> str:
+    def esc(s: str) -> str:
+        return s.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(header: list[str], body: list[list[str]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    writer.writerows(body)
+    return buf.getvalue()
+
+
+def _html_table(header: list[str], body: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+# --- plots -------------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_scaling(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Samples/s against device count per layout, with ideal linear scaling from the smallest count
+    and the scaling efficiency (measured / ideal) written at each point."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("samples_per_second")]
+    if not ok:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    by_label: dict[str, dict[int, list[float]]] = {}
+    for r in ok:
+        by_label.setdefault(r["label"], {}).setdefault(total_devices(r), []).append(r["samples_per_second"])
+    for label, points in by_label.items():
+        xs = sorted(points)
+        ys = [statistics.median(points[x]) for x in xs]
+        (line,) = ax.plot(xs, ys, marker="o", label=label)
+        ideal = [ys[0] * x / xs[0] for x in xs]
+        if len(xs) > 1:
+            ax.plot(xs, ideal, linestyle="--", color=line.get_color(), alpha=0.6)
+        for x, y, i in zip(xs, ys, ideal, strict=True):
+            ax.annotate(f"{100 * y / i:.0f}%", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("devices (processes)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title("Throughput vs devices (dashed: ideal linear scaling; % = scaling efficiency)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_mfu(rows: list[dict[str, Any]], path: Path) -> bool:
+    ok = [r for r in rows if r["status"] == "ok" and r.get("mfu") is not None]
+    if not ok:
+        return False
+    plt = _plt()
+    names = [f"{r['label']} @{devices(r)}" for r in ok]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * len(ok)))
+    ax.barh(names, [100 * r["mfu"] for r in ok])
+    ax.set_xlabel("MFU (%)")
+    ax.set_title("MFU by layout\n" + conventions_note(ok), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_memory(rows: list[dict[str, Any]], path: Path, device_memory_gb: float | None) -> bool:
+    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_memory_bytes_max")]
+    if not ok:
+        return False
+    plt = _plt()
+    names = [f"{r['label']} @{devices(r)}" for r in ok]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * len(ok)))
+    ax.barh(names, [r["peak_memory_bytes_max"] / 2**30 for r in ok])
+    if device_memory_gb:
+        ax.axvline(
+            device_memory_gb, color="red", linestyle="--", label=f"device memory {device_memory_gb:g} GiB"
+        )
+        ax.legend(fontsize=7)
+    ax.set_xlabel("peak memory of the largest rank (GiB)")
+    methods = {str((loads(r.get("summary_json")) or {}).get("peak_memory_method")) for r in ok} - {"None"}
+    ax.set_title("Peak memory by layout\n" + "; ".join(sorted(methods)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _device_memory_gb(rows: list[dict[str, Any]]) -> float | None:
+    """The GPU memory of the recorded environment, when there was a GPU."""
+    for r in rows:
+        env = loads(r.get("env_json")) or {}
+        for gpu in env.get("gpus") or env.get("cuda_devices") or []:
+            if isinstance(gpu, dict):
+                for key in ("total_memory_bytes", "memory_bytes", "total_memory"):
+                    if gpu.get(key):
+                        return float(gpu[key]) / 2**30
+    return None
+
+
+def build_report(
+    store_path: Path,
+    row_keys: list[str],
+    col_keys: list[str],
+    values: list[str],
+    output: Path | None,
+    fmt: str = "md",
+    device_memory_gb: float | None = None,
+    where: str = "",
+) -> str:
+    """The text to print (in `fmt`); with `output`, also table/wide as md + csv, report.html and PNGs."""
+    with ResultsStore(store_path, create=False) as store:
+        rows = store.rows(where)
+    if not rows:
+        raise ValueError(f"{store_path}: the store holds no results yet")
+    header, body = grid(rows, row_keys, col_keys, values)
+    wheader, wbody = wide(rows)
+    note = conventions_note(rows)
+    title = f"{', '.join(VALUES[v][1] for v in values)} by {' '.join(row_keys)} and {' '.join(col_keys)}"
+    md = f"# {title}\n\n" + markdown(header, body) + (f"\n{note}\n" if note else "")
+    md_wide = "# All results\n\n" + markdown(wheader, wbody) + (f"\n{note}\n" if note else "")
+    device_memory_gb = device_memory_gb or _device_memory_gb(rows)
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "table.md").write_text(md, encoding="utf-8")
+        (output / "wide.md").write_text(md_wide, encoding="utf-8")
+        (output / "table.csv").write_text(to_csv(header, body), encoding="utf-8")
+        (output / "wide.csv").write_text(to_csv(wheader, wbody), encoding="utf-8")
+        plots: list[tuple[str, Callable[[Path], bool]]] = [
+            ("throughput_scaling.png", lambda p: plot_scaling(rows, p)),
+            ("mfu_by_layout.png", lambda p: plot_mfu(rows, p)),
+            ("memory_by_layout.png", lambda p: plot_memory(rows, p, device_memory_gb)),
+        ]
+        images = []
+        for name, plot in plots:
+            if plot(output / name):
+                images.append(base64.b64encode((output / name).read_bytes()).decode())
+        (output / "report.html").write_text(
+            _html_page(title, header, body, wheader, wbody, note, images), encoding="utf-8"
+        )
+    if fmt == "csv":
+        return to_csv(header, body)
+    if fmt == "html":
+        return _html_page(title, header, body, wheader, wbody, note, [])
+    return md + "\n" + md_wide
+
+
+def _html_page(
+    title: str,
+    header: list[str],
+    body: list[list[str]],
+    wheader: list[str],
+    wbody: list[list[str]],
+    note: str,
+    images: list[str],
+) -> str:
+    imgs = "".join(f'<img alt="plot" src="data:image/png;base64,{b}">' for b in images)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; margin-bottom: 1em; font-size: 0.9em; }}
+th, td {{ border: 1px solid #bbb; padding: 4px 8px; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }}
+th {{ background: #eee; }}
+img {{ max-width: 100%; display: block; margin: 1em 0; }}
+.note {{ color: #555; font-size: 0.9em; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+{_html_table(header, body)}
+<p class="note">{html.escape(note)}</p>
+<h2>All results</h2>
+{_html_table(wheader, wbody)}
+{imgs}
+</body></html>
+"""
+
+
+def parse_markdown_table(text: str) -> list[list[str]]:
+    """The cells of the first markdown table in `text` (header first, separator dropped)."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if set(line) <= {"|", "-", ":", " "}:
+                continue
+            cells = [c.strip().replace("\\|", "|") for c in line.strip().strip("|").split(" | ")]
+            rows.append(cells)
+        elif rows:
+            break
+    return rows
+
+
+def main_report(args: Any) -> int:
+    out = build_report(
+        Path(args.store),
+        [k.strip() for k in args.rows.split(",")],
+        [k.strip() for k in args.cols.split(",")],
+        parse_values(args.value),
+        Path(args.output) if args.output else None,
+        args.format,
+        args.device_memory_gb,
+    )
+    print(out, end="")
+    if args.output:
+        print(
+            f"\nwritten: {args.output}/table.md, wide.md, table.csv, wide.csv, report.html, *.png", flush=True
+        )
+    return 0
+
+
+def main_export(args: Any) -> int:
+    from .results import export
+
+    with ResultsStore(args.store, create=False) as store:
+        n = export(store, args.format, args.output)
+    print(f"{n} result(s) written to {args.output} ({args.format})")
+    return 0
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, indent=2)

@@ -1,0 +1,192 @@
+"""The results store: one SQLite file holding every sweep member and every imported log.
+
+Each write is one transaction in WAL mode, so a sweep killed at any moment leaves the file with the
+members finished so far and nothing half-written. A `meta` table names the application and the
+schema version; any other SQLite file (or any non-SQLite file) is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+APP_ID = "scalable-transformer-results"
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
+
+# (column, SQL type): the flat metric columns are copies of summary.json values, so reports and
+# exports need no JSON parsing; the full summary, config and environment are kept as text as well.
+COLUMNS: list[tuple[str, str]] = [
+    ("config_hash", "TEXT NOT NULL"),
+    ("repeat", "INTEGER NOT NULL DEFAULT 0"),
+    ("source", "TEXT NOT NULL DEFAULT 'stx'"),  # stx | megatron | deepspeed
+    ("sweep", "TEXT"),
+    ("label", "TEXT"),  # the layout label of a report row: 'tiny-gpt tp=2 zero3+offload'
+    ("model", "TEXT"),
+    ("status", "TEXT NOT NULL"),
+    ("error", "TEXT"),
+    ("nproc", "INTEGER"),  # processes (devices) of the job
+    ("nnodes", "INTEGER DEFAULT 1"),
+    ("layout", "TEXT"),
+    ("overrides_json", "TEXT"),  # the member's own key=value overrides (sweep axes), as a JSON object
+    ("config_yaml", "TEXT"),  # the resolved config
+    ("env_json", "TEXT"),  # the environment fingerprint (stx env)
+    ("summary_json", "TEXT"),  # summary.json of the run (or the parsed log)
+    ("samples_per_second", "REAL"),
+    ("tokens_per_second", "REAL"),
+    ("tflops_per_device", "REAL"),
+    ("mfu", "REAL"),
+    ("hfu", "REAL"),
+    ("flops_convention", "TEXT"),
+    ("peak_flops_per_device", "REAL"),
+    ("peak_memory_bytes_max", "REAL"),  # the largest per-rank peak
+    ("seq_length", "INTEGER"),
+    ("num_parameters", "INTEGER"),
+    ("global_batch_size", "INTEGER"),
+    ("micro_batch_size", "INTEGER"),
+    ("gradient_accumulation_steps", "INTEGER"),
+    ("zero_stage", "INTEGER"),
+    ("tp", "INTEGER"),
+    ("pp", "INTEGER"),
+    ("dp", "INTEGER"),
+    ("offload", "INTEGER"),
+    ("activation_checkpointing", "TEXT"),
+    ("precision", "TEXT"),
+    ("steps", "INTEGER"),
+    ("wall_seconds", "REAL"),  # the member as a job: launcher start to exit
+    ("loop_seconds", "REAL"),  # the sum of the training iterations' times
+    ("overhead_seconds", "REAL"),  # wall - loop: launcher, process start, init, evaluation, teardown
+    ("run_dir", "TEXT"),
+    ("started_at", "TEXT"),
+    ("finished_at", "TEXT"),
+]
+COLUMN_NAMES = [c for c, _ in COLUMNS]
+
+
+class StoreError(ValueError):
+    """A file that is not a results store of ours, or of a newer schema."""
+
+
+class ResultsStore:
+    """`with ResultsStore(path) as store:`; creates the file (and schema) when missing."""
+
+    def __init__(self, path: str | Path, create: bool = True):
+        self.path = Path(path)
+        if not self.path.exists():
+            if not create:
+                raise StoreError(f"{self.path}: no such results store")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        elif self.path.is_dir():
+            raise StoreError(f"{self.path}: is a directory, not a results store (an .sqlite file)")
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=30)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self._init_schema()
+        except sqlite3.DatabaseError as e:
+            raise StoreError(
+                f"{self.path}: not a results store of scalable-transformer (not an SQLite database: {e})"
+            ) from e
+
+    def _init_schema(self) -> None:
+        tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            with self.conn:
+                self.conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                self.conn.executemany(
+                    "INSERT INTO meta VALUES (?, ?)",
+                    [("application", APP_ID), ("schema_version", str(SCHEMA_VERSION))],
+                )
+                cols = ", ".join(f'"{c}" {t}' for c, t in COLUMNS)
+                self.conn.execute(
+                    f"CREATE TABLE results (id INTEGER PRIMARY KEY, {cols}, UNIQUE(config_hash, repeat))"
+                )
+            return
+        meta = {}
+        if "meta" in tables:
+            meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+        if meta.get("application") != APP_ID or "results" not in tables:
+            raise StoreError(
+                f"{self.path}: an SQLite file, but not a results store of scalable-transformer "
+                f"(tables: {', '.join(sorted(tables))})"
+            )
+        version = int(meta.get("schema_version", 0))
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: results store schema version {version} is newer than this stx "
+                f"understands ({SCHEMA_VERSION}); upgrade scalable-transformer"
+            )
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> ResultsStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """All writes inside commit together or not at all (an exception rolls them back)."""
+        with self.conn:
+            yield self.conn
+
+    def put(self, record: dict[str, Any]) -> None:
+        """Insert or replace the row of (config_hash, repeat): a rerun overwrites its earlier result."""
+        unknown = set(record) - set(COLUMN_NAMES)
+        if unknown:
+            raise ValueError(f"unknown result fields: {', '.join(sorted(unknown))}")
+        if record.get("status") not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {record.get('status')!r}")
+        keys = list(record)
+        sql = (
+            f"INSERT INTO results ({', '.join(chr(34) + k + chr(34) for k in keys)}) "
+            f"VALUES ({', '.join('?' for _ in keys)}) ON CONFLICT(config_hash, repeat) DO UPDATE SET "
+            + ", ".join(f'"{k}"=excluded."{k}"' for k in keys if k not in ("config_hash", "repeat"))
+        )
+        with self.transaction() as conn:
+            conn.execute(sql, [record[k] for k in keys])
+
+    def statuses(self) -> dict[tuple[str, int], str]:
+        """(config_hash, repeat) -> status of every stored result."""
+        rows = self.conn.execute("SELECT config_hash, repeat, status FROM results").fetchall()
+        return {(r[0], r[1]): r[2] for r in rows}
+
+    def rows(self, where: str = "", params: tuple = ()) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM results" + (f" WHERE {where}" if where else "") + " ORDER BY id"
+        return [dict(r) for r in self.conn.execute(sql, params).fetchall()]
+
+
+def export(store: ResultsStore, fmt: str, output: str | Path) -> int:
+    """Write every result as CSV or Parquet; returns the number of rows."""
+    rows = store.rows()
+    columns = ["id", *COLUMN_NAMES]
+    if fmt == "csv":
+        with open(output, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        return len(rows)
+    if fmt == "parquet":
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ValueError(
+                "--format parquet needs the pyarrow package, which is not installed "
+                "(pip install pyarrow); --format csv needs nothing"
+            ) from e
+        table = pa.Table.from_pylist(rows) if rows else pa.table({c: [] for c in columns})
+        pq.write_table(table, str(output))
+        return len(rows)
+    raise ValueError(f"--format must be csv or parquet, got {fmt!r}")
+
+
+def loads(text: str | None) -> Any:
+    return json.loads(text) if text else None
