@@ -40,7 +40,7 @@ def _float(text: str) -> float | None:
 
 def _scaled(text: str) -> float | None:
     """'336.23 M' -> 336230000.0; '81.9 TFLOPS' -> 8.19e13; '76.67 ms' -> 0.07667 (seconds)."""
-    m = re.search(_NUM + r"\s*([KMGTP]?)(s|ms|us)?\b", text.strip())
+    m = re.search(_NUM + r"\s*([KMGTP]?)(ms|us|s)?", text.strip())
     if not m:
         return None
     value = float(m.group(1)) * _UNITS[m.group(2)]

@@ -75,8 +75,8 @@ def parse_values(spec: str) -> list[str]:
 
 
 def fmt_number(x: float) -> str:
-    """Two decimals from 1 up (as the users' tables), three significant digits below."""
-    if x == 0 or abs(x) >= 1:
+    """Two decimals from 0.1 up (as the users' tables), three significant digits below."""
+    if x == 0 or abs(x) >= 0.1:
         return f"{x:.2f}"
     return f"{x:.3g}"
 
