@@ -175,6 +175,8 @@ def test_config_hash_is_stable_and_ignores_run_directories() -> None:
             False,
             "oom",
         ),
+        (1, "stx launch: rank 1 was killed by signal SIGKILL (exit code -9)", False, "oom"),
+        (1, "stx launch: rank 0 was killed by signal SIGSEGV (exit code -11)", False, "crashed"),
         (1, "ValueError: bad dataset", False, "crashed"),
         (None, "", True, "timeout"),
         (-15, "CUDA out of memory", True, "timeout"),

@@ -76,8 +76,9 @@ OOM_PATTERNS = [
     r"Killed by the OOM killer",
 ]
 _OOM_RE = re.compile("|".join(OOM_PATTERNS), re.IGNORECASE)
-# How `stx launch` names a rank killed by a signal: torchelastic's "Signal 9 (SIGKILL) received by PID".
-_SIGKILL_RE = re.compile(r"Signal 9 \(SIGKILL\)|exitcode\s*:\s*-9\b|exit code -9\b")
+# How `stx launch` names a rank killed by SIGKILL ("rank 1 was killed by signal SIGKILL (exit code -9)"),
+# and torchelastic's own wording ("Signal 9 (SIGKILL) received by PID").
+_SIGKILL_RE = re.compile(r"killed by signal SIGKILL|Signal 9 \(SIGKILL\)|exitcode\s*:\s*-9\b|exit code -9\b")
 
 
 class SweepError(ValueError):
