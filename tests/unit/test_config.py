@@ -220,9 +220,38 @@ def test_cross_checks():
         resolve(load_config(None, ["optim.min_lr=1", "optim.lr=0.1"]))
 
 
-def test_features_of_later_issues_fail_loudly():
-    with pytest.raises(ConfigError, match="issue 5"):
-        resolve(load_config(None, ["checkpoint.save=/tmp/x"]))
+def test_checkpoint_keys_megatron_names_and_checks():
+    cfg = resolve(
+        load_config(
+            None,
+            [
+                "save=/tmp/x",
+                "load=auto",
+                "save-interval=5",
+                "keep-last-n-checkpoints=2",
+                "no-save-optim=true",
+                "no-load-rng=true",
+                "finetune=false",
+            ],
+        )
+    )
+    c = cfg.checkpoint
+    assert (c.save, c.load, c.save_interval, c.keep_last_n, c.no_save_optim, c.no_load_rng) == (
+        "/tmp/x",
+        "auto",
+        5,
+        2,
+        True,
+        True,
+    )
+    with pytest.raises(ConfigError, match=r"load = auto resumes from checkpoint\.save"):
+        resolve(load_config(None, ["checkpoint.load=auto"]))
+    with pytest.raises(ConfigError, match=r"save_interval is set without checkpoint\.save"):
+        resolve(load_config(None, ["checkpoint.save_interval=2"]))
+    with pytest.raises(ConfigError, match="keep_last_n must be >= 1"):
+        resolve(load_config(None, ["checkpoint.save=/tmp/x", "checkpoint.keep_last_n=0"]))
+    with pytest.raises(ConfigError, match=r"finetune loads weights from checkpoint\.load"):
+        resolve(load_config(None, ["checkpoint.finetune=true"]))
 
 
 def test_base_preset_and_missing_file(tmp_path):

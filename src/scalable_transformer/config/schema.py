@@ -330,12 +330,39 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     save: str | None = opt(
-        None, "Checkpoint directory to save to (not yet implemented: issue 5).", aliases=("save",)
+        None,
+        "Directory to save checkpoints into (SAVE/iter_0000100/, SAVE/latest); saved every save_interval "
+        "iterations and at the end of training. Sharded (torch.distributed.checkpoint), atomic.",
+        aliases=("save",),
     )
     load: str | None = opt(
-        None, "Checkpoint directory to load from (not yet implemented: issue 5).", aliases=("load",)
+        None,
+        "Checkpoint to resume from: a save directory (its latest checkpoint), one iter_XXXXXXX directory, "
+        "or 'auto' = the latest complete checkpoint in checkpoint.save (start fresh when there is none). "
+        "Any layout may load any other layout's checkpoint.",
+        aliases=("load",),
     )
-    save_interval: int | None = opt(None, "Iterations between saves.", aliases=("save-interval",))
+    save_interval: int | None = opt(
+        None, "Iterations between saves; None = only at the end of training.", aliases=("save-interval",)
+    )
+    keep_last_n: int | None = opt(
+        None,
+        "Keep only the newest N checkpoints (older ones deleted once a newer one is complete); None = all.",
+        aliases=("keep-last-n-checkpoints", "keep-last-n"),
+    )
+    no_save_optim: bool = opt(False, "Save weights without the optimizer state.", aliases=("no-save-optim",))
+    no_save_rng: bool = opt(False, "Save without the RNG states.", aliases=("no-save-rng",))
+    no_load_optim: bool = opt(
+        False,
+        "Resume with a fresh optimizer state (the schedule position is loaded).",
+        aliases=("no-load-optim",),
+    )
+    no_load_rng: bool = opt(False, "Do not restore the RNG states on load.", aliases=("no-load-rng",))
+    finetune: bool = opt(
+        False,
+        "Load the weights only: iteration 0, consumed samples 0, fresh optimizer and schedule.",
+        aliases=("finetune",),
+    )
 
 
 @dataclass

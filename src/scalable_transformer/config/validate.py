@@ -147,10 +147,15 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
 
     check_layout(cfg, world_size)
 
-    # features that arrive with later issues fail loudly instead of being ignored
-    if cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.save_interval:
-        raise ConfigError(
-            "checkpoint.save / load / save_interval: checkpointing arrives with issue 5 "
-            "and is not available yet; remove these keys"
-        )
+    c = cfg.checkpoint
+    if c.save_interval is not None and c.save_interval < 1:
+        raise ConfigError(f"checkpoint.save_interval must be >= 1, got {c.save_interval}")
+    if c.save_interval is not None and not c.save:
+        raise ConfigError("checkpoint.save_interval is set without checkpoint.save: set the save directory")
+    if c.keep_last_n is not None and c.keep_last_n < 1:
+        raise ConfigError(f"checkpoint.keep_last_n must be >= 1, got {c.keep_last_n}")
+    if c.load == "auto" and not c.save:
+        raise ConfigError("checkpoint.load = auto resumes from checkpoint.save: set checkpoint.save too")
+    if c.finetune and not c.load:
+        raise ConfigError("checkpoint.finetune loads weights from checkpoint.load: set checkpoint.load")
     return cfg

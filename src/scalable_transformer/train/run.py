@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from ..parallel.distributed import (
 )
 from .optim import build_optimizer, build_scheduler
 from .trainer import History, Layout, Trainer
+
+if TYPE_CHECKING:
+    from ..checkpoint.manager import Resume
 
 
 def select_device(cfg: Config) -> torch.device:
@@ -176,6 +179,7 @@ def _run(
     dims = ParallelDims.from_config(cfg)
     mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
     coords = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)
+    resume = open_resume(cfg)  # a bad checkpoint or save directory fails here, before anything runs
 
     with rank_zero_first():
         train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
@@ -185,7 +189,7 @@ def _run(
     train_loader = build_loader(
         train_ds,
         cfg.train.micro_batch_size,
-        consumed_samples=0,
+        consumed_samples=resume.consumed_samples if resume is not None else 0,
         seed=cfg.train.seed,
         dp_rank=coords["dp"],
         dp_size=dims.dp,
@@ -253,8 +257,11 @@ def _run(
         num_devices=world,
         layout=layout,
     )
+    saver = attach_checkpoints(cfg, trainer, resume, console if main else None)
     try:
         history = trainer.fit()
+        if saver is not None:
+            saver.save_final(trainer)
     finally:
         trainer.sinks.close()
     per_rank_peak = gather_per_rank(history.peak_memory_bytes, world)
@@ -277,6 +284,61 @@ def _run(
         f"summary: {run_dir / 'summary.json'}"
     )
     return run_dir, summary
+
+
+def open_resume(cfg: Config) -> Resume | None:
+    """Check checkpoint.save is writable and checkpoint.load is a complete checkpoint, before any
+    training: the checkpoint to continue from (None: start fresh)."""
+    from ..checkpoint.manager import LoadOptions, check_save_dir, find_checkpoint, open_checkpoint
+
+    c = cfg.checkpoint
+    if c.save:
+        check_save_dir(c.save)
+    path = find_checkpoint(c.load, c.save) if c.load else None
+    if path is None:
+        return None
+    return open_checkpoint(path, LoadOptions(not c.no_load_optim, not c.no_load_rng, c.finetune))
+
+
+def attach_checkpoints(cfg: Config, trainer: Trainer, resume: Resume | None, console: Console | None):
+    """Load `resume` into the trainer's model, optimizer, schedule and scaler and set its counters and
+    RNG; hook the periodic saves onto the loop. Returns the saver (None without checkpoint.save)."""
+    from ..checkpoint.manager import LoadOptions, Saver, TrainState, load_checkpoint, set_rng_state
+
+    c = cfg.checkpoint
+    state = TrainState(
+        trainer.model,
+        trainer.optimizer,
+        trainer.scheduler,
+        trainer.scaler,
+        trainer.layout.pipeline is not None,
+    )
+    if resume is not None:
+        t0 = time.perf_counter()
+        load_checkpoint(state, resume, LoadOptions(not c.no_load_optim, not c.no_load_rng, c.finetune))
+        trainer.iteration, trainer.consumed_samples = resume.iteration, resume.consumed_samples
+        if console is not None:
+            console.print(
+                f"[bold]resumed[/] from {resume.path} (saved at iteration {resume.meta['iteration']}, "
+                f"layout {resume.meta['layout']}) in {time.perf_counter() - t0:.2f} s: continuing at "
+                f"iteration {resume.iteration}, {resume.consumed_samples} consumed samples"
+                + "".join(f"; {note}" for note in resume.notes)
+            )
+    saver = None
+    if c.save:
+        info = {
+            "layout": describe_layout(cfg),
+            "parallel": dataclasses.asdict(cfg.parallel),
+            "model": dataclasses.asdict(cfg.model),
+            "num_parameters": count_parameters(cfg.model),
+            "config_yaml": to_yaml(cfg),
+            "environment": environment() if is_main_process() else {},
+        }
+        saver = Saver(state, cfg, info, console)
+        trainer.on_iteration_end = saver.maybe_save
+    if resume is not None and resume.rng is not None:  # last: nothing may draw numbers before step 1
+        set_rng_state(resume.rng)
+    return saver
 
 
 def describe_layout(cfg: Config) -> str:

@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +123,8 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.last_lr = 0.0
+        # called after every iteration (checkpoint saves); returns the seconds it took
+        self.on_iteration_end: Callable[[Trainer], float] | None = None
 
     # ------------------------------------------------------------------ one step
 
@@ -251,6 +253,8 @@ class Trainer:
                 h.last_valid = self.evaluate()
                 self.sinks.write("valid", self.iteration, h.last_valid)
                 interval.start += time.perf_counter() - eval_start  # evaluation is not training throughput
+            if self.on_iteration_end is not None:
+                interval.start += self.on_iteration_end(self)  # saving is not training throughput
             if cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0:
                 break
         return h
