@@ -105,6 +105,13 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint_info(args: argparse.Namespace) -> int:
+    from .checkpoint.manager import describe_checkpoint
+
+    print(describe_checkpoint(args.path, as_json=args.json))
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from .launch.local import LaunchOptions, launch, stx_command
 
@@ -247,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     calculator.add_arguments(p)
     p.set_defaults(fn=cmd_flops)
+
+    p = sub.add_parser("checkpoint", help="inspect checkpoints")
+    ck = p.add_subparsers(dest="action", required=True)
+    c = ck.add_parser("info", help="iteration, layout, model shape, size and files of a checkpoint")
+    c.add_argument("path", help="a checkpoint (iter_XXXXXXX) or a save directory (its latest)")
+    c.add_argument("--json", action="store_true", help="print metadata.json")
+    c.set_defaults(fn=cmd_checkpoint_info)
 
     p = sub.add_parser("env", help="versions and hardware fingerprint (stored in every run directory)")
     p.add_argument("--json", action="store_true")

@@ -150,8 +150,8 @@ def find_checkpoint(load: str, save: str | None) -> Path | None:
         raise CheckpointError(f"checkpoint.load = {load}: no such directory")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.load = {load}: not a directory")
-    if (path / METADATA).is_file():
-        return path
+    if (path / METADATA).is_file() or (path / ".metadata").is_file() or ITER_RE.match(path.name):
+        return path  # one checkpoint (read_metadata says what is wrong with it, if anything)
     found = latest_checkpoint(path)
     if found is None:
         names = sorted(p.name for p in path.iterdir())[:10]
@@ -555,3 +555,37 @@ class Saver:
     def save_final(self, trainer: Any) -> None:
         if self.last_saved != trainer.iteration:
             self.save(trainer)
+
+
+def describe_checkpoint(path: str, as_json: bool = False) -> str:
+    """`stx checkpoint info`: what a checkpoint holds, checked for completeness first."""
+    found = find_checkpoint(path, None)
+    if found is None:  # only for load = auto, which find_checkpoint rejects without a save dir
+        raise CheckpointError(f"{path}: no checkpoint")
+    meta = read_metadata(found)
+    shapes = saved_tensor_shapes(found)
+    if as_json:
+        return json.dumps(meta, indent=2)
+    m, files = meta["model"], meta["files"]
+    env = meta.get("environment") or {}
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "scalable_transformer") if k in env)
+    model_tensors = [k for k in shapes if k.startswith("model.")]
+    lines = [
+        f"checkpoint: {found}",
+        f"iteration: {meta['iteration']} ({meta['consumed_samples']} consumed samples)",
+        f"written by: {meta['world_size']} process(es), layout {meta['layout']}",
+        f"model: {m['type']}, {meta.get('num_parameters', 0):,} parameters, {m['num_layers']} layers x "
+        f"{m['hidden_size']} hidden, {m['num_attention_heads']} heads, seq {m['seq_length']}, "
+        f"vocab {m['vocab_size']}, {m['position_embedding_type']} positions, {m['activation']}, {m['norm']}",
+        f"holds: {len(model_tensors)} model tensors"
+        + (", optimizer state" if meta["contents"]["optimizer"] else ", no optimizer state")
+        + (f", RNG states of {meta['world_size']} rank(s)" if meta["contents"]["rng"] else ", no RNG states"),
+        f"size on disk: {directory_size(found) / 2**20:.2f} MiB in {len(files) + 1} files"
+        f" (saved in {meta.get('save_seconds', float('nan')):.2f} s)",
+    ]
+    if versions:
+        lines.append(f"saved with: {versions}")
+    lines.append("files:")
+    lines += [f"  {name}  {size:,} bytes" for name, size in sorted(files.items())]
+    lines.append(f"  {METADATA}  {(found / METADATA).stat().st_size:,} bytes")
+    return "\n".join(lines)
