@@ -12,6 +12,8 @@ import html
 import io
 import json
 import statistics
+import tempfile
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -302,11 +304,11 @@ def plot_mfu(rows: list[dict[str, Any]], path: Path) -> bool:
     if not ok:
         return False
     plt = _plt()
-    names = [f"{r['label']} @{devices(r)}" for r in ok]
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * len(ok)))
+    names = [f"{r['label']} @ {devices(r)} dev" for r in ok]
+    fig, ax = plt.subplots(figsize=(10, 2 + 0.4 * len(ok)))
     ax.barh(names, [100 * r["mfu"] for r in ok])
     ax.set_xlabel("MFU (%)")
-    ax.set_title("MFU by layout\n" + conventions_note(ok), fontsize=8)
+    ax.set_title("MFU by layout\n" + textwrap.fill(conventions_note(ok), 100), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -318,8 +320,8 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, device_memory_gb: float 
     if not ok:
         return False
     plt = _plt()
-    names = [f"{r['label']} @{devices(r)}" for r in ok]
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * len(ok)))
+    names = [f"{r['label']} @ {devices(r)} dev" for r in ok]
+    fig, ax = plt.subplots(figsize=(10, 2 + 0.4 * len(ok)))
     ax.barh(names, [r["peak_memory_bytes_max"] / 2**30 for r in ok])
     if device_memory_gb:
         ax.axvline(
@@ -328,7 +330,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, device_memory_gb: float 
         ax.legend(fontsize=7)
     ax.set_xlabel("peak memory of the largest rank (GiB)")
     methods = {str((loads(r.get("summary_json")) or {}).get("peak_memory_method")) for r in ok} - {"None"}
-    ax.set_title("Peak memory by layout\n" + "; ".join(sorted(methods)), fontsize=8)
+    ax.set_title("Peak memory by layout\n" + textwrap.fill("; ".join(sorted(methods)), 100), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -369,28 +371,35 @@ def build_report(
     md = f"# {title}\n\n" + markdown(header, body) + (f"\n{note}\n" if note else "")
     md_wide = "# All results\n\n" + markdown(wheader, wbody) + (f"\n{note}\n" if note else "")
     device_memory_gb = device_memory_gb or _device_memory_gb(rows)
+    plots: list[tuple[str, Callable[[Path], bool]]] = [
+        ("throughput_scaling.png", lambda p: plot_scaling(rows, p)),
+        ("mfu_by_layout.png", lambda p: plot_mfu(rows, p)),
+        ("memory_by_layout.png", lambda p: plot_memory(rows, p, device_memory_gb)),
+    ]
+
+    def draw(directory: Path) -> list[str]:
+        """The plots as PNG files in `directory`; returned base64-encoded for the HTML page."""
+        return [
+            base64.b64encode((directory / name).read_bytes()).decode()
+            for name, plot in plots
+            if plot(directory / name)
+        ]
+
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
         (output / "table.md").write_text(md, encoding="utf-8")
         (output / "wide.md").write_text(md_wide, encoding="utf-8")
         (output / "table.csv").write_text(to_csv(header, body), encoding="utf-8")
         (output / "wide.csv").write_text(to_csv(wheader, wbody), encoding="utf-8")
-        plots: list[tuple[str, Callable[[Path], bool]]] = [
-            ("throughput_scaling.png", lambda p: plot_scaling(rows, p)),
-            ("mfu_by_layout.png", lambda p: plot_mfu(rows, p)),
-            ("memory_by_layout.png", lambda p: plot_memory(rows, p, device_memory_gb)),
-        ]
-        images = []
-        for name, plot in plots:
-            if plot(output / name):
-                images.append(base64.b64encode((output / name).read_bytes()).decode())
-        (output / "report.html").write_text(
-            _html_page(title, header, body, wheader, wbody, note, images), encoding="utf-8"
-        )
+        page = _html_page(title, header, body, wheader, wbody, note, draw(output))
+        (output / "report.html").write_text(page, encoding="utf-8")
     if fmt == "csv":
         return to_csv(header, body)
     if fmt == "html":
-        return _html_page(title, header, body, wheader, wbody, note, [])
+        if output is not None:
+            return page
+        with tempfile.TemporaryDirectory() as tmp:  # a self-contained page on stdout: plots inline
+            return _html_page(title, header, body, wheader, wbody, note, draw(Path(tmp)))
     return md + "\n" + md_wide
 
 
