@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import signal
 import sqlite3
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 
 from scalable_transformer.bench import report
 from scalable_transformer.bench.results import SCHEMA_VERSION, ResultsStore, StoreError, export
-from scalable_transformer.bench.sweep import SweepError, classify, config_hash, expand, load_sweep
+from scalable_transformer.bench.sweep import SweepError, classify, config_hash, expand, load_sweep, to_run
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 
@@ -284,3 +287,37 @@ def test_wide_table_and_report_files(tmp_path: Path) -> None:
         "mfu_by_layout.png",
     ):
         assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_resume_runs_missing_members_and_retry_failed_reruns_failures(tmp_path: Path) -> None:
+    spec = load_sweep(write(tmp_path, "base: tiny-gpt\naxes: {nproc: [1, 2], parallel.tp: [1, 2]}\n"))
+    members, _ = expand(spec)
+    valid = [m for m in members if not m.invalid_reason]
+    assert len(valid) == 3
+    assert to_run(members, {}, retry_failed=False) == valid
+    stored = {(valid[0].config_hash, 0): "ok", (valid[1].config_hash, 0): "oom"}
+    assert to_run(members, stored, retry_failed=False) == valid[2:]
+    assert to_run(members, stored, retry_failed=True) == valid[1:]
+
+
+def test_a_writer_killed_mid_transaction_leaves_a_valid_store(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    with ResultsStore(path) as store:
+        store.put(rec())
+    # A separate process opens a transaction, writes, and is SIGKILLed before committing.
+    code = textwrap.dedent(
+        f"""
+        import os, signal
+        from scalable_transformer.bench.results import ResultsStore
+        store = ResultsStore({str(path)!r})
+        store.conn.execute("BEGIN")
+        store.conn.execute("INSERT INTO results (config_hash, repeat, status) VALUES ('h2', 0, 'ok')")
+        store.conn.execute("UPDATE results SET status = 'crashed' WHERE config_hash = 'h1'")
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    with ResultsStore(path) as store:
+        assert [(r["config_hash"], r["status"]) for r in store.rows()] == [("h1", "ok")]
+        assert store.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -550,6 +550,18 @@ def run_member(spec: SweepSpec, member: Member, console: Console) -> dict[str, A
     return record
 
 
+def to_run(members: list[Member], stored: dict[tuple[str, int], str], retry_failed: bool) -> list[Member]:
+    """The valid members the store does not hold yet (any final status counts as done), plus, with
+    retry_failed, those stored as oom / timeout / crashed."""
+    todo = []
+    for m in members:
+        status = stored.get((m.config_hash, m.repeat))
+        if m.invalid_reason or (status in STATUSES and not (retry_failed and status != "ok")):
+            continue
+        todo.append(m)
+    return todo
+
+
 def run_sweep(
     spec: SweepSpec,
     store_path: Path | None = None,
@@ -581,24 +593,14 @@ def run_sweep(
 
     env_json = json.dumps(environment())
     with ResultsStore(store_path) as store:
-        done = store.statuses()
-        todo = []
-        for m in members:
-            status = done.get((m.config_hash, m.repeat))
-            if m.invalid_reason:
-                store.put(
-                    _base_record(spec, m)
-                    | {
-                        "status": "invalid",
-                        "error": m.invalid_reason,
-                        "env_json": env_json,
-                        "finished_at": _now(),
-                    }
-                )
-            elif status in STATUSES and not (retry_failed and status != "ok"):
-                continue
-            else:
-                todo.append(m)
+        invalid_records = [
+            _base_record(spec, m)
+            | {"status": "invalid", "error": m.invalid_reason, "env_json": env_json, "finished_at": _now()}
+            for m in invalid
+        ]
+        for record in invalid_records:
+            store.put(record)
+        todo = to_run(members, store.statuses(), retry_failed)
         skipped = len(members) - len(invalid) - len(todo)
         console.print(f"to run: {len(todo)}; already in the store: {skipped}")
         t_start = time.perf_counter()
