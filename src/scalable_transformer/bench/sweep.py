@@ -379,11 +379,20 @@ def _error_tail(text: str) -> str:
     return tail(text[idx:] if idx >= 0 else text, 30)
 
 
-def _limit_memory(mb: int | None):
+def _child_setup(mb: int | None):
+    """Run in the member's launcher between fork and exec: the memory limit (inherited by every rank),
+    and on Linux SIGTERM when the sweep itself dies (even by SIGKILL), which the launcher answers by
+    stopping its ranks, so a killed sweep leaves no member running behind it."""
+
     def apply() -> None:
         if mb is not None:
             limit = mb * 2**20
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
     return apply
 
@@ -511,7 +520,7 @@ def run_member(spec: SweepSpec, member: Member, console: Console) -> dict[str, A
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_limit_memory(member.memory_limit_mb),
+            preexec_fn=_child_setup(member.memory_limit_mb),
         )
         try:
             proc.wait(timeout=member.timeout_seconds)
