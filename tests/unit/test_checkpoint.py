@@ -171,3 +171,15 @@ def test_other_model_shape_names_the_tensors_and_touches_nothing(saved, tmp_path
     assert snapshot(ckpt) == before
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.up\.weight: not in the checkpoint"):
         train(tmp_path, "deeper", "model.num_layers=3", f"checkpoint.load={ckpt}")
+
+
+def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(saved, tmp_path):
+    ckpt = _copy(saved[2], tmp_path / "ckpt")
+    before = snapshot(ckpt)
+    cfg = load_config(
+        None,
+        [*TINY, f"logging.run_dir={tmp_path / 'runs'}", f"checkpoint.save={ckpt}", "checkpoint.load=auto"],
+    )
+    _, summary = run_training(cfg)
+    assert summary == {"iterations": 0, "resumed_at_iteration": 4}
+    assert snapshot(ckpt) == before

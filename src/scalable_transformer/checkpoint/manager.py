@@ -418,11 +418,13 @@ def save_checkpoint(
         }
         _write_durably(tmp / METADATA, json.dumps(meta, indent=2, default=str) + "\n")
         _fsync(tmp)
-        if final.exists():  # the same iteration saved again (a resumed run that trained no further)
-            shutil.rmtree(final)
+        old = root / f".old-{final.name}"
+        if final.exists():  # the same iteration saved again (e.g. finetuning into the same directory)
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync(root)
         _write_durably(root / LATEST, final.name + "\n")
+        shutil.rmtree(old, ignore_errors=True)
         if options.keep_last_n:
             prune(root, options.keep_last_n, keep=final.name)
     _barrier()

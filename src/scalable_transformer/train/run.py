@@ -258,6 +258,13 @@ def _run(
         layout=layout,
     )
     saver = attach_checkpoints(cfg, trainer, resume, console if main else None)
+    if trainer.iteration >= cfg.train.train_iters:
+        if main:
+            console.print(
+                f"nothing to train: already at iteration {trainer.iteration} of {cfg.train.train_iters}"
+            )
+        trainer.sinks.close()
+        return run_dir, {"iterations": 0, "resumed_at_iteration": trainer.iteration}
     try:
         history = trainer.fit()
         if saver is not None:
@@ -335,6 +342,8 @@ def attach_checkpoints(cfg: Config, trainer: Trainer, resume: Resume | None, con
             "environment": environment() if is_main_process() else {},
         }
         saver = Saver(state, cfg, info, console)
+        if resume is not None and not c.finetune:
+            saver.last_saved = resume.iteration  # that checkpoint exists: do not write it again
         trainer.on_iteration_end = saver.maybe_save
     if resume is not None and resume.rng is not None:  # last: nothing may draw numbers before step 1
         set_rng_state(resume.rng)
