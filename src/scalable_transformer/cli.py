@@ -116,7 +116,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_hf
 
     out = export_hf(args.checkpoint, args.output)
-    print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
+    print(f"exported {args.checkpoint} to {out} (load with transformers' from_pretrained('{out}'))")
     return 0
 
 
@@ -270,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print metadata.json")
     c.set_defaults(fn=cmd_checkpoint_info)
 
-    p = sub.add_parser("export", help="a checkpoint as a Hugging Face transformers model (GPT-2 shaped)")
+    p = sub.add_parser(
+        "export",
+        help="a checkpoint as a Hugging Face transformers model (GPT2LMHeadModel, BertForPreTraining)",
+    )
     p.add_argument("checkpoint", help="a checkpoint (iter_XXXXXXX) or a save directory (its latest)")
     p.add_argument("--format", choices=("hf",), default="hf", help="hf: transformers save_pretrained")
     p.add_argument("--output", required=True, help="a new directory")

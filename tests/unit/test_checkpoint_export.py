@@ -59,3 +59,34 @@ def test_no_hf_equivalent_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"position_embedding_type = rotary .*model.norm = rmsnorm"):
         export_hf(str(ckpt), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+BERT = [
+    "model.type=bert",
+    "model.apply_residual_connection_post_layernorm=true",
+    "model.bert_binary_head=true",
+]
+
+
+def test_bert_export_has_our_logits(tmp_path):
+    ckpt = save(tmp_path, "bert", *BERT)
+    out = export_hf(str(ckpt), str(tmp_path / "hf"))
+    hf = transformers.BertForPreTraining.from_pretrained(out).eval()
+    ours, cfg, _ = load_model(str(ckpt))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size or 1, (2, 32), generator=gen)
+    types = torch.randint(0, 2, (2, 32), generator=gen)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 20:] = 0
+    with torch.no_grad():
+        mlm, binary = ours(ids, types, mask)
+        got = hf(input_ids=ids, token_type_ids=types, attention_mask=mask)
+    torch.testing.assert_close(got.prediction_logits[0], mlm[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.prediction_logits[1, :20], mlm[1, :20], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.seq_relationship_logits, binary, rtol=1e-5, atol=1e-5)
+
+
+def test_pre_ln_bert_is_a_clear_error(tmp_path):
+    ckpt = save(tmp_path, "pre-ln", "model.type=bert")
+    with pytest.raises(CheckpointError, match="apply_residual_connection_post_layernorm = true"):
+        export_hf(str(ckpt), str(tmp_path / "hf"))
