@@ -1,0 +1,249 @@
+"""One DeepSpeed training run of our model, one process per rank: the DeepSpeed side of
+`zero_vs_deepspeed.py`.
+
+Run under torchrun in the venv that has DeepSpeed (never the project's; see benchmarks/README.md):
+
+    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distributed.run --standalone \
+        --nproc-per-node 2 benchmarks/deepspeed_worker.py --config tiny-gpt --zero-stage 3 \
+        --output /tmp/ds-{rank}.json train.train_iters=10
+
+It resolves the config exactly as `stx train` does (tokenizer -> vocab_size -> `resolve(cfg,
+world_size)`), builds the same data (`build_datasets` + `build_loader` with dp_rank/dp_size = rank
+/world size) and the same model (`set_seed(train.seed)` then `build_model(cfg.model)`: the same
+initial weights as our run), hands it to `deepspeed.initialize` with the config's micro-batch,
+accumulation, clip and AdamW hyper-parameters (torch's AdamW, foreach, over our two parameter groups
+unless `--ds-adam fused`), and trains `train.train_iters` steps with our loss
+(`scalable_transformer.models.compute_loss`). The learning rate stays at `optim.lr` (no DeepSpeed
+scheduler): the harness forces a constant schedule on our side too.
+
+Each step is timed as our trainer times an iteration (fetching the micro-batches from the loader,
+forward + backward of each, the optimizer step), peak memory is the RSS high-water mark since just
+before the loop (`MemoryTracker`, as our trainer resets it at the start of `fit`), and every rank
+writes one JSON file (`--output`, `{rank}` replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+# Before deepspeed is imported: its accelerator is chosen once, at import.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from scalable_transformer.config.load import load_config, to_yaml
+from scalable_transformer.config.schema import need
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.data.loader import build_datasets, build_loader
+from scalable_transformer.data.tokenizers import load_tokenizer
+from scalable_transformer.metrics.memory import MemoryTracker
+from scalable_transformer.models import build_model, compute_loss, count_parameters, model_inputs
+from scalable_transformer.train.optim import param_groups
+from scalable_transformer.train.run import set_seed
+
+HUGE = 10**9  # steps_per_print: DeepSpeed never prints on its own
+# Versions recorded with the result: DeepSpeed and what it brings beyond the project's own stack.
+PACKAGES = (
+    "deepspeed",
+    "torch",
+    "numpy",
+    "pydantic",
+    "hjson",
+    "py-cpuinfo",
+    "msgpack",
+    "einops",
+    "ninja",
+    "psutil",
+)
+# DeepSpeed 0.19 calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor, which torch
+# 2.13 deprecates with a FutureWarning printed (to stderr) inside every ZeRO-3 step: silenced, so the
+# timed loop measures the engine, not the warning machinery.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def ds_config(cfg, zero_stage: int, adam: str) -> dict:
+    """The DeepSpeed config equivalent to our resolved config (fp32, no scheduler)."""
+    o, t = cfg.optim, cfg.train
+    params: dict = {
+        "lr": o.lr,
+        "betas": [o.adam_beta1, o.adam_beta2],
+        "eps": o.adam_eps,
+        "weight_decay": o.weight_decay,
+    }
+    if adam == "torch":
+        # torch.optim.AdamW(foreach=True), as our build_optimizer; without torch_adam DeepSpeed takes
+        # its FusedAdam, a C++ op JIT-compiled on first use on CPU.
+        params.update(torch_adam=True, foreach=True)
+    return {
+        "train_batch_size": need(t.global_batch_size, "train.global_batch_size"),
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": need(
+            t.gradient_accumulation_steps, "train.gradient_accumulation_steps"
+        ),
+        "zero_optimization": {"stage": zero_stage},
+        "optimizer": {"type": "AdamW", "params": params},
+        "gradient_clipping": o.clip_grad,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": HUGE,
+        "wall_clock_breakdown": False,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for stx train")
+    p.add_argument("--config", default="tiny-gpt", help="preset name or YAML path (default tiny-gpt)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), required=True)
+    p.add_argument("--output", required=True, help="JSON file per rank; {rank} is replaced")
+    p.add_argument(
+        "--ds-adam",
+        choices=("torch", "fused"),
+        default="torch",
+        help="torch: torch.optim.AdamW(foreach=True), as ours (default); fused: DeepSpeed's FusedAdam",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    cfg = load_config(args.config, args.overrides)
+    d = cfg.data
+    if rank != 0:  # rank 0 builds the caches (tokenizer, corpus, index mappings) first, as run.py
+        dist.barrier()
+    tokenizer = load_tokenizer(
+        d.tokenizer, d.tokenizer_vocab_size, vocab_file=d.vocab_file, merge_file=d.merge_file,
+        tokenizer_type=d.tokenizer_type,
+    )  # fmt: skip
+    if cfg.model.vocab_size is None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+    cfg = resolve(cfg, world_size=world)
+    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
+        raise SystemExit("deepspeed_worker: only data parallelism (tp = pp = 1) is compared")
+    if cfg.train.precision != "fp32":
+        raise SystemExit(f"deepspeed_worker: only fp32 is compared, not {cfg.train.precision}")
+    train_ds, _, _ = build_datasets(cfg, tokenizer)
+    if rank == 0:
+        dist.barrier()
+    loader = build_loader(
+        train_ds,
+        cfg.train.micro_batch_size,
+        consumed_samples=0,
+        seed=cfg.train.seed,
+        dp_rank=rank,
+        dp_size=world,
+        num_workers=cfg.data.num_workers,
+    )
+    batches = iter(loader)
+
+    set_seed(cfg.train.seed)  # as run.py, right before init: the same initial weights as our run
+    model = build_model(cfg.model)
+    config = ds_config(cfg, args.zero_stage, args.ds_adam)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=config
+    )
+    inner = getattr(optimizer, "optimizer", optimizer)
+
+    model_type = cfg.model.type
+    accumulation = need(cfg.train.gradient_accumulation_steps, "train.gradient_accumulation_steps")
+    global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
+    tracker = MemoryTracker("cpu")
+    seconds: list[float] = []
+    losses: list[float] = []
+    grad_norms: list[float | None] = []
+    engine.train()
+    dist.barrier()
+    rss_before = _rss_bytes()
+    tracker.reset_peak()
+    for _ in range(cfg.train.train_iters):
+        t0 = time.perf_counter()
+        micro = [next(batches) for _ in range(accumulation)]  # what our trainer's batch-generator does
+        step_loss = 0.0
+        for batch in micro:
+            outputs = engine(*model_inputs(model_type, batch))
+            loss, _ = compute_loss(model_type, outputs, batch)
+            engine.backward(loss)  # scales by 1/accumulation; averages over dp at the boundary
+            engine.step()  # the optimizer steps only at the accumulation boundary
+            step_loss += float(loss.detach()) / accumulation
+        seconds.append(time.perf_counter() - t0)
+        losses.append(step_loss)
+        norm = engine.get_global_grad_norm()
+        grad_norms.append(None if norm is None else float(norm))
+    peak = tracker.peak()
+
+    # Mean of the ranks' losses: the global batch's loss (equal-sized, fully labelled micro-batches).
+    loss_t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(loss_t)
+    warmup = cfg.logging.warmup_iters if len(seconds) > cfg.logging.warmup_iters else 0
+    median = statistics.median(seconds[warmup:])
+    result = {
+        "engine": "deepspeed",
+        "rank": rank,
+        "world_size": world,
+        "zero_stage": args.zero_stage,
+        "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+        "accelerator": type(deepspeed.get_accelerator()).__name__,
+        "backend": dist.get_backend(),
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "optimizer": f"{type(inner).__module__}.{type(inner).__qualname__}",
+        "zero_optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "packages": {name: _version(name) for name in PACKAGES},
+        "ds_config": config,
+        "resolved_config": to_yaml(cfg),
+        "num_parameters": count_parameters(cfg.model),
+        "global_batch_size": global_batch,
+        "seq_length": cfg.model.seq_length,
+        "iterations": len(seconds),
+        "warmup_iterations_excluded": warmup,
+        "iteration_seconds": seconds,
+        "median_iteration_seconds": median,
+        "tokens_per_second": global_batch * cfg.model.seq_length / median,
+        "losses": (loss_t / world).tolist(),
+        "grad_norms": grad_norms,
+        "rss_before_loop_bytes": rss_before,
+        "peak_memory_bytes": peak.peak_allocated_bytes,
+        "peak_memory_method": peak.method,
+    }
+    path = Path(args.output.replace("{rank}", str(rank)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
