@@ -58,6 +58,8 @@ def cmd_config(args: argparse.Namespace) -> int:
         else:
             print(reference_markdown())
         return 0
+    if args.action == "from-hf":
+        return _config_from_hf(args.items)
     cfg = _load(args.items, args.world_size)
     if args.action == "show":
         print(to_yaml(cfg), end="")
@@ -68,6 +70,25 @@ def cmd_config(args: argparse.Namespace) -> int:
             f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
             f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp})"
         )
+    return 0
+
+
+def _config_from_hf(items: list[str]) -> int:
+    """`stx config from-hf DIR`: a config YAML that trains on from a Hugging Face model directory."""
+    import yaml
+
+    from .checkpoint.hf_import import model_overrides_from_hf
+
+    if len(items) != 1:
+        raise ValueError("stx config from-hf takes one argument: a Hugging Face model directory")
+    hf_dir = Path(items[0]).resolve()
+    model = model_overrides_from_hf(hf_dir)
+    model["seq_length"] = model["max_position_embeddings"]  # the longest the model was trained for
+    config: dict = {"model": model, "checkpoint": {"init_from_hf": str(hf_dir)}}
+    if (hf_dir / "tokenizer.json").is_file():
+        config["data"] = {"vocab_file": str(hf_dir / "tokenizer.json")}
+    print(f"# continue pretraining {hf_dir}; save as a file and run `stx train FILE`", flush=True)
+    print(yaml.safe_dump(config, sort_keys=False), end="")
     return 0
 
 
@@ -230,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("config", help="show, validate or document configs")
-    p.add_argument("action", choices=("show", "validate", "docs"))
+    p.add_argument("action", choices=("show", "validate", "docs", "from-hf"))
     p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
     p.add_argument("--world-size", type=int, default=1, help="processes the job will run on (for dp)")
     p.add_argument(

@@ -90,3 +90,78 @@ def test_pre_ln_bert_is_a_clear_error(tmp_path):
     ckpt = save(tmp_path, "pre-ln", "model.type=bert")
     with pytest.raises(CheckpointError, match="apply_residual_connection_post_layernorm = true"):
         export_hf(str(ckpt), str(tmp_path / "hf"))
+
+
+def _logits(model, cfg, ids):
+    with torch.no_grad():
+        out = model(ids) if cfg.type == "gpt" else model(ids, torch.zeros_like(ids), torch.ones_like(ids))
+    return out if cfg.type == "gpt" else out[0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["model.activation=openai-gelu"],
+        [
+            "model.type=bert",
+            "model.apply_residual_connection_post_layernorm=true",
+            "model.bert_binary_head=true",
+        ],
+    ],
+    ids=["gpt", "bert"],
+)
+def test_init_from_hf_is_the_export_run_backwards(tmp_path, extra):
+    """Export a trained checkpoint, initialise a fresh model from it: every weight comes back exactly,
+    and a run started from it has the trained model's first loss."""
+    import dataclasses
+
+    from scalable_transformer.checkpoint.hf_import import load_hf_weights, model_overrides_from_hf
+    from scalable_transformer.models import build_model
+
+    ckpt = save(tmp_path, "ckpt", *extra)
+    out = export_hf(str(ckpt), str(tmp_path / "hf"))
+    ours, cfg, _ = load_model(str(ckpt))
+    settings = model_overrides_from_hf(out)
+    fresh_cfg = dataclasses.replace(cfg, **{k: v for k, v in settings.items() if k != "bert_binary_head"})
+    fresh = build_model(fresh_cfg)
+    load_hf_weights(fresh, fresh_cfg, out)
+    for key, value in ours.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    with pytest.raises(CheckpointError, match=r"model.num_layers = 3 \(the Hugging Face model has 2\)"):
+        load_hf_weights(
+            build_model(dataclasses.replace(cfg, num_layers=3)), dataclasses.replace(cfg, num_layers=3), out
+        )
+
+
+def test_init_from_a_foreign_gpt2_with_an_unpadded_vocabulary(tmp_path):
+    """A GPT-2 made by transformers (vocab 10100, not a multiple of 128, above the embedded tokenizer's):
+    its rows fill the first 10100 of our 10112 and the logits over them are HF's; then a run starts from
+    it through checkpoint.init_from_hf."""
+    import dataclasses
+
+    from scalable_transformer.checkpoint.hf_import import load_hf_weights, model_overrides_from_hf
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.models import build_model
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=10100, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "gpt2")
+    settings = model_overrides_from_hf(tmp_path / "gpt2")
+    cfg = resolve(load_config(None, [*TINY, *(f"model.{k}={v}" for k, v in settings.items())])).model
+    assert cfg.vocab_size == 10100
+    model = build_model(cfg).eval()
+    load_hf_weights(model, cfg, tmp_path / "gpt2")
+    ids = torch.randint(0, 10100, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :10100], hf(ids).logits, rtol=1e-5, atol=1e-5)
+    wrong = dataclasses.replace(cfg, hidden_size=64)
+    with pytest.raises(CheckpointError, match=r"model.hidden_size = 64 \(the Hugging Face model has 32\)"):
+        load_hf_weights(build_model(wrong), wrong, tmp_path / "gpt2")
+    run_cfg = load_config(
+        None,
+        [*TINY, *(f"model.{k}={v}" for k, v in settings.items()),
+         f"checkpoint.init_from_hf={tmp_path / 'gpt2'}", f"logging.run_dir={tmp_path / 'runs'}"],
+    )  # fmt: skip
+    _, summary = run_training(run_cfg)
+    assert summary["iterations"] == 2

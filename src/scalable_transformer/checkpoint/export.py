@@ -5,7 +5,8 @@ with learned positions, GELU and tied embeddings become `BertForPreTraining`. Ou
 is laid out per head ([q_d | k_d | v_d] for each head, Megatron's layout, so tensor parallelism splits
 whole heads); GPT-2's `c_attn` is [q | k | v] over all heads, and its Conv1D weights are stored
 transposed ([in, out]). The vocabulary is exported padded, as trained. Other architectures get an
-error that says which setting has no equivalent. (The reverse import is not implemented yet.)
+error that says which setting has no equivalent. The reverse, initialising from a Hugging Face
+model, is `hf_import.py` (`checkpoint.init_from_hf`).
 """
 
 from __future__ import annotations

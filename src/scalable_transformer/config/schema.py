@@ -363,6 +363,12 @@ class CheckpointConfig:
         "Load the weights only: iteration 0, consumed samples 0, fresh optimizer and schedule.",
         aliases=("finetune",),
     )
+    init_from_hf: str | None = opt(
+        None,
+        "Start from the weights of a local Hugging Face GPT2LMHeadModel / BertForPreTraining directory "
+        "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
+        "settings.",
+    )
 
 
 @dataclass

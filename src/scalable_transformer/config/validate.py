@@ -158,4 +158,9 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError("checkpoint.load = auto resumes from checkpoint.save: set checkpoint.save too")
     if c.finetune and not c.load:
         raise ConfigError("checkpoint.finetune loads weights from checkpoint.load: set checkpoint.load")
+    if c.init_from_hf and c.load:
+        raise ConfigError(
+            "checkpoint.init_from_hf and checkpoint.load both set the starting weights: keep one "
+            "(init_from_hf for a Hugging Face model, load to resume or finetune one of ours)"
+        )
     return cfg

@@ -392,7 +392,12 @@ def build_parallel_model(
     cfg: Config, dims: ParallelDims, mesh, device: torch.device, coords: dict[str, int]
 ) -> tuple[torch.nn.Module, Layout]:
     """The plain model, split into this rank's pipeline stages when pp > 1, each parallelized."""
-    model = build_model(cfg.model).to(device)
+    model = build_model(cfg.model)
+    if cfg.checkpoint.init_from_hf:
+        from ..checkpoint.hf_import import load_hf_weights
+
+        load_hf_weights(model, cfg.model, cfg.checkpoint.init_from_hf)
+    model = model.to(device)
     if mesh is None:
         return parallelize(model, cfg), Layout()
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
