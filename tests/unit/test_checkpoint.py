@@ -116,7 +116,8 @@ def _copy(src: Path, dst: Path) -> Path:
         ("delete-shard", r"__0_0\.distcp is missing"),
         ("corrupt-metadata", r"metadata\.json is corrupt"),
         ("delete-metadata", r"metadata\.json is missing"),
-        ("corrupt-dcp-index", r"DCP index \.metadata is unreadable"),
+        ("corrupt-dcp-index", r"\.metadata does not match its CRC-32"),
+        ("flip-shard-bytes", r"__0_0\.distcp does not match its CRC-32"),
     ],
 )
 def test_damaged_checkpoint_fails_before_training(saved, tmp_path, damage, message):
@@ -130,6 +131,10 @@ def test_damaged_checkpoint_fails_before_training(saved, tmp_path, damage, messa
         meta.write_text(meta.read_text()[:50])
     elif damage == "delete-metadata":
         meta.unlink()
+    elif damage == "flip-shard-bytes":  # same size: a bit flip on disk or a partial overwrite
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
     else:  # same size, so only reading it can tell
         index.write_bytes(b"\x00" * index.stat().st_size)
     with pytest.raises(CheckpointError, match=message):
