@@ -196,7 +196,7 @@ def read_metadata(path: Path, verify: bool = True) -> dict[str, Any]:
 
 
 def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
-    """CRC-32 of a file, streamed (zlib runs at GB/s: the save and the first load read each shard once more)."""
+    """CRC-32 of a file, streamed (zlib runs at GB/s; the save and a load read each shard once more)."""
     crc = 0
     with path.open("rb") as f:
         while block := f.read(chunk):
