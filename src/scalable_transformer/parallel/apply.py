@@ -119,7 +119,7 @@ def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device
         model,
         process_group=dp_group,
         device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False,  # the models' buffers are derived tables, equal on every rank
+        forward_sync_buffers=False,  # the models' buffers are derived tables, equal on every rank
     )
     if cfg.parallel.grad_reduce_dtype == "bf16":
         ddp.register_comm_hook(dp_group, default_hooks.bf16_compress_hook)
