@@ -271,7 +271,8 @@ def _plt():
 
 def plot_scaling(rows: list[dict[str, Any]], path: Path) -> bool:
     """Samples/s against device count per layout, with ideal linear scaling from the smallest count
-    and the scaling efficiency (measured / ideal) written at each point."""
+    and the scaling efficiency (measured / ideal) written at each larger count; a layout measured at
+    one device count is a lone point (nothing to scale from)."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("samples_per_second")]
     if not ok:
         return False
@@ -284,10 +285,11 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path) -> bool:
         xs = sorted(points)
         ys = [statistics.median(points[x]) for x in xs]
         (line,) = ax.plot(xs, ys, marker="o", label=label)
+        if len(xs) == 1:  # no smaller run of this layout to scale from: no efficiency to state
+            continue
         ideal = [ys[0] * x / xs[0] for x in xs]
-        if len(xs) > 1:
-            ax.plot(xs, ideal, linestyle="--", color=line.get_color(), alpha=0.6)
-        for x, y, i in zip(xs, ys, ideal, strict=True):
+        ax.plot(xs, ideal, linestyle="--", color=line.get_color(), alpha=0.6)
+        for x, y, i in zip(xs[1:], ys[1:], ideal[1:], strict=True):
             ax.annotate(f"{100 * y / i:.0f}%", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("devices (processes)")
     ax.set_ylabel("throughput (samples/s)")
