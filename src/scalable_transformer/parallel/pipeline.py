@@ -33,7 +33,6 @@ schedule for any number of batches (see `PipelineRunner._schedule`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +57,9 @@ from ..config.schema import Config
 from ..models import compute_loss, model_inputs, padded_vocab_size
 from ..models.layers import run_blocks
 from .dims import stage_layer_counts
+from .distributed import all_reduce_floats, collective_device
+from .grads import local
+from .tensor import loss_parallel_context
 
 Batch = dict[str, torch.Tensor]
 
@@ -253,13 +255,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's values of a (possibly DTensor) tensor; under no_grad a DTensor's local shard
-    aliases its storage, so in-place collectives on it update the DTensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 def _output_dtype(stage: nn.Module) -> torch.dtype:
     """dtype of the hidden states a stage sends: FSDP2's mixed-precision output/param dtype when
     set, else the parameters' dtype (autocast keeps the residual stream in the parameter dtype)."""
@@ -273,11 +268,6 @@ def _output_dtype(stage: nn.Module) -> torch.dtype:
         if param.is_floating_point():
             return param.dtype
     return torch.float32
-
-
-def _host_or_device(group: Any, device: torch.device) -> torch.device:
-    """Host tensors for gloo groups, the device for nccl-only groups."""
-    return torch.device("cpu") if "gloo" in str(dist.get_backend(group)) else device
 
 
 class PipelineRunner:
@@ -419,14 +409,6 @@ class PipelineRunner:
                 target = torch.cat([target, cat("nsp_labels")[:, None].to(target.dtype)], dim=1)
         return args, kwargs, target
 
-    def _loss_context(self) -> contextlib.AbstractContextManager:
-        """Vocabulary-parallel cross-entropy (forward and backward run inside the schedule)."""
-        if self.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
     def _reduce_metrics(self, n: int) -> dict[str, float]:
         """Metric sums over the step's micro-batches, summed over pp so every rank has them."""
         if self.has_last and len(self._metrics) != n:
@@ -436,10 +418,7 @@ class PipelineRunner:
             for i, key in enumerate(self.metric_keys):
                 sums[i] += float(metrics[key])
         self._metrics = []
-        if dist.get_world_size(self.group) > 1:
-            total = torch.tensor(sums, dtype=torch.float64, device=_host_or_device(self.group, self.device))
-            dist.all_reduce(total, group=self.group)
-            sums = total.tolist()
+        sums = all_reduce_floats(sums, self.group)
         return dict(zip(self.metric_keys, sums, strict=True))
 
     def train_step(
@@ -463,7 +442,7 @@ class PipelineRunner:
             self._train_schedule = self._schedule(self.num_microbatches, train=True)
         self._normalizers, self._loss_multiplier = normalizers, loss_multiplier
         args, kwargs, target = self._schedule_inputs(micro_batches)
-        with self._loss_context():
+        with loss_parallel_context(self.tp):
             self._train_schedule.step(*args, target=target, return_outputs=False, **kwargs)
         return self._reduce_metrics(len(micro_batches))
 
@@ -478,7 +457,7 @@ class PipelineRunner:
         self._train_schedule = None
         self._normalizers, self._loss_multiplier = normalizers, 1.0
         args, kwargs, target = self._schedule_inputs(batches)
-        with self._loss_context():
+        with loss_parallel_context(self.tp):
             schedule.eval(*args, target=target, **kwargs)
         return self._reduce_metrics(len(batches))
 
@@ -499,13 +478,13 @@ class PipelineRunner:
         last_rank = stage_rank(self.num_stages - 1, self.pp, self.virtual, self.schedule_name)
         param = self._tied_param(0)
         param = self._tied_param(self.num_stages - 1) if param is None else param
-        local = None if param is None else _local(param.detach())
-        numel, dtype = (0, torch.float32) if local is None else (local.numel(), local.dtype)
+        shard = None if param is None else local(param.detach())
+        numel, dtype = (0, torch.float32) if shard is None else (shard.numel(), shard.dtype)
         if not self._tied or first_rank == last_rank or self.pp == 2:
             return first_rank == last_rank, numel, dtype
         dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-        code = [0, 0] if local is None else [numel, dtypes.index(dtype)]
-        shape = torch.tensor(code, dtype=torch.int64, device=_host_or_device(self.group, self.device))
+        code = [0, 0] if shard is None else [numel, dtypes.index(dtype)]
+        shape = torch.tensor(code, dtype=torch.int64, device=collective_device(self.group))
         dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.group)
         return False, int(shape[0]), dtypes[int(shape[1])]
 
@@ -528,7 +507,7 @@ class PipelineRunner:
                     # Tensor parallelism leaves the embedding lookup's gradient Replicate on a Shard(0)
                     # weight; the copies' local values must line up element by element.
                     param.grad = param.grad.redistribute(param.grad.device_mesh, param.placements)  # type: ignore[attr-defined]
-                grads.append(_local(param.grad))
+                grads.append(local(param.grad))
             if first is not None and last is not None:
                 grads[0].add_(grads[1])
                 grads[1].copy_(grads[0])
@@ -538,7 +517,7 @@ class PipelineRunner:
                 if grads
                 else torch.zeros(self._tied_numel, dtype=self._tied_dtype, device=self.device)
             )
-            device = _host_or_device(self.group, self.device)
+            device = collective_device(self.group)
             staged = buffer if buffer.device == device else buffer.to(device)
             dist.all_reduce(staged, group=self.group)
             if staged is not buffer:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..config.schema import TrainConfig
+from ..parallel.grads import local
 
 
 class LossScaler:
@@ -160,10 +160,10 @@ class DynamicLossScaler(LossScaler):
 
 
 def _unscale_and_check(grads: list[torch.Tensor], inv_scale: float, group: dist.ProcessGroup | None) -> bool:
-    # DTensor grads (TP, FSDP2): unscale the local shard; to_local() is a view of it, so in place works.
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    # DTensor grads (TP, FSDP2): unscale the local shard, which aliases the DTensor's storage.
+    shards = [local(g) for g in grads]
     by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for g in local:
+    for g in shards:
         by_device_dtype[(g.device, g.dtype)].append(g)
     found_per_device: dict[torch.device, torch.Tensor] = {}
     inv_per_device: dict[torch.device, torch.Tensor] = {}

@@ -20,6 +20,7 @@ from ..metrics.timers import Timers
 from ..models import compute_loss, model_inputs
 from ..parallel.distributed import all_reduce_floats, env_rank
 from ..parallel.grads import clip_grads, grad_norm, local
+from ..parallel.tensor import loss_parallel_context
 from .loss_scale import build_loss_scaler
 
 Batch = dict[str, torch.Tensor]
@@ -66,15 +67,6 @@ class Layout:
     pp_group: Any = None
     pipeline: Any = None  # parallel.pipeline.PipelineRunner when pp > 1
     grad_norm_excluded: set[int] = field(default_factory=set)
-
-
-def loss_context(tp: int) -> contextlib.AbstractContextManager:
-    """Vocabulary-parallel cross entropy on the sharded logits when tensor parallel."""
-    if tp > 1:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-    return contextlib.nullcontext()
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -156,7 +148,7 @@ class Trainer:
             totals = {}
             last = len(micro_batches) - 1
             for i, micro in enumerate(micro_batches):
-                with gradient_sync(self.model, i == last), loss_context(layout.tp):
+                with gradient_sync(self.model, i == last), loss_parallel_context(layout.tp):
                     with (
                         self.timers("forward-compute"),
                         autocast_context(self.cfg.train.precision, self.device),
@@ -201,7 +193,10 @@ class Trainer:
             with autocast_context(self.cfg.train.precision, self.device):
                 totals = self.layout.pipeline.evaluate(batches, normalizers)
         for batch in batches if self.layout.pipeline is None else []:
-            with autocast_context(self.cfg.train.precision, self.device), loss_context(self.layout.tp):
+            with (
+                autocast_context(self.cfg.train.precision, self.device),
+                loss_parallel_context(self.layout.tp),
+            ):
                 outputs = self.model(*model_inputs(self.model_type, batch))
                 _, metrics = compute_loss(self.model_type, outputs, batch, normalizers)
             for k, v in metrics.items():
