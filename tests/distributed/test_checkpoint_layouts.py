@@ -17,33 +17,16 @@ from pathlib import Path
 
 import pytest
 from harness import run_distributed
+from test_equivalence import BASE as EQUIVALENCE_BASE
+from test_equivalence import RTOL
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.train.run import run_training
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-RTOL = 2e-5
-BASE = [
-    "model.type=gpt",
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.seq_length=32",
-    "model.hidden_dropout=0",
-    "model.attention_dropout=0",
-    "train.train_iters=6",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.eval_interval=0",
-    "train.eval_iters=2",
-    "logging.log_interval=1",
-    "logging.tensorboard=false",
-    "logging.warmup_iters=0",
-    "optim.clip_grad=1.0",
-    "optim.lr_warmup_iters=1",
-    "parallel.timeout_minutes=2",
-]
+# the equivalence suite's tiny model, batch and tolerance, with a 1-step warm-up so the LR moves
+BASE = ["model.type=gpt", *EQUIVALENCE_BASE, "optim.lr_warmup_iters=1"]
 LAYOUTS = {
     "single": [],
     "dp2-zero3": ["parallel.zero_stage=3"],
