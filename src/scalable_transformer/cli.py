@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config.load import ConfigError
+    from .errors import CheckpointError, ConfigError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -395,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"stx: config error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"stx: checkpoint error: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:
         # Bad input (a dataset, a tokenizer file, a blend) is reported as a message, not a traceback;

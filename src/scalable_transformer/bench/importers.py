@@ -24,13 +24,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..errors import LogFormatError
+
 _ARG_RE = re.compile(r"^\s+([a-z_0-9]+) \.{3,} (.*)$")
 _NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 _UNITS = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
-
-
-class LogFormatError(ValueError):
-    """A log with none of the lines the chosen format prints."""
 
 
 def _float(text: str) -> float | None:

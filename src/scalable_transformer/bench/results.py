@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..errors import StoreError
+
 APP_ID = "scalable-transformer-results"
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
@@ -66,10 +68,6 @@ COLUMNS: list[tuple[str, str]] = [
     ("finished_at", "TEXT"),
 ]
 COLUMN_NAMES = [c for c, _ in COLUMNS]
-
-
-class StoreError(ValueError):
-    """A file that is not a results store of ours, or of a newer schema."""
 
 
 class ResultsStore:

@@ -44,9 +44,10 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from ..config.load import ConfigError, load_config, preset_names, to_yaml
+from ..config.load import load_config, preset_names, to_yaml
 from ..config.schema import Config
 from ..config.validate import resolve
+from ..errors import ConfigError, SweepError
 from .results import STATUSES, ResultsStore
 
 KEYS = {
@@ -79,10 +80,6 @@ _OOM_RE = re.compile("|".join(OOM_PATTERNS), re.IGNORECASE)
 # How `stx launch` names a rank killed by SIGKILL ("rank 1 was killed by signal SIGKILL (exit code -9)"),
 # and torchelastic's own wording ("Signal 9 (SIGKILL) received by PID").
 _SIGKILL_RE = re.compile(r"killed by signal SIGKILL|Signal 9 \(SIGKILL\)|exitcode\s*:\s*-9\b|exit code -9\b")
-
-
-class SweepError(ValueError):
-    """A sweep file that cannot be run: names the file, the key and what is valid."""
 
 
 @dataclasses.dataclass

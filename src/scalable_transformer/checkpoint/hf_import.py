@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..config.schema import ModelConfig
-from .manager import CheckpointError
+from ..errors import CheckpointError
 
 _SHIFT = float(2**40)
 _HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining"}

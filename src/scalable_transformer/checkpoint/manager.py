@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..config.load import ConfigError
+from ..errors import CheckpointError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -59,10 +59,6 @@ ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # iteration's save, after the shards are written and before the checkpoint is made visible.
 FAIL_ENV = "STX_CHECKPOINT_FAIL_AT"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be saved or loaded, with what is wrong in the message."""
 
 
 def iter_name(iteration: int) -> str:

@@ -24,11 +24,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import ConfigError
 from .schema import SECTIONS, Config, section_fields
-
-
-class ConfigError(ValueError):
-    """A config the user wrote (file, preset or override) is invalid; the message says how."""
 
 
 @dataclass(frozen=True)

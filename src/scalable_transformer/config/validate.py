@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from .load import ConfigError
+from ..errors import ConfigError
 from .schema import Config
 
 

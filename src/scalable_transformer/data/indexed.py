@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import IndexedDatasetError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
@@ -58,10 +60,6 @@ DTYPE_CODES: dict[int, np.dtype[Any]] = {
 # Validation walks the index in blocks of this many entries, so opening a dataset with billions of
 # sequences needs a bounded amount of memory.
 _BLOCK = 1 << 22
-
-
-class IndexedDatasetError(ValueError):
-    """A .bin/.idx pair that is missing, truncated or inconsistent, or holds ids outside a vocab."""
 
 
 def best_dtype(vocab_size: int | None) -> np.dtype[Any]:

@@ -53,15 +53,13 @@ from scalable_transformer.data.corpus import split_sentences as _split_sentences
 from scalable_transformer.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
 from scalable_transformer.data.tokenizers import Tokenizer
 
+from ..errors import PreprocessError
+
 BLOCK_BYTES = 1 << 20
 _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _JSON_SUFFIXES = frozenset({".jsonl", ".json", ".ndjson"})
 _TEXT_SUFFIXES = frozenset({".txt", ".text"})
 _GLOB_CHARS = frozenset("*?[")
-
-
-class PreprocessError(ValueError):
-    """Bad preprocess input: a missing or empty input, undecodable bytes, a malformed JSON line..."""
 
 
 # -- inputs ---------------------------------------------------------------------------------------

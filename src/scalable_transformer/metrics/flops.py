@@ -50,15 +50,13 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import MFUError
+
 if TYPE_CHECKING:
     from scalable_transformer.config.schema import ModelConfig
 
 CONVENTIONS: tuple[str, ...] = ("megatron", "mosaic", "6n")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
-
-
-class MFUError(ValueError):
-    """MFU or HFU above 100% of the peak: the inputs are inconsistent (a bug, not a result)."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.load import ConfigError
 from ..config.schema import Config
+from ..errors import ConfigError
 from ..models.layers import padded_vocab_size
 
 MESH_DIMS = ("pp", "dp", "tp")

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from scalable_transformer.config.load import ConfigError
 from scalable_transformer.config.schema import OptimConfig
+from scalable_transformer.errors import ConfigError
 
 __all__ = ["IterationLR", "build_optimizer", "build_scheduler", "lr_at", "param_groups"]
 

@@ -23,11 +23,12 @@ import torch.distributed as dist
 from rich.console import Console
 
 from ..bench.environment import environment
-from ..config.load import ConfigError, to_yaml
+from ..config.load import to_yaml
 from ..config.schema import Config, need
 from ..config.validate import resolve
 from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
+from ..errors import ConfigError
 from ..metrics.flops import ModelShape, flops_per_iteration, throughput_metrics
 from ..metrics.hardware import resolve_peak
 from ..metrics.sinks import ConsoleSink, JsonlSink, Sinks, TensorBoardSink

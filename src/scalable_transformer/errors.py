@@ -1,0 +1,43 @@
+"""Every user-facing error type, in one place at the bottom of the import graph.
+
+Each is a ValueError (bad input, not a bug), so `stx` reports it as one message and exits 2. The
+message names the file, key or value and what would be valid. Nothing here imports the package.
+"""
+
+from __future__ import annotations
+
+
+class StxError(ValueError):
+    """Base of the errors below: bad input the user can fix, reported without a traceback."""
+
+
+class ConfigError(StxError):
+    """A config the user wrote (file, preset or override) is invalid; the message says how."""
+
+
+class CheckpointError(StxError):
+    """A checkpoint that cannot be saved or loaded, with what is wrong in the message."""
+
+
+class MFUError(StxError):
+    """MFU or HFU above 100% of the peak: the inputs are inconsistent (a bug, not a result)."""
+
+
+class PreprocessError(StxError):
+    """Bad preprocess input: a missing or empty input, undecodable bytes, a malformed JSON line..."""
+
+
+class IndexedDatasetError(StxError):
+    """A .bin/.idx pair that is missing, truncated or inconsistent, or holds ids outside a vocab."""
+
+
+class StoreError(StxError):
+    """A file that is not a results store of ours, or of a newer schema."""
+
+
+class LogFormatError(StxError):
+    """A log with none of the lines the chosen format prints."""
+
+
+class SweepError(StxError):
+    """A sweep file that cannot be run: names the file, the key and what is valid."""
