@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.config.load import load_config, to_yaml
 from scalable_transformer.config.schema import Config, need
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.loader import build_datasets, build_loader, eval_batches
 from scalable_transformer.data.tokenizers import load_tokenizer
+from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
 from scalable_transformer.metrics.hardware import resolve_peak
 from scalable_transformer.metrics.sinks import Sinks

@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.data.corpus import embedded_documents
 from scalable_transformer.data.preprocess import preprocess
 from scalable_transformer.data.tokenizers import Tokenizer, load_tokenizer
+from scalable_transformer.metrics.environment import record_sections
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("P1", "P2", "B1", "F1", "B2")

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.config.load import ConfigError, load_config, to_yaml
 from scalable_transformer.config.schema import Config, need
 from scalable_transformer.config.validate import resolve
+from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import (
     FlopsCount,
     MFUError,

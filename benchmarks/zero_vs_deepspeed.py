@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from scalable_transformer.bench.environment import record_sections
 from scalable_transformer.config.load import ConfigError, load_config, to_yaml
 from scalable_transformer.config.schema import Config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.tokenizers import load_tokenizer
+from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.models import count_parameters
 
 REPO = Path(__file__).resolve().parents[1]

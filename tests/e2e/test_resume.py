@@ -6,7 +6,6 @@ restored too)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -40,10 +39,14 @@ def command(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "scalable_transformer.cli", *ARGS, *overrides]
 
 
-def stx(cwd: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command(*overrides), cwd=cwd, capture_output=True, text=True, timeout=600, env={**os.environ, **env}
-    )
+FAULTS = str(Path(__file__).parents[1] / "faults.py")
+
+
+def stx(cwd: Path, *overrides: str, exit_in_save: int | None = None) -> subprocess.CompletedProcess:
+    argv = command(*overrides)
+    if exit_in_save is not None:  # the same run through the test-only fault-injection callbacks
+        argv = [sys.executable, FAULTS, "--exit-in-save", str(exit_in_save), *ARGS, *overrides]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def records(run_dir: Path) -> dict[int, dict]:
@@ -101,7 +104,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupt
     save = tmp_path / "ckpt"
     run = [f"checkpoint.save={save}", "checkpoint.save_interval=2", "checkpoint.keep_last_n=2"]
     # rank 0 dies inside the iteration-6 save: shards written, checkpoint not yet published
-    died = stx(tmp_path, *run, "logging.run_name=died", STX_CHECKPOINT_FAIL_AT="6")
+    died = stx(tmp_path, *run, "logging.run_name=died", exit_in_save=6)
     assert died.returncode == 17, died.stderr
     assert (save / "latest").read_text() == "iter_0000004\n"
     assert (save / ".tmp-iter_0000006").is_dir() and not (save / "iter_0000006").exists()

@@ -57,7 +57,6 @@ METADATA = "metadata.json"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Fault injection for the atomicity tests: "ITERATION" makes rank 0 exit (status 17) during that
 # iteration's save, after the shards are written and before the checkpoint is made visible.
-FAIL_ENV = "STX_CHECKPOINT_FAIL_AT"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -378,10 +377,13 @@ def save_checkpoint(
     iteration: int,
     consumed_samples: int,
     info: dict[str, Any],
+    on_staged: Callable[[], None] | None = None,
 ) -> Path:
     """Write SAVE/iter_<iteration> atomically on every rank (a collective) and make it `latest`.
 
     `info`: JSON-able facts recorded in metadata.json (layout, model shape, config, environment).
+    `on_staged`: called on every rank once all shards are written, before the checkpoint is published
+    (the fault-injection tests kill the process there).
     Returns the checkpoint's path; seconds spent are in its metadata.json (`save_seconds`).
     """
     start = time.perf_counter()
@@ -403,9 +405,8 @@ def save_checkpoint(
         torch.save(rng_state(), rng_file)
         _fsync(rng_file)
     _barrier()
-    fail_at = os.environ.get(FAIL_ENV)
-    if rank == 0 and fail_at and int(fail_at) == iteration:
-        os._exit(17)  # simulate a kill between writing the shards and publishing the checkpoint
+    if on_staged is not None:
+        on_staged()
     if rank == 0:
         checksums = {}
         for file in sorted(tmp.rglob("*")):
@@ -540,22 +541,36 @@ def directory_size(path: Path) -> int:
 
 
 class Saver:
-    """Saves every `checkpoint.save_interval` iterations and once at the end (as Megatron at exit)."""
+    """Saves every `checkpoint.save_interval` iterations and once at the end (as Megatron at exit).
 
-    def __init__(self, state: TrainState, cfg: Any, info: dict[str, Any], console: Any = None):
+    Reads the loop's position through the trainer's `state_dict()`; `on_staged(trainer, iteration)`
+    runs between writing a checkpoint's shards and publishing it (see `save_checkpoint`)."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        cfg: Any,
+        info: dict[str, Any],
+        console: Any = None,
+        on_staged: Callable[[Any, int], None] | None = None,
+    ):
         c = cfg.checkpoint
         self.state, self.info, self.console = state, info, console
         self.interval = c.save_interval
         self.options = SaveOptions(c.save, c.keep_last_n, not c.no_save_optim, not c.no_save_rng)
         self.last_saved: int | None = None
+        self.on_staged = on_staged
 
     def save(self, trainer: Any) -> float:
         """Save now; returns the seconds it took."""
         start = time.perf_counter()
+        position = trainer.state_dict()
+        iteration = position["iteration"]
+        hook = None if self.on_staged is None else (lambda: self.on_staged(trainer, iteration))  # type: ignore[misc]
         path = save_checkpoint(
-            self.state, self.options, trainer.iteration, trainer.consumed_samples, self.info
+            self.state, self.options, iteration, position["consumed_samples"], self.info, on_staged=hook
         )
-        self.last_saved = trainer.iteration
+        self.last_saved = iteration
         seconds = time.perf_counter() - start
         if self.console is not None:
             self.console.print(
@@ -564,12 +579,12 @@ class Saver:
         return seconds
 
     def maybe_save(self, trainer: Any) -> float:
-        if self.interval and trainer.iteration % self.interval == 0:
+        if self.interval and trainer.state_dict()["iteration"] % self.interval == 0:
             return self.save(trainer)
         return 0.0
 
     def save_final(self, trainer: Any) -> None:
-        if self.last_saved != trainer.iteration:
+        if self.last_saved != trainer.state_dict()["iteration"]:
             self.save(trainer)
 
 

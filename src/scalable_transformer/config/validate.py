@@ -9,13 +9,8 @@ from __future__ import annotations
 import copy
 
 from ..errors import ConfigError
+from .rules import check_layout, check_world_size, infer_dp
 from .schema import Config
-
-
-def check_layout(cfg: Config, world_size: int) -> None:
-    from ..parallel.dims import check_layout as check  # parallel imports config: import late
-
-    check(cfg, world_size)
 
 
 def _positive(value: int | float | None, key: str, allow_zero: bool = False) -> None:
@@ -97,23 +92,9 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
             "[SEP] needs at least 8)"
         )
 
-    # layout: dp inferred here; every divisibility rule is checked by parallel.dims.check_layout below
-    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    model_parallel = p.tp * p.pp
-    if p.dp == -1:
-        if world_size % model_parallel:
-            raise ConfigError(
-                f"the world size ({world_size} processes) is not divisible by parallel.tp ({p.tp}) x "
-                f"parallel.pp ({p.pp}) = {model_parallel}"
-            )
-        p.dp = world_size // model_parallel
-    if p.dp * model_parallel != world_size:
-        raise ConfigError(
-            f"parallel.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {p.dp * model_parallel} must equal the "
-            f"world size ({world_size} processes)"
-        )
+    # layout: dp inferred here; every layout rule is checked by config.rules.check_layout below
+    p.dp = infer_dp(cfg, world_size)
+    check_world_size(cfg, world_size)
 
     # batch sizes: global = micro x accumulation x dp, as DeepSpeed checks it
     per_step = t.micro_batch_size * p.dp

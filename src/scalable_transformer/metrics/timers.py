@@ -13,9 +13,11 @@ per-phase numbers are honest (at the cost of removing overlap between phases).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
+from typing import Any
 
 
 class _Timer:
@@ -99,6 +101,36 @@ class Timers:
         if unknown:
             raise KeyError(f"unknown timer(s) {unknown}; known: {list(self._timers)}")
         return {n: self._timers[n].elapsed(reset=reset) * 1000.0 / normalizer for n in selected}
+
+
+def minmax_over_ranks(
+    elapsed: dict[str, float], names: Iterable[str], group: Any = None
+) -> dict[str, tuple[float, float]]:
+    """(min, max) over the ranks of `group` of each timer in `elapsed` (Megatron's `minmax` timer
+    option): a straggler or an unbalanced pipeline stage shows as a wide spread. `names` is the same
+    list on every rank (a rank that did not run a phase sends nothing for it). One all-reduce; every
+    rank of the group must call it."""
+    from ..parallel.distributed import all_reduce_floats
+
+    names = list(names)
+    absent = -math.inf
+    # max(x) and max(-x) = -min(x) in one MAX all-reduce; absent phases contribute -inf to both
+    values = [elapsed.get(n, absent) for n in names] + [
+        -elapsed[n] if n in elapsed else absent for n in names
+    ]
+    reduced = all_reduce_floats(values, group, op=_max_op())
+    out = {}
+    for i, name in enumerate(names):
+        high, neg_low = reduced[i], reduced[len(names) + i]
+        if math.isfinite(high):
+            out[name] = (-neg_low, high)
+    return out
+
+
+def _max_op() -> Any:
+    import torch.distributed as dist
+
+    return dist.ReduceOp.MAX
 
 
 def format_ms(elapsed: dict[str, float]) -> str:

@@ -1,52 +1,42 @@
-"""Named builders and `run_training`: config in, run directory and summary out.
+"""Named builders and `run_training`: config in, run directory and summary out. Wiring only.
 
-The data flow is one way: config -> device -> tokenizer/data -> model -> parallelize ->
-optimizer -> Trainer.fit -> sinks and summary.json.
+The data flow is one way: config -> ParallelDims -> tokenizer/data -> model -> parallelize ->
+optimizer -> Trainer.fit (callbacks: checkpoints) -> sinks and summary.json (`train/outputs.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
-import json
 import os
 import random
-import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from ..bench.environment import environment
-from ..config.load import to_yaml
+from ..config.rules import layout_label
 from ..config.schema import Config, need
 from ..config.validate import resolve
 from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
 from ..errors import ConfigError
-from ..metrics.flops import ModelShape, flops_per_iteration, throughput_metrics
+from ..metrics.flops import ModelShape, flops_per_iteration
 from ..metrics.hardware import resolve_peak
-from ..metrics.sinks import ConsoleSink, JsonlSink, Sinks, TensorBoardSink
+from ..metrics.sinks import Sink, Sinks
 from ..models import build_model, count_parameters
 from ..parallel.apply import parallelize
 from ..parallel.dims import ParallelDims
-from ..parallel.distributed import (
-    all_reduce_floats,
-    env_world_size,
-    init_distributed,
-    is_main_process,
-    shutdown_distributed,
-)
+from ..parallel.distributed import all_reduce_floats, env_world_size, init_distributed, shutdown_distributed
+from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
-from .trainer import History, Layout, Trainer
-
-if TYPE_CHECKING:
-    from ..checkpoint.manager import Resume
+from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
+from .trainer import Callback, Trainer
 
 
 def select_device(cfg: Config) -> torch.device:
@@ -63,105 +53,53 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_run_dir(cfg: Config) -> Path:
-    """A new directory under logging.run_dir; an existing run is never overwritten."""
-    name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    parent = Path(cfg.logging.run_dir)
-    path, n = parent / name, 1
-    while path.exists():
-        n += 1
-        path = parent / f"{name}-{n}"
-    path.mkdir(parents=True)
-    return path
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def summarize(
-    cfg: Config, history: History, flops, peak, num_params: int, wall_seconds: float, num_devices: int = 1
-) -> dict:
-    """Median throughput over the post-warm-up window, plus the losses and memory of the run."""
-    times = history.iteration_seconds
-    global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
-    warmup = cfg.logging.warmup_iters if len(times) > cfg.logging.warmup_iters else 0
-    window = times[warmup:]
-    median = statistics.median(window)
-    perf = throughput_metrics(flops, median, num_devices, peak.flops_per_second)
-    phases: dict[str, float] = {}
-    records = [r for r in history.records if r["iteration"] > warmup] or history.records
-    for key in records[0] if records else {}:
-        if key.startswith("time_ms/"):
-            phases[key.split("/", 1)[1]] = statistics.median(r[key] for r in records)
-    return {
-        "iterations": len(times),
-        "global_batch_size": global_batch,
-        "seq_length": cfg.model.seq_length,
-        "num_parameters": num_params,
-        "warmup_iterations_excluded": warmup,
-        "median_iteration_seconds": median,
-        "samples_per_second": global_batch / median,
-        "tokens_per_second": global_batch * cfg.model.seq_length / median,
-        "tflops_per_device": perf["tflops_per_device"],
-        "mfu": perf["mfu"],
-        "hfu": perf["hfu"],
-        "flops_convention": flops.convention,
-        "model_flops_per_iteration": flops.model_flops,
-        "hardware_flops_per_iteration": flops.hardware_flops,
-        "peak_flops_per_device": peak.flops_per_second,
-        "peak_flops_source": peak.source,
-        "phase_time_ms_median": phases,
-        "peak_memory_bytes": history.peak_memory_bytes,
-        "peak_memory_method": history.peak_memory_method,
-        "first_logged_train_loss": history.first_logged_loss,
-        "final_train_loss": history.last_logged_loss,
-        "final_valid": history.last_valid,
-        "skipped_iterations": history.skipped_iterations,
-        "wall_seconds": wall_seconds,
-    }
-
-
 @contextlib.contextmanager
-def rank_zero_first():
+def rank_zero_first(dims: ParallelDims):
     """Rank 0 runs the block first (building caches: tokenizer, index mappings, CPU peak), then the
     others, which then read what rank 0 wrote instead of racing it."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed and dist.get_rank() != 0:
+    distributed = dims.mesh is not None and dims.world_size > 1
+    if distributed and not dims.is_main:
         dist.barrier()
     yield
-    if distributed and dist.get_rank() == 0:
+    if distributed and dims.is_main:
         dist.barrier()
 
 
-def run_training(cfg: Config, console: Console | None = None) -> tuple[Path | None, dict]:
+def run_training(
+    cfg: Config, console: Console | None = None, callbacks: Sequence[Callback] = ()
+) -> tuple[Path | None, dict]:
     """Train as the config says; return the run directory (None on ranks other than 0) and the summary.
 
     Under a launcher (WORLD_SIZE > 1) every rank calls this; the layout is checked before any
     process group work, and the process group is torn down on the way out, also after an error.
+    `callbacks` join the trainer's (see `train.trainer.Callback`).
     """
     start = time.perf_counter()
     console = console or Console(highlight=False, soft_wrap=True)
     device = select_device(cfg)
     world = env_world_size()
     # Layout checks that need no tokenizer run first, so a bad layout fails before anything starts.
-    resolve(cfg, world)
+    sizes = resolve(cfg, world)
     needs_group = world > 1 or cfg.parallel.zero_stage >= 2
     created = init_distributed(device, cfg.parallel.timeout_minutes, needed=needs_group)
     try:
-        return _run(cfg, console, device, world, start)
+        dims = ParallelDims.build(sizes, device.type)  # the one topology object of this run
+        return _run(cfg, console, device, dims, start, callbacks)
     finally:
         shutdown_distributed(created)
 
 
 def _run(
-    cfg: Config, console: Console, device: torch.device, world: int, start: float
+    cfg: Config,
+    console: Console,
+    device: torch.device,
+    dims: ParallelDims,
+    start: float,
+    callbacks: Sequence[Callback],
 ) -> tuple[Path | None, dict]:
-    main = is_main_process()
+    world = dims.world_size
     d = cfg.data
-    with rank_zero_first():
+    with rank_zero_first(dims):
         tokenizer = load_tokenizer(
             d.tokenizer,
             d.tokenizer_vocab_size,
@@ -177,12 +115,9 @@ def _run(
             f"vocabulary ({tokenizer.vocab_size}); remove it to use the tokenizer's size"
         )
     cfg = resolve(cfg, world_size=world)
-    dims = ParallelDims.from_config(cfg)
-    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
-    coords = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)
     resume = open_resume(cfg)  # a bad checkpoint or save directory fails here, before anything runs
 
-    with rank_zero_first():
+    with rank_zero_first(dims):
         train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
         peak = resolve_peak(
             device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops
@@ -192,7 +127,7 @@ def _run(
         cfg.train.micro_batch_size,
         consumed_samples=resume.consumed_samples if resume is not None else 0,
         seed=cfg.train.seed,
-        dp_rank=coords["dp"],
+        dp_rank=dims.dp_rank,
         dp_size=dims.dp,
         num_workers=cfg.data.num_workers,
     )
@@ -201,11 +136,9 @@ def _run(
         return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
 
     set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
-    model, layout = build_parallel_model(cfg, dims, mesh, device, coords)
+    model, pipeline = build_parallel_model(cfg, dims, device)
     num_params = count_parameters(cfg.model)
-    zero_group = (
-        mesh["dp"].get_group() if mesh is not None and cfg.parallel.zero_stage == 1 and dims.dp > 1 else None
-    )
+    zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
     optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
 
@@ -216,33 +149,11 @@ def _run(
         cfg.parallel.activation_checkpointing,
     )
 
-    run_dir = make_run_dir(cfg) if main else None
-    sinks: list = []
-    if run_dir is not None:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-        write_json(run_dir / "env.json", environment())
-        sinks = [ConsoleSink(console), JsonlSink(run_dir / "metrics.jsonl")]
-        if cfg.logging.tensorboard:
-            sinks.append(TensorBoardSink(Path(cfg.logging.tensorboard_dir or run_dir / "tensorboard")))
-        console.print(f"[bold]run directory[/]: {run_dir}")
-        console.print(
-            f"model: {cfg.model.type}, {num_params:,} parameters, {cfg.model.num_layers} layers x "
-            f"{cfg.model.hidden_size} hidden, seq {cfg.model.seq_length}, vocab {cfg.model.vocab_size}; "
-            f"device {device}, precision {cfg.train.precision}; global batch {cfg.train.global_batch_size}"
-            f" = micro {cfg.train.micro_batch_size} x accumulation "
-            f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp}"
-        )
-        bubble = pipeline_bubble(cfg)
-        console.print(
-            f"layout: {world} process(es), {describe_layout(cfg)}"
-            + (f"; pipeline bubble {100 * bubble:.1f}% of a step (theoretical)" if bubble is not None else "")
-        )
-        console.print(
-            f"TFLOPs/MFU/HFU: FLOPs convention '{flops.convention}' "
-            f"({flops.model_flops / 1e9:.2f} model GFLOPs, {flops.hardware_flops / 1e9:.2f} hardware "
-            f"GFLOPs per iteration) over {world} device(s); peak {peak.flops_per_second / 1e12:.3f} "
-            f"TFLOP/s per device from {peak.source}"
-        )
+    run_dir: Path | None = None
+    sinks: list[Sink] = []
+    if dims.is_main:
+        run_dir, sinks = open_run_dir(cfg, console)
+        print_banner(console, cfg, num_params, device, world, flops, peak)
 
     trainer = Trainer(
         cfg,
@@ -256,11 +167,13 @@ def _run(
         flops,
         peak.flops_per_second,
         num_devices=world,
-        layout=layout,
+        dims=dims,
+        pipeline=pipeline,
+        callbacks=callbacks,
     )
-    saver = attach_checkpoints(cfg, trainer, resume, console if main else None)
+    attach_checkpoints(cfg, trainer, resume, console if dims.is_main else None, dims.is_main)
     if trainer.iteration >= cfg.train.train_iters:
-        if main:
+        if dims.is_main:
             console.print(
                 f"nothing to train: already at iteration {trainer.iteration} of {cfg.train.train_iters}"
             )
@@ -268,157 +181,54 @@ def _run(
         return run_dir, {"iterations": 0, "resumed_at_iteration": trainer.iteration}
     try:
         history = trainer.fit()
-        if saver is not None:
-            saver.save_final(trainer)
     finally:
         trainer.sinks.close()
-    per_rank_peak = gather_per_rank(history.peak_memory_bytes, world)
+    per_rank_peak = gather_per_rank(history.peak_memory_bytes, dims)
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
-    summary["layout"] = describe_layout(cfg)
+    summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
     if run_dir is None:
         return None, summary
     write_json(run_dir / "summary.json", summary)
-    console.print(
-        f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
-        f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
-        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {100 * summary['mfu']:.2f}%, "
-        f"HFU {100 * summary['hfu']:.2f}% ({flops.convention} convention, {world} device(s)) over iterations "
-        f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
-        f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "
-        f"rank {', '.join(f'{b / 2**20:.0f}' for b in per_rank_peak)} MiB ({history.peak_memory_method}); "
-        f"summary: {run_dir / 'summary.json'}"
-    )
+    print_done(console, summary, run_dir, history.peak_memory_method)
     return run_dir, summary
 
 
-def open_resume(cfg: Config) -> Resume | None:
-    """Check checkpoint.save is writable and checkpoint.load is a complete checkpoint, before any
-    training: the checkpoint to continue from (None: start fresh)."""
-    from ..checkpoint.manager import LoadOptions, check_save_dir, find_checkpoint, open_checkpoint
-
-    c = cfg.checkpoint
-    if c.save:
-        check_save_dir(c.save)
-    path = find_checkpoint(c.load, c.save) if c.load else None
-    if path is None:
-        return None
-    return open_checkpoint(path, LoadOptions(not c.no_load_optim, not c.no_load_rng, c.finetune))
-
-
-def attach_checkpoints(cfg: Config, trainer: Trainer, resume: Resume | None, console: Console | None):
-    """Load `resume` into the trainer's model, optimizer, schedule and scaler and set its counters and
-    RNG; hook the periodic saves onto the loop. Returns the saver (None without checkpoint.save)."""
-    from ..checkpoint.manager import LoadOptions, Saver, TrainState, load_checkpoint, set_rng_state
-
-    c = cfg.checkpoint
-    state = TrainState(
-        trainer.model,
-        trainer.optimizer,
-        trainer.scheduler,
-        trainer.scaler,
-        trainer.layout.pipeline is not None,
-    )
-    if resume is not None:
-        t0 = time.perf_counter()
-        load_checkpoint(state, resume, LoadOptions(not c.no_load_optim, not c.no_load_rng, c.finetune))
-        trainer.iteration, trainer.consumed_samples = resume.iteration, resume.consumed_samples
-        if console is not None:
-            console.print(
-                f"[bold]resumed[/] from {resume.path} (saved at iteration {resume.meta['iteration']}, "
-                f"layout {resume.meta['layout']}) in {time.perf_counter() - t0:.2f} s: continuing at "
-                f"iteration {resume.iteration}, {resume.consumed_samples} consumed samples"
-                + "".join(f"; {note}" for note in resume.notes)
-            )
-    saver = None
-    if c.save:
-        info = {
-            "layout": describe_layout(cfg),
-            "parallel": dataclasses.asdict(cfg.parallel),
-            "model": dataclasses.asdict(cfg.model),
-            "num_parameters": count_parameters(cfg.model),
-            "config_yaml": to_yaml(cfg),
-            "environment": environment() if is_main_process() else {},
-        }
-        saver = Saver(state, cfg, info, console)
-        if resume is not None and not c.finetune:
-            saver.last_saved = resume.iteration  # that checkpoint exists: do not write it again
-        trainer.on_iteration_end = saver.maybe_save
-    if resume is not None and resume.rng is not None:  # last: nothing may draw numbers before step 1
-        set_rng_state(resume.rng)
-    return saver
-
-
-def describe_layout(cfg: Config) -> str:
-    """'dp=2 tp=1 pp=1 zero3+offload, activation checkpointing full': the layout label of a run."""
-    p = cfg.parallel
-    parts = [f"dp={p.dp}", f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
-    if p.offload_optimizer or p.offload_param:
-        parts[-1] += "+offload"
-    if p.sequence_parallel:
-        parts.append("sequence-parallel")
-    if p.pp > 1:
-        parts.append(
-            f"schedule {p.pipeline_schedule}"
-            + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
-        )
-    if p.activation_checkpointing != "none":
-        parts.append(f"recompute {p.activation_checkpointing}")
-    return " ".join(parts)
-
-
-def pipeline_bubble(cfg: Config) -> float | None:
-    """Idle share of a pipeline step, in theory: (pp - 1) / (v * m + pp - 1) for m micro-batches and
-    v stages per rank (GPipe and 1F1B: v = 1; Narayanan et al. 2021); None without pipelining. The
-    zero-bubble schedules fill most of it, so this is their upper bound."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return None
-    m = need(cfg.train.gradient_accumulation_steps, "train.gradient_accumulation_steps")
-    return (p.pp - 1) / (p.virtual_pipeline_stages * m + p.pp - 1)
-
-
-def gather_per_rank(value: float, world: int) -> list[int]:
+def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:
     """One number from every rank, in rank order (all ranks call this)."""
-    if world == 1 or not dist.is_initialized():
+    if dims.world_size == 1 or dims.mesh is None:
         return [int(value)]
-    slots = [0.0] * world
-    slots[dist.get_rank()] = float(value)
+    slots = [0.0] * dims.world_size
+    slots[dims.rank] = float(value)
     return [int(v) for v in all_reduce_floats(slots)]
 
 
 def build_parallel_model(
-    cfg: Config, dims: ParallelDims, mesh, device: torch.device, coords: dict[str, int]
-) -> tuple[torch.nn.Module, Layout]:
-    """The plain model, split into this rank's pipeline stages when pp > 1, each parallelized."""
+    cfg: Config, dims: ParallelDims, device: torch.device
+) -> tuple[torch.nn.Module, Any]:
+    """The plain model, split into this rank's pipeline stages when pp > 1, each parallelized.
+    Returns (the module to train, the PipelineRunner or None)."""
     model = build_model(cfg.model)
     if cfg.checkpoint.init_from_hf:
         from ..checkpoint.hf_import import load_hf_weights
 
         load_hf_weights(model, cfg.model, cfg.checkpoint.init_from_hf)
     model = model.to(device)
-    if mesh is None:
-        return parallelize(model, cfg), Layout()
-    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
+    if dims.mesh is None:
+        return parallelize(model, cfg), None
     if dims.pp == 1:
-        return parallelize(model, cfg, mesh, device), Layout(dp=dims.dp, tp=dims.tp, dp_group=dp_group)
-    from ..parallel.pipeline import PipelineRunner, split_model, stage_ids
+        return parallelize(model, cfg, dims.mesh, device), None
+    from ..parallel.pipeline import PipelineRunner, split_model
 
-    p = cfg.parallel
-    ids = stage_ids(dims.pp, coords["pp"], p.virtual_pipeline_stages, p.pipeline_schedule)
-    stages = [parallelize(stage, cfg, mesh, device) for stage in split_model(model, cfg, coords["pp"])]
-    pp_group = mesh["pp"].get_group()
+    stages = [parallelize(stage, cfg, dims.mesh, device) for stage in split_model(model, cfg, dims.pp_rank)]
     runner = PipelineRunner(
-        stages, ids, cfg, pp_group, device, need(cfg.train.gradient_accumulation_steps, "accumulation")
+        stages,
+        dims.stage_ids,
+        cfg,
+        dims.pp_group,
+        device,
+        need(cfg.train.gradient_accumulation_steps, "accumulation"),
     )
-    layout = Layout(
-        dp=dims.dp,
-        tp=dims.tp,
-        dp_group=dp_group,
-        pp_group=pp_group,
-        pipeline=runner,
-        grad_norm_excluded=runner.grad_norm_excluded(),
-    )
-    return torch.nn.ModuleList(stages), layout
+    return torch.nn.ModuleList(stages), runner

@@ -1,12 +1,17 @@
-"""The training loop and the training step, nothing else (builders live in `train/run.py`)."""
+"""The training loop and the training step, nothing else (builders live in `train/run.py`).
+
+Extension points: `callbacks` (checkpoint saves, test fault injection, future telemetry) see the
+step end, each evaluation and the end of `fit`; the loop's own state (iteration, consumed samples)
+goes in and out through `state_dict` / `load_state_dict` (torch's Stateful protocol), so the
+checkpointer never pokes at fields.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +21,10 @@ from ..config.schema import Config, need
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.memory import MemoryTracker
 from ..metrics.sinks import Sinks
-from ..metrics.timers import Timers
+from ..metrics.timers import Timers, minmax_over_ranks
 from ..models import compute_loss, model_inputs
-from ..parallel.distributed import all_reduce_floats, env_rank
+from ..parallel.dims import ParallelDims
+from ..parallel.distributed import all_reduce_floats
 from ..parallel.grads import clip_grads, grad_norm, local
 from ..parallel.tensor import loss_parallel_context
 from .loss_scale import build_loss_scaler
@@ -57,16 +63,24 @@ def autocast_context(precision: str, device: torch.device) -> contextlib.Abstrac
     return torch.autocast(device.type, dtype=dtype)
 
 
-@dataclass
-class Layout:
-    """The distributed context of a step: process groups and the pipeline runner (None = plain run)."""
+class Callback:
+    """Hooks the trainer calls; override what you need. Time spent in them is not training time
+    (it is left out of the interval's throughput)."""
 
-    dp: int = 1
-    tp: int = 1
-    dp_group: Any = None  # None: no data parallelism (or no process group at all)
-    pp_group: Any = None
-    pipeline: Any = None  # parallel.pipeline.PipelineRunner when pp > 1
-    grad_norm_excluded: set[int] = field(default_factory=set)
+    def on_step_start(self, trainer: Trainer) -> None:
+        """Before every optimizer step (`trainer.iteration` is the number of steps done so far)."""
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        """After every optimizer step (the iteration counter already advanced)."""
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After each evaluation, with its metrics."""
+
+    def on_fit_end(self, trainer: Trainer, history: History) -> None:
+        """Once, after the last step of `fit` (also after an exit_interval stop)."""
+
+    def on_checkpoint_staged(self, trainer: Trainer, iteration: int) -> None:
+        """A checkpoint's shards are written on every rank and it is not yet published."""
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -97,8 +111,13 @@ class Trainer:
         flops: FlopsCount,
         peak_flops_per_device: float,
         num_devices: int = 1,
-        layout: Layout | None = None,
+        dims: ParallelDims | None = None,
+        pipeline: Any = None,
+        callbacks: Sequence[Callback] = (),
     ):
+        """`dims`: the run's topology (None: a plain single process); `pipeline`: the
+        parallel.pipeline.PipelineRunner of this rank's stages when pp > 1 (`model` is then the
+        ModuleList of those stages)."""
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.train_batches, self.valid_batches = train_batches, valid_batches
         self.device, self.sinks, self.flops = device, sinks, flops
@@ -110,13 +129,14 @@ class Trainer:
         self.timers = Timers(sync)
         self.memory = MemoryTracker(device)
         self.scaler = build_loss_scaler(cfg.train)
-        self.layout = layout or Layout()
+        self.dims = dims or ParallelDims(dp=1, tp=1, pp=1)
+        self.pipeline = pipeline
+        self.grad_norm_excluded: set[int] = pipeline.grad_norm_excluded() if pipeline is not None else set()
+        self.callbacks = list(callbacks)
         self.history = History()
         self.iteration = 0
         self.consumed_samples = 0
         self.last_lr = 0.0
-        # called after every iteration (checkpoint saves); returns the seconds it took
-        self.on_iteration_end: Callable[[Trainer], float] | None = None
 
     # ------------------------------------------------------------------ one step
 
@@ -135,20 +155,18 @@ class Trainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        layout = self.layout
-        normalizers = step_normalizers(micro_batches, layout.dp_group)
+        dims, pipeline = self.dims, self.pipeline
+        normalizers = step_normalizers(micro_batches, dims.dp_group)
         # DDP/FSDP average gradients over dp; the losses are already shares of the global mean
-        multiplier = float(layout.dp)
-        if layout.pipeline is not None:
+        multiplier = float(dims.dp)
+        if pipeline is not None:
             with self.timers("forward-backward"), autocast_context(self.cfg.train.precision, self.device):
-                totals = layout.pipeline.train_step(
-                    micro_batches, normalizers, multiplier * self.scaler.get_scale()
-                )
+                totals = pipeline.train_step(micro_batches, normalizers, multiplier * self.scaler.get_scale())
         else:
             totals = {}
             last = len(micro_batches) - 1
             for i, micro in enumerate(micro_batches):
-                with gradient_sync(self.model, i == last), loss_parallel_context(layout.tp):
+                with gradient_sync(self.model, i == last), loss_parallel_context(dims.tp):
                     with (
                         self.timers("forward-compute"),
                         autocast_context(self.cfg.train.precision, self.device),
@@ -159,17 +177,15 @@ class Trainer:
                         self.scaler.scale(loss * multiplier).backward()
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v)
-        if layout.dp_group is not None:
+        if dims.dp_group is not None:
             keys = sorted(totals)
-            totals = dict(
-                zip(keys, all_reduce_floats([totals[k] for k in keys], layout.dp_group), strict=True)
-            )
+            totals = dict(zip(keys, all_reduce_floats([totals[k] for k in keys], dims.dp_group), strict=True))
         with self.timers("optimizer"):
-            if layout.pipeline is not None:
-                layout.pipeline.sync_tied_grads()
+            if pipeline is not None:
+                pipeline.sync_tied_grads()
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
-            norm = float(grad_norm(params, exclude=layout.grad_norm_excluded, pp_group=layout.pp_group))
+            norm = float(grad_norm(params, exclude=self.grad_norm_excluded, pp_group=dims.pp_group))
             lr = self.optimizer.param_groups[0]["lr"]
             # as Megatron and DeepSpeed: an overflowing fp16 step is skipped and does not advance the schedule
             if not found_inf:
@@ -189,14 +205,11 @@ class Trainer:
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.valid_batches()]
         normalizers = step_normalizers(batches)
         totals: dict[str, float] = {}
-        if self.layout.pipeline is not None:
+        if self.pipeline is not None:
             with autocast_context(self.cfg.train.precision, self.device):
-                totals = self.layout.pipeline.evaluate(batches, normalizers)
-        for batch in batches if self.layout.pipeline is None else []:
-            with (
-                autocast_context(self.cfg.train.precision, self.device),
-                loss_parallel_context(self.layout.tp),
-            ):
+                totals = self.pipeline.evaluate(batches, normalizers)
+        for batch in batches if self.pipeline is None else []:
+            with autocast_context(self.cfg.train.precision, self.device), loss_parallel_context(self.dims.tp):
                 outputs = self.model(*model_inputs(self.model_type, batch))
                 _, metrics = compute_loss(self.model_type, outputs, batch, normalizers)
             for k, v in metrics.items():
@@ -216,12 +229,9 @@ class Trainer:
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
         interval = Interval(start=time.perf_counter())
         self.memory.reset_peak()
-        fail_at = injected_failure()
         while self.iteration < cfg.train.train_iters:
-            if fail_at is not None and fail_at[1] == self.iteration + 1 and fail_at[0] == env_rank():
-                raise RuntimeError(
-                    f"injected failure (STX_FAIL_AT) on rank {fail_at[0]} at iteration {fail_at[1]}"
-                )
+            for callback in self.callbacks:
+                callback.on_step_start(self)
             t0 = time.perf_counter()
             result = self.train_step(self._next_micro_batches())
             if self.device.type == "cuda":
@@ -243,16 +253,31 @@ class Trainer:
                 self.memory.reset_peak()
                 interval = Interval(start=time.perf_counter())
 
+            # evaluation and callbacks (checkpoint saves) are not training throughput
+            outside = time.perf_counter()
             if (eval_every and self.iteration % eval_every == 0) or self.iteration == cfg.train.train_iters:
-                eval_start = time.perf_counter()
                 h.last_valid = self.evaluate()
                 self.sinks.write("valid", self.iteration, h.last_valid)
-                interval.start += time.perf_counter() - eval_start  # evaluation is not training throughput
-            if self.on_iteration_end is not None:
-                interval.start += self.on_iteration_end(self)  # saving is not training throughput
+                for callback in self.callbacks:
+                    callback.on_evaluate(self, h.last_valid)
+            for callback in self.callbacks:
+                callback.on_step_end(self, result)
+            interval.start += time.perf_counter() - outside
             if cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0:
                 break
+        for callback in self.callbacks:
+            callback.on_fit_end(self, h)
         return h
+
+    # ------------------------------------------------------------------ Stateful (checkpoints)
+
+    def state_dict(self) -> dict[str, int]:
+        """The loop's position: what a checkpoint needs besides model, optimizer, schedule and scaler."""
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
 
     def _train_record(self, interval: Interval) -> dict[str, Any]:
         """Interval averages: losses over non-skipped steps, time over all steps since the last log."""
@@ -280,8 +305,12 @@ class Trainer:
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()
         phases = [name for name in PHASES if name in self.timers.names()]
-        for name, ms in self.timers.elapsed_ms(phases, normalizer=interval.iterations, reset=True).items():
+        elapsed = self.timers.elapsed_ms(phases, normalizer=interval.iterations, reset=True)
+        for name, ms in elapsed.items():
             record[f"time_ms/{name}"] = ms
+        if self.dims.world_size > 1:  # every rank logs at the same iterations, so all take part
+            for name, (low, high) in minmax_over_ranks(elapsed, PHASES).items():
+                record[f"time_ms_min/{name}"], record[f"time_ms_max/{name}"] = low, high
         return record
 
 
@@ -312,19 +341,6 @@ class Interval:
     def means(self) -> dict[str, float]:
         keys = [k for k in LOSS_KEYS if k in self.sums] or ["loss", "grad_norm"]
         return {k: self.sums[k] / self.counted if self.counted else math.nan for k in keys}
-
-
-def injected_failure() -> tuple[int, int] | None:
-    """STX_FAIL_AT="RANK:ITERATION" makes that rank raise at the start of that (1-based) iteration:
-    the fault injection the launcher's crash tests use."""
-    spec = os.environ.get("STX_FAIL_AT")
-    if not spec:
-        return None
-    try:
-        rank, iteration = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"STX_FAIL_AT={spec!r}: expected RANK:ITERATION, e.g. 1:3") from None
-    return rank, iteration
 
 
 def step_normalizers(micro_batches: list[Batch], dp_group: Any = None) -> dict[str, int]:

@@ -1,0 +1,260 @@
+"""Cross-section rules: what the model, the parallel layout and the batch sizes demand of each other.
+
+Torch-free and model-free (this module imports only the schema and the errors), so that the planner
+can check thousands of candidate layouts in milliseconds and `stx config validate` rejects exactly
+what `stx train` rejects. Field-level rules (types, choices) are applied by the loader from the
+schema; `config.validate.resolve` fills derived values and then calls `check_layout` here.
+
+Every error names the keys involved and what would be valid.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .schema import Config
+
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
+V_SHAPED_SCHEDULES = ("zbv",)
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
+    """Megatron's padding: vocab_size rounded up to a multiple of divisible_by * tp (in tokens)."""
+    if vocab_size < 1 or divisible_by < 1 or tp < 1:
+        raise ValueError(
+            f"padded_vocab_size needs positive ints, got vocab_size={vocab_size}, "
+            f"divisible_by={divisible_by}, tp={tp}"
+        )
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, explicit: str | None) -> list[int]:
+    """Transformer layers of each pipeline stage: `explicit` ('3,5') or an even split."""
+    if explicit is not None:
+        try:
+            counts = [int(x) for x in explicit.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"parallel.pipeline_layers = {explicit!r}: expected comma-separated integers, e.g. '3,5'"
+            ) from None
+        if len(counts) != num_stages:
+            raise ConfigError(
+                f"parallel.pipeline_layers = {explicit!r} names {len(counts)} stages; the layout has "
+                f"pp x virtual_pipeline_stages = {num_stages}"
+            )
+        if any(c < 1 for c in counts) or sum(counts) != num_layers:
+            raise ConfigError(
+                f"parallel.pipeline_layers = {explicit!r}: every stage needs >= 1 layer and the counts "
+                f"must add up to model.num_layers ({num_layers})"
+            )
+        return counts
+    if num_layers % num_stages:
+        raise ConfigError(
+            f"model.num_layers ({num_layers}) is not divisible by the {num_stages} pipeline stages "
+            "(parallel.pp x virtual_pipeline_stages); change the sizes or set parallel.pipeline_layers"
+        )
+    return [num_layers // num_stages] * num_stages
+
+
+def stage_ids(pp: int, pp_rank: int, virtual: int, schedule: str) -> list[int]:
+    """Global stage indices held by pipeline rank `pp_rank`, in model order.
+
+    Loop placement (r, r + pp, r + 2 pp, ...) for every schedule but zbv, whose V places stages
+    r and 2 pp - 1 - r on rank r (so rank 0 holds both the first and the last stage)."""
+    if not 0 <= pp_rank < pp or virtual < 1:
+        raise ValueError(
+            f"stage_ids: need 0 <= pp_rank < pp and virtual >= 1, got {pp_rank}, {pp}, {virtual}"
+        )
+    if schedule in V_SHAPED_SCHEDULES:
+        if virtual != 2:
+            raise ValueError(
+                f"pipeline_schedule = {schedule} places exactly 2 stages per rank, got {virtual}"
+            )
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def stage_rank(stage: int, pp: int, virtual: int, schedule: str) -> int:
+    """The pipeline rank holding global stage `stage` (the inverse of `stage_ids`)."""
+    for rank in range(pp):
+        if stage in stage_ids(pp, rank, virtual, schedule):
+            return rank
+    raise ValueError(f"stage {stage} is not in a pipeline of {pp} x {virtual} stages")
+
+
+def layout_label(cfg: Config) -> str:
+    """'dp=2 tp=1 pp=1 zero3+offload recompute full': THE layout label of a run, sweep member and report
+    row (one function, so stored results and console lines always agree)."""
+    p = cfg.parallel
+    parts = [f"dp={p.dp}", f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
+    if p.offload_optimizer or p.offload_param:
+        parts[-1] += "+offload"
+    if p.sequence_parallel:
+        parts.append("sequence-parallel")
+    if p.pp > 1:
+        parts.append(
+            f"schedule {p.pipeline_schedule}"
+            + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
+        )
+    if p.activation_checkpointing != "none":
+        parts.append(f"recompute {p.activation_checkpointing}")
+    return " ".join(parts)
+
+
+def pipeline_bubble(pp: int, virtual: int, microbatches: int) -> float | None:
+    """Idle share of a pipeline step, in theory: (pp - 1) / (v * m + pp - 1) for m micro-batches and
+    v stages per rank (GPipe and 1F1B: v = 1; Narayanan et al. 2021); None without pipelining. The
+    zero-bubble schedules fill most of it, so this is their upper bound."""
+    if pp == 1:
+        return None
+    return (pp - 1) / (virtual * microbatches + pp - 1)
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """Every rule the layout imposes on the model and batch sizes; raises ConfigError naming the keys.
+
+    Expects cfg.parallel.dp resolved and the model's derived sizes (ffn_hidden_size) filled.
+    """
+    p, t = cfg.parallel, cfg.train
+    check_world_size(cfg, world_size)
+    if p.virtual_pipeline_stages < 1:
+        raise ConfigError(f"parallel.virtual_pipeline_stages must be >= 1, got {p.virtual_pipeline_stages}")
+    _check_zero(cfg)
+    _check_tensor_parallel(cfg)
+    if p.pp > 1:
+        _check_pipeline(cfg, t.gradient_accumulation_steps or 1)
+    elif p.virtual_pipeline_stages != 1 or p.pipeline_layers is not None:
+        raise ConfigError(
+            "parallel.virtual_pipeline_stages / pipeline_layers need pipeline parallelism (parallel.pp > 1)"
+        )
+    if p.timeout_minutes <= 0:
+        raise ConfigError(f"parallel.timeout_minutes must be > 0, got {p.timeout_minutes}")
+
+
+def infer_dp(cfg: Config, world_size: int) -> int:
+    """parallel.dp, inferred from the world size when it is -1."""
+    p = cfg.parallel
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if world_size < 1:
+        raise ConfigError(f"the world size must be >= 1 process, got {world_size}")
+    if p.dp != -1:
+        return p.dp
+    model_parallel = p.tp * p.pp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"the world size ({world_size} processes) is not divisible by parallel.tp ({p.tp}) x "
+            f"parallel.pp ({p.pp}) = {model_parallel}"
+        )
+    return world_size // model_parallel
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """dp x tp x pp must be the number of processes."""
+    p = cfg.parallel
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.dp", p.dp)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1 (or dp = -1 to infer it), got {value}")
+    if p.dp * p.tp * p.pp != world_size:
+        raise ConfigError(
+            f"parallel.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {p.dp * p.tp * p.pp} must equal the "
+            f"world size ({world_size} processes)"
+        )
+
+
+def _check_zero(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+    if p.offload_param and p.zero_stage != 3:
+        raise ConfigError(
+            f"parallel.offload_param needs parallel.zero_stage = 3 (got {p.zero_stage}): only ZeRO-3 "
+            "shards parameters, as in DeepSpeed"
+        )
+    if p.offload_optimizer and p.zero_stage < 2:
+        raise ConfigError(
+            f"parallel.offload_optimizer needs parallel.zero_stage 2 or 3 (got {p.zero_stage}): the "
+            "offload is FSDP2's CPUOffloadPolicy, which moves sharded parameters, gradients and optimizer "
+            "state together; ZeRO-0/1 keep them unsharded on the device"
+        )
+    if p.zero_stage == 1 and p.dp > 1 and p.tp > 1:
+        raise ConfigError(
+            f"parallel.zero_stage = 1 with dp = {p.dp} and tp = {p.tp}: ZeroRedundancyOptimizer cannot "
+            "shard tensor-parallel (DTensor) parameters; use parallel.zero_stage = 2 (same optimizer-state "
+            "sharding as ZeRO-1, gradients sharded too), 3, or 0"
+        )
+    if p.zero_stage == 1 and p.pp > 1 and p.dp > 1:
+        raise ConfigError(
+            "parallel.zero_stage = 1 with pipeline parallel: ZeroRedundancyOptimizer over pipeline stage "
+            "modules is not supported; use parallel.zero_stage = 2 or 3 (FSDP2 composes with pipelining)"
+        )
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """Whole heads, whole MLP columns and whole vocabulary rows on every tensor-parallel rank."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp == 1:
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        return
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(
+            f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by parallel.tp ({p.tp})"
+        )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
+        raise ConfigError(
+            f"model.ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by parallel.tp ({p.tp})"
+        )
+    # the vocabulary is unknown until a tokenizer file is read; resolve runs again after that
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) if m.vocab_size else 0
+    if vocab % p.tp:
+        divisible = m.make_vocab_size_divisible_by
+        raise ConfigError(
+            f"the padded vocabulary ({vocab} = model.vocab_size {m.vocab_size} rounded up to a multiple "
+            f"of model.make_vocab_size_divisible_by {divisible}) is not divisible "
+            f"by parallel.tp ({p.tp}); set make_vocab_size_divisible_by to a multiple of "
+            f"{divisible * p.tp // _gcd(divisible, p.tp)}"
+        )
+    if p.sequence_parallel and m.seq_length % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel: model.seq_length ({m.seq_length}) is not divisible by "
+            f"parallel.tp ({p.tp})"
+        )
+
+
+def _check_pipeline(cfg: Config, accumulation: int) -> None:
+    p, m = cfg.parallel, cfg.model
+    stages = p.pp * p.virtual_pipeline_stages
+    stage_layer_counts(m.num_layers, stages, p.pipeline_layers)
+    interleaved = p.pipeline_schedule in INTERLEAVED_SCHEDULES
+    if interleaved and p.virtual_pipeline_stages < 2:
+        raise ConfigError(
+            f"parallel.pipeline_schedule = {p.pipeline_schedule} runs several stages per rank; "
+            "set parallel.virtual_pipeline_stages >= 2"
+        )
+    if p.pipeline_schedule in V_SHAPED_SCHEDULES and p.virtual_pipeline_stages != 2:
+        raise ConfigError("parallel.pipeline_schedule = zbv needs parallel.virtual_pipeline_stages = 2")
+    if p.pipeline_schedule in SINGLE_STAGE_SCHEDULES and p.virtual_pipeline_stages != 1:
+        raise ConfigError(
+            f"parallel.virtual_pipeline_stages = {p.virtual_pipeline_stages} needs an interleaved "
+            f"schedule (interleaved-1f1b, looped-bfs, zero-bubble, zbv), not {p.pipeline_schedule}"
+        )
+    if p.pipeline_schedule in ("1f1b", "zbv") and accumulation < stages:
+        raise ConfigError(
+            f"parallel.pipeline_schedule = {p.pipeline_schedule} needs at least as many micro-batches "
+            f"per step as pipeline stages ({stages}); train.gradient_accumulation_steps is {accumulation}"
+        )
+    if interleaved and accumulation % p.pp:
+        raise ConfigError(
+            f"parallel.pipeline_schedule = {p.pipeline_schedule}: the micro-batches per step "
+            f"(train.gradient_accumulation_steps = {accumulation}) must be a multiple of "
+            f"parallel.pp ({p.pp})"
+        )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

@@ -1,0 +1,147 @@
+"""What a run writes and prints: its directory, the banner lines, the sinks and summary.json.
+
+Only the main rank writes; `run.py` wires the run and hands this module what to show.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ..config.load import to_yaml
+from ..config.rules import layout_label
+from ..config.schema import Config, need
+from ..metrics.environment import environment
+from ..metrics.flops import FlopsCount, throughput_metrics
+from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink
+from .trainer import History
+
+
+def make_run_dir(cfg: Config) -> Path:
+    """A new directory under logging.run_dir; an existing run is never overwritten."""
+    name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    parent = Path(cfg.logging.run_dir)
+    path, n = parent / name, 1
+    while path.exists():
+        n += 1
+        path = parent / f"{name}-{n}"
+    path.mkdir(parents=True)
+    return path
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomically (temp file + rename), so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def pipeline_bubble(cfg: Config) -> float | None:
+    """The theoretical pipeline bubble of the configured layout (see config.rules.pipeline_bubble)."""
+    from ..config.rules import pipeline_bubble as bubble
+
+    p = cfg.parallel
+    return bubble(
+        p.pp, p.virtual_pipeline_stages, need(cfg.train.gradient_accumulation_steps, "accumulation")
+    )
+
+
+def open_run_dir(cfg: Config, console: Console) -> tuple[Path, list[Sink]]:
+    """Create the run directory with config.yaml and env.json, and the sinks that log into it."""
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    write_json(run_dir / "env.json", environment())
+    sinks: list[Sink] = [ConsoleSink(console), JsonlSink(run_dir / "metrics.jsonl")]
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoardSink(Path(cfg.logging.tensorboard_dir or run_dir / "tensorboard")))
+    console.print(f"[bold]run directory[/]: {run_dir}")
+    return run_dir, sinks
+
+
+def print_banner(
+    console: Console, cfg: Config, num_params: int, device: Any, world: int, flops: FlopsCount, peak: Any
+) -> None:
+    """The run's opening lines: model, layout, and the FLOPs convention and peak behind every figure."""
+    console.print(
+        f"model: {cfg.model.type}, {num_params:,} parameters, {cfg.model.num_layers} layers x "
+        f"{cfg.model.hidden_size} hidden, seq {cfg.model.seq_length}, vocab {cfg.model.vocab_size}; "
+        f"device {device}, precision {cfg.train.precision}; global batch {cfg.train.global_batch_size}"
+        f" = micro {cfg.train.micro_batch_size} x accumulation "
+        f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp}"
+    )
+    bubble = pipeline_bubble(cfg)
+    console.print(
+        f"layout: {world} process(es), {layout_label(cfg)}"
+        + (f"; pipeline bubble {100 * bubble:.1f}% of a step (theoretical)" if bubble is not None else "")
+    )
+    console.print(
+        f"TFLOPs/MFU/HFU: FLOPs convention '{flops.convention}' "
+        f"({flops.model_flops / 1e9:.2f} model GFLOPs, {flops.hardware_flops / 1e9:.2f} hardware "
+        f"GFLOPs per iteration) over {world} device(s); peak {peak.flops_per_second / 1e12:.3f} "
+        f"TFLOP/s per device from {peak.source}"
+    )
+
+
+def summarize(
+    cfg: Config, history: History, flops, peak, num_params: int, wall_seconds: float, num_devices: int = 1
+) -> dict:
+    """Median throughput over the post-warm-up window, plus the losses and memory of the run."""
+    times = history.iteration_seconds
+    global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
+    warmup = cfg.logging.warmup_iters if len(times) > cfg.logging.warmup_iters else 0
+    window = times[warmup:]
+    median = statistics.median(window)
+    perf = throughput_metrics(flops, median, num_devices, peak.flops_per_second)
+    phases: dict[str, float] = {}
+    records = [r for r in history.records if r["iteration"] > warmup] or history.records
+    for key in records[0] if records else {}:
+        if key.startswith("time_ms/"):
+            phases[key.split("/", 1)[1]] = statistics.median(r[key] for r in records)
+    return {
+        "iterations": len(times),
+        "global_batch_size": global_batch,
+        "seq_length": cfg.model.seq_length,
+        "num_parameters": num_params,
+        "warmup_iterations_excluded": warmup,
+        "median_iteration_seconds": median,
+        "samples_per_second": global_batch / median,
+        "tokens_per_second": global_batch * cfg.model.seq_length / median,
+        "tflops_per_device": perf["tflops_per_device"],
+        "mfu": perf["mfu"],
+        "hfu": perf["hfu"],
+        "flops_convention": flops.convention,
+        "model_flops_per_iteration": flops.model_flops,
+        "hardware_flops_per_iteration": flops.hardware_flops,
+        "peak_flops_per_device": peak.flops_per_second,
+        "peak_flops_source": peak.source,
+        "phase_time_ms_median": phases,
+        "peak_memory_bytes": history.peak_memory_bytes,
+        "peak_memory_method": history.peak_memory_method,
+        "first_logged_train_loss": history.first_logged_loss,
+        "final_train_loss": history.last_logged_loss,
+        "final_valid": history.last_valid,
+        "skipped_iterations": history.skipped_iterations,
+        "wall_seconds": wall_seconds,
+    }
+
+
+def print_done(console: Console, summary: dict, run_dir: Path, memory_method: str) -> None:
+    """The closing line: throughput, TFLOPs/MFU/HFU with their convention, losses, memory per rank."""
+    per_rank = summary["peak_memory_bytes_per_rank"]
+    console.print(
+        f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
+        f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
+        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {100 * summary['mfu']:.2f}%, "
+        f"HFU {100 * summary['hfu']:.2f}% ({summary['flops_convention']} convention, "
+        f"{summary['world_size']} device(s)) over iterations "
+        f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
+        f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "
+        f"rank {', '.join(f'{b / 2**20:.0f}' for b in per_rank)} MiB ({memory_method}); "
+        f"summary: {run_dir / 'summary.json'}"
+    )

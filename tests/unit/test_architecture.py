@@ -1,0 +1,125 @@
+"""The seams of the architecture: torch-free layout rules, the one topology object, trainer callbacks
+and Stateful loop position, cross-rank timer min/max."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scalable_transformer.config.load import load_config
+from scalable_transformer.config.rules import layout_label, pipeline_bubble, stage_ids, stage_rank
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.metrics.timers import minmax_over_ranks
+from scalable_transformer.parallel.dims import ParallelDims
+from scalable_transformer.train.trainer import Callback
+
+
+def test_layout_rules_import_neither_torch_nor_models():
+    """A planner checks thousands of layouts: resolving and checking one must not need torch."""
+    code = (
+        "import sys\n"
+        "from scalable_transformer.config.load import load_config\n"
+        "from scalable_transformer.config.validate import resolve\n"
+        "from scalable_transformer.config.rules import check_layout, layout_label\n"
+        "cfg = resolve(load_config('gpt-13b', ['parallel.tp=8', 'parallel.pp=4']), world_size=64)\n"
+        "print(layout_label(cfg))\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('scalable_transformer.models')]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("dp=2 tp=8 pp=4 zero")
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, virtual, want",
+    [
+        ("1f1b", 4, 1, [[0], [1], [2], [3]]),
+        ("interleaved-1f1b", 2, 2, [[0, 2], [1, 3]]),
+        ("zbv", 2, 2, [[0, 3], [1, 2]]),
+    ],
+)
+def test_parallel_dims_knows_each_ranks_stages(schedule, pp, virtual, want):
+    for pp_rank, ids in enumerate(want):
+        rank = pp_rank * 2  # dp = 2, tp = 1: pipeline rank r is global rank 2 r (Megatron order)
+        dims = ParallelDims(dp=2, tp=1, pp=pp, virtual_stages=virtual, schedule=schedule, rank=rank)
+        assert dims.pp_rank == pp_rank and dims.dp_rank == 0 and dims.stage_ids == ids
+        assert dims.has_first_stage == (0 in ids)
+        assert dims.has_last_stage == (pp * virtual - 1 in ids)
+        assert [stage_rank(s, pp, virtual, schedule) for s in ids] == [pp_rank] * len(ids)
+    assert stage_ids(pp, 0, virtual, schedule) == want[0]
+
+
+def test_parallel_dims_without_a_process_group_has_no_groups():
+    cfg = resolve(
+        load_config("tiny-gpt", ["parallel.tp=2", "parallel.pp=2", "train.global_batch_size=32"]), 8
+    )
+    dims = ParallelDims.from_config(cfg, rank=5)
+    assert (dims.dp, dims.world_size, dims.coordinates()) == (2, 8, {"pp": 1, "dp": 0, "tp": 1})
+    assert dims.mesh is None and dims.dp_group is None and dims.pp_group is None and not dims.is_main
+
+
+def test_one_layout_label_and_bubble():
+    cfg = resolve(
+        load_config(
+            "tiny-gpt",
+            [
+                "parallel.pp=2",
+                "parallel.zero_stage=3",
+                "parallel.offload_optimizer=true",
+                "parallel.activation_checkpointing=full",
+                "train.micro_batch_size=1",
+                "train.global_batch_size=4",
+            ],
+        ),
+        world_size=2,
+    )
+    assert layout_label(cfg) == "dp=1 tp=1 pp=2 zero3+offload schedule 1f1b recompute full"
+    assert pipeline_bubble(2, 1, 4) == pytest.approx(1 / 5)
+    assert pipeline_bubble(1, 1, 4) is None
+
+
+def test_minmax_over_one_rank_is_the_value_itself():
+    got = minmax_over_ranks({"optimizer": 3.0, "forward-compute": 1.5}, ["forward-compute", "optimizer", "x"])
+    assert got == {"forward-compute": (1.5, 1.5), "optimizer": (3.0, 3.0)}
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def on_step_start(self, trainer):
+        self.events.append(("start", trainer.iteration))
+
+    def on_step_end(self, trainer, result):
+        self.events.append(("end", trainer.iteration))
+
+    def on_evaluate(self, trainer, metrics):
+        self.events.append(("evaluate", trainer.iteration))
+
+    def on_fit_end(self, trainer, history):
+        self.events.append(("fit_end", trainer.iteration))
+
+
+def test_trainer_calls_callbacks_in_order_and_restores_its_position(tmp_path):
+    from test_trainer import global_batches, make_trainer, split, tiny_cfg
+
+    cfg = tiny_cfg("gpt", 2, 2, "train.eval_interval=2", "train.train_iters=3")
+    micro = [m for b in global_batches("gpt", 4, 3) for m in split(b, 2)]
+    trainer = make_trainer(cfg, micro)
+    trainer.valid_batches = lambda: global_batches("gpt", 2, 1, seed=1)
+    recorder = Recorder()
+    trainer.callbacks.append(recorder)
+    trainer.fit()
+    assert recorder.events == [
+        ("start", 0), ("end", 1),
+        ("start", 1), ("evaluate", 2), ("end", 2),
+        ("start", 2), ("evaluate", 3), ("end", 3),
+        ("fit_end", 3),
+    ]  # fmt: skip
+    assert trainer.state_dict() == {"iteration": 3, "consumed_samples": 3 * cfg.train.global_batch_size}
+    fresh = make_trainer(cfg, [])
+    fresh.load_state_dict(trainer.state_dict())
+    assert (fresh.iteration, fresh.consumed_samples) == (trainer.iteration, trainer.consumed_samples)
