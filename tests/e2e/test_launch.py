@@ -19,7 +19,8 @@ from scalable_transformer.launch.local import worker_threads
 
 STX = str(Path(sys.executable).with_name("stx"))
 TIMEOUT = 180  # seconds; every run here takes well under a minute on 2 busy cores
-STARTED = "stx launch: 2 processes on node"  # printed just before the ranks are started
+STARTED = "stx launch: 2 processes on node"
+FAULTS = str(Path(__file__).parents[1] / "faults.py")  # printed just before the ranks are started
 
 
 def tiny_train(run_dir: Path, train_iters: int = 5) -> list[str]:
@@ -40,7 +41,7 @@ def tiny_train(run_dir: Path, train_iters: int = 5) -> list[str]:
 def run(argv: list[str], cwd: Path, **env: str | None) -> tuple[subprocess.CompletedProcess, float]:
     """Run argv with this session's environment (STX_CACHE_DIR from conftest) updated by `env`
     (None: unset); returns the process and its wall time in seconds."""
-    full_env = {k: v for k, v in os.environ.items() if k != "STX_FAIL_AT"}
+    full_env = dict(os.environ)
     for key, value in env.items():
         if value is None:
             full_env.pop(key, None)
@@ -70,12 +71,12 @@ def test_two_ranks_train_and_rank0_output_is_shown(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_failing_rank_brings_the_job_down_and_is_named(tmp_path):
-    proc, _ = run([STX, "launch", "-n", "2", *tiny_train(tmp_path / "runs")], tmp_path, STX_FAIL_AT="1:2")
+    proc, _ = launch_faulty(tmp_path, "1:2", *tiny_train(tmp_path / "runs"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     text = report(proc.stderr)
     assert text.startswith("stx launch: rank 1 failed with exit code 1")
-    assert "RuntimeError: injected failure (STX_FAIL_AT) on rank 1 at iteration 2" in text
-    assert "trainer.py" in text and "in fit" in text  # the traceback's innermost frame
+    assert "RuntimeError: injected failure on rank 1 at iteration 2" in text
+    assert "faults.py" in text and "in on_step_start" in text  # the traceback's innermost frame
 
 
 @pytest.mark.slow
@@ -83,8 +84,7 @@ def test_a_failing_rank_brings_the_job_down_and_is_named(tmp_path):
 def test_the_other_ranks_are_stopped_when_one_fails(tmp_path):
     """Rank 1 fails at iteration 1; rank 0 alone would train 100k iterations (hours): the job must end
     as soon as the agent has stopped rank 0."""
-    argv = [STX, "launch", "-n", "2", *tiny_train(tmp_path / "runs", train_iters=100_000)]
-    proc, seconds = run(argv, tmp_path, STX_FAIL_AT="1:1")
+    proc, seconds = launch_faulty(tmp_path, "1:1", *tiny_train(tmp_path / "runs", train_iters=100_000))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert report(proc.stderr).startswith("stx launch: rank 1 failed with exit code 1")
     assert seconds < 120, f"took {seconds:.0f} s"
@@ -112,6 +112,13 @@ from scalable_transformer.launch.local import LaunchOptions, launch
 opts = LaunchOptions(nproc_per_node=2, ranks_output={ranks_output!r})
 sys.exit(launch(opts, [sys.executable, "-u", *sys.argv[1:]]))
 """
+
+
+def launch_faulty(tmp_path: Path, fail_at: str, *train_args: str):
+    """`train_args` on 2 ranks through the launcher, with the test-only callback that makes rank R
+    raise at iteration I (`tests/faults.py --fail-at R:I`)."""
+    launcher = LAUNCH_SCRIPT.format(ranks_output="0")
+    return run([sys.executable, "-c", launcher, FAULTS, "--fail-at", fail_at, *train_args], tmp_path)
 
 
 def launch_script(tmp_path: Path, source: str, *args: str, ranks_output: str = "0", **env: str | None):
