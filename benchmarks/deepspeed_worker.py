@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from scalable_transformer.config.load import load_config, to_yaml
-from scalable_transformer.config.schema import need
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.loader import build_datasets, build_loader
 from scalable_transformer.data.tokenizers import load_tokenizer
@@ -101,11 +100,9 @@ def ds_config(cfg, zero_stage: int, adam: str) -> dict:
         # its FusedAdam, a C++ op JIT-compiled on first use on CPU.
         params.update(torch_adam=True, foreach=True)
     return {
-        "train_batch_size": need(t.global_batch_size, "train.global_batch_size"),
+        "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": need(
-            t.gradient_accumulation_steps, "train.gradient_accumulation_steps"
-        ),
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "zero_optimization": {"stage": zero_stage},
         "optimizer": {"type": "AdamW", "params": params},
         "gradient_clipping": o.clip_grad,
@@ -176,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     inner = getattr(optimizer, "optimizer", optimizer)
 
     model_type = cfg.model.type
-    accumulation = need(cfg.train.gradient_accumulation_steps, "train.gradient_accumulation_steps")
-    global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
+    accumulation = cfg.train.gradient_accumulation_steps
+    global_batch = cfg.train.global_batch_size
     tracker = MemoryTracker("cpu")
     seconds: list[float] = []
     losses: list[float] = []

@@ -15,6 +15,7 @@ warm-up) are excluded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import statistics
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from scalable_transformer.config.load import load_config, to_yaml
-from scalable_transformer.config.schema import Config, need
+from scalable_transformer.config.schema import ResolvedConfig
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.loader import build_datasets, build_loader, eval_batches
 from scalable_transformer.data.tokenizers import load_tokenizer
@@ -43,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET_SHARE = 0.02
 
 
-def benchmark_config(spec: str, overrides: list[str], iters: int, log_interval: int) -> Config:
+def benchmark_config(spec: str, overrides: list[str], iters: int, log_interval: int) -> ResolvedConfig:
     forced = [
         f"train.train_iters={iters}",
         f"logging.log_interval={log_interval}",
@@ -54,7 +55,7 @@ def benchmark_config(spec: str, overrides: list[str], iters: int, log_interval: 
     return resolve(load_config(spec, [*overrides, *forced]), world_size=1)
 
 
-def run_once(cfg: Config, tokenizer, datasets, num_workers: int, warmup: int) -> dict[str, float]:
+def run_once(cfg: ResolvedConfig, tokenizer, datasets, num_workers: int, warmup: int) -> dict[str, float]:
     """One training run with `num_workers` loader workers; batch-generator and iteration time
     per iteration (ms) over the iterations after the first `warmup`."""
     train_ds, valid_ds, _ = datasets
@@ -69,7 +70,7 @@ def run_once(cfg: Config, tokenizer, datasets, num_workers: int, warmup: int) ->
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
     flops = flops_per_iteration(
         ModelShape.from_config(cfg.model, count_parameters(cfg.model)),
-        need(cfg.train.global_batch_size, "train.global_batch_size"),
+        cfg.train.global_batch_size,
         cfg.logging.flops_convention,
         cfg.parallel.activation_checkpointing,
     )
@@ -97,7 +98,7 @@ def run_once(cfg: Config, tokenizer, datasets, num_workers: int, warmup: int) ->
 
 
 def render(
-    cfg: Config, args: argparse.Namespace, command: str, results: dict[int, list[dict]], setup: dict
+    cfg: ResolvedConfig, args: argparse.Namespace, command: str, results: dict[int, list[dict]], setup: dict
 ) -> str:
     m, t = cfg.model, cfg.train
     lines = [
@@ -169,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/loader_share.py", *(sys.argv[1:] if argv is None else argv)])
     cfg = benchmark_config(args.config, args.overrides, args.iters, args.log_interval)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size)
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
+    if cfg.model.vocab_size is None:  # a resolved config is frozen: resolve a changed copy
+        cfg = resolve(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+        )
     start = time.perf_counter()
     datasets = build_datasets(cfg, tokenizer)
     build_seconds = time.perf_counter() - start

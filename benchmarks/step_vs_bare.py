@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from scalable_transformer.config.load import ConfigError, load_config, to_yaml
-from scalable_transformer.config.schema import Config, need
+from scalable_transformer.config.schema import ResolvedConfig
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import (
@@ -89,7 +89,7 @@ def forced_settings(model_type: str, micro_batch: int | None, accumulation: int)
 
 def benchmark_config(
     model_type: str, spec: str | None, overrides: list[str], micro_batch: int | None, accumulation: int = 1
-) -> Config:
+) -> ResolvedConfig:
     """The resolved config: the preset/YAML, the user's overrides, then `forced_settings`."""
     forced = forced_settings(model_type, micro_batch, accumulation)
     cfg = resolve(load_config(spec or f"tiny-{model_type}", [*overrides, *forced]), world_size=1)
@@ -98,7 +98,7 @@ def benchmark_config(
     return cfg
 
 
-def synthetic_batches(cfg: Config, seed: int) -> list[Batch]:
+def synthetic_batches(cfg: ResolvedConfig, seed: int) -> list[Batch]:
     """The micro-batches of one optimizer step, shaped as the datasets make them.
 
     BERT: 15% of the real tokens labelled, two segments, NSP labels, and ceil(10%) of the samples
@@ -106,10 +106,10 @@ def synthetic_batches(cfg: Config, seed: int) -> list[Batch]:
     GPT: a window of seq_length + 1 tokens split into inputs and next-token labels.
     """
     m, t = cfg.model, cfg.train
-    b, s, vocab = t.micro_batch_size, m.seq_length, need(m.vocab_size, "model.vocab_size")
+    b, s, vocab = t.micro_batch_size, m.seq_length, m.vocab_size
     gen = torch.Generator().manual_seed(seed)
     batches = []
-    for _ in range(need(t.gradient_accumulation_steps, "train.gradient_accumulation_steps")):
+    for _ in range(t.gradient_accumulation_steps):
         if m.type == "gpt":
             window_bs = torch.randint(0, vocab, (b, s + 1), generator=gen)
             batches.append({"input_ids": window_bs[:, :-1].clone(), "labels": window_bs[:, 1:].clone()})
@@ -136,7 +136,7 @@ def synthetic_batches(cfg: Config, seed: int) -> list[Batch]:
 # ----------------------------------------------------------------------------- the three steps
 
 
-def build_ours(cfg: Config, flops: FlopsCount, peak: PeakInfo) -> Trainer:
+def build_ours(cfg: ResolvedConfig, flops: FlopsCount, peak: PeakInfo) -> Trainer:
     """A: the trainer as `run_training` builds it (no data iterators, no sinks: batches come pre-built)."""
     device = torch.device("cpu")
     model = parallelize(build_model(cfg.model).to(device), cfg)
@@ -147,7 +147,7 @@ def build_ours(cfg: Config, flops: FlopsCount, peak: PeakInfo) -> Trainer:
     )
 
 
-def adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
+def adamw(model: torch.nn.Module, cfg: ResolvedConfig) -> torch.optim.AdamW:
     """AdamW with the trainer's settings: same lr/betas/eps, weight decay on matrices only, foreach
     (torch's CPU default is the slower per-tensor loop, which would make our step look fast)."""
     o = cfg.optim
@@ -186,7 +186,7 @@ def bare_step(
     return total, grad_norm
 
 
-def build_hf(cfg: Config) -> torch.nn.Module:
+def build_hf(cfg: ResolvedConfig) -> torch.nn.Module:
     """C: the HF model of our shape (padded vocabulary, max positions, ffn, eps), random init, SDPA.
 
     HF BERT is post-LN (embedding norm, none at the end) where ours is pre-LN by default: same
@@ -212,7 +212,7 @@ def build_hf(cfg: Config) -> torch.nn.Module:
             "no same-shape HF model for "
             + ", ".join(f"{k}={v[0]!r} (HF needs {v[1]})" for k, v in bad.items())
         )
-    vocab = padded_vocab_size(need(m.vocab_size, "model.vocab_size"), m.make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     act = "gelu_pytorch_tanh" if m.activation == "openai-gelu" else "gelu"
     if m.type == "bert":
         config = transformers.BertConfig(
@@ -302,7 +302,7 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
     cfg = benchmark_config(model_type, args.config, args.overrides, args.micro_batch_size, args.accumulation)
     torch.manual_seed(cfg.train.seed)
     micro = synthetic_batches(cfg, cfg.train.seed)
-    global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
+    global_batch = cfg.train.global_batch_size
     num_params = count_parameters(cfg.model)
     shape = ModelShape.from_config(cfg.model, num_params)
     flops = flops_per_iteration(shape, global_batch, cfg.logging.flops_convention)
@@ -403,7 +403,7 @@ def run_one(model_type: str, args: argparse.Namespace) -> tuple[dict, bool]:
 
 
 def render(data: dict, args: argparse.Namespace, command: str) -> str:
-    cfg: Config = data["cfg"]
+    cfg: ResolvedConfig = data["cfg"]
     m, t = cfg.model, cfg.train
     ms = {v: [1000 * x for x in data["medians"][v]] for v in VARIANTS}
     peak: PeakInfo = data["peak"]
@@ -505,10 +505,8 @@ def render(data: dict, args: argparse.Namespace, command: str) -> str:
     return "\n".join(lines)
 
 
-def padded(cfg: Config) -> int:
-    return padded_vocab_size(
-        need(cfg.model.vocab_size, "model.vocab_size"), cfg.model.make_vocab_size_divisible_by
-    )
+def padded(cfg: ResolvedConfig) -> int:
+    return padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
 
 
 def target_row(name: str, value: float, iqr: tuple[float, float], threshold: float) -> str:

@@ -248,7 +248,7 @@ def test_checkpoint_keys_megatron_names_and_checks():
         resolve(load_config(None, ["checkpoint.load=auto"]))
     with pytest.raises(ConfigError, match=r"save_interval is set without checkpoint\.save"):
         resolve(load_config(None, ["checkpoint.save_interval=2"]))
-    with pytest.raises(ConfigError, match="keep_last_n must be >= 1"):
+    with pytest.raises(ConfigError, match=r"'checkpoint\.keep_last_n' must be >= 1, got 0"):
         resolve(load_config(None, ["checkpoint.save=/tmp/x", "checkpoint.keep_last_n=0"]))
     with pytest.raises(ConfigError, match=r"finetune loads weights from checkpoint\.load"):
         resolve(load_config(None, ["checkpoint.finetune=true"]))

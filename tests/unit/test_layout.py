@@ -131,7 +131,7 @@ def test_deepspeed_zero_block_with_offload(tmp_path):
             r"ZeroRedundancyOptimizer cannot shard tensor-parallel",
         ),
         (4, ["parallel.pp=2", "parallel.zero_stage=1"], r"zero_stage = 1 with pipeline parallel"),
-        (1, ["parallel.timeout_minutes=0"], r"timeout_minutes must be > 0"),
+        (1, ["parallel.timeout_minutes=0"], r"'parallel.timeout_minutes' must be > 0"),
     ],
 )
 def test_bad_layouts_name_the_keys(world, overrides, message):

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .schema import SECTIONS, Config, section_fields
+from .schema import SECTIONS, Config, check_value, section_fields
 
 
 @dataclass(frozen=True)
@@ -423,9 +423,9 @@ def apply(cfg: Config, assignments: list[Assignment]) -> Config:
     for a in assignments:
         section, name = a.path.split(".")
         f = section_fields(section)[name]
-        value = coerce(
-            a.value, _hints(section)[name], f"{a.source}: '{a.path}'", f.metadata.get("choices", ())
-        )
+        where = f"{a.source}: '{a.path}'"
+        value = coerce(a.value, _hints(section)[name], where, f.metadata.get("choices", ()))
+        check_value(f, value, where)
         previous = set_by.get(a.path)
         if previous and previous[1] == a.source and previous[0] != value:
             raise ConfigError(

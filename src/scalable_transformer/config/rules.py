@@ -11,11 +11,57 @@ Every error names the keys involved and what would be valid.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .schema import Config
+from .schema import CheckpointConfig, Config, ModelConfig, OptimConfig
 
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
 V_SHAPED_SCHEDULES = ("zbv",)
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_model(m: ModelConfig) -> None:
+    """The model's sizes agree with each other (derived sizes filled). The one place these rules live:
+    models/ builds only from resolved configs."""
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({m.num_attention_heads})"
+        )
+    head_dim = m.hidden_size // m.num_attention_heads
+    if m.position_embedding_type == "rotary" and head_dim % 2:
+        raise ConfigError(
+            f"rotary position embeddings need an even head dimension; hidden_size / heads = {head_dim}"
+        )
+    if m.position_embedding_type == "sinusoidal" and m.hidden_size % 2:
+        raise ConfigError(f"sinusoidal positions need an even model.hidden_size, got {m.hidden_size}")
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"model.seq_length ({m.seq_length}) must be <= model.max_position_embeddings "
+            f"({m.max_position_embeddings})"
+        )
+    if m.type == "bert" and m.seq_length < 8:
+        raise ConfigError(
+            f"model.seq_length ({m.seq_length}) is too short for BERT samples ([CLS] A [SEP] B "
+            "[SEP] needs at least 8)"
+        )
+
+
+def check_optim(o: OptimConfig) -> None:
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
+
+
+def check_checkpoint(c: CheckpointConfig) -> None:
+    if c.save_interval is not None and not c.save:
+        raise ConfigError("checkpoint.save_interval is set without checkpoint.save: set the save directory")
+    if c.load == "auto" and not c.save:
+        raise ConfigError("checkpoint.load = auto resumes from checkpoint.save: set checkpoint.save too")
+    if c.finetune and not c.load:
+        raise ConfigError("checkpoint.finetune loads weights from checkpoint.load: set checkpoint.load")
+    if c.init_from_hf and c.load:
+        raise ConfigError(
+            "checkpoint.init_from_hf and checkpoint.load both set the starting weights: keep one "
+            "(init_from_hf for a Hugging Face model, load to resume or finetune one of ours)"
+        )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:

@@ -12,15 +12,30 @@ resolved config never holds a `None` where a number is needed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from ..errors import ConfigError
 
 
-def opt(default: Any, doc: str, *, choices: tuple[str, ...] = (), aliases: tuple[str, ...] = ()) -> Any:
-    """A config field with its documentation attached."""
-    return field(default=default, metadata={"doc": doc, "choices": choices, "aliases": aliases})
+def opt(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (),
+    ge: float | None = None,
+    gt: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> Any:
+    """A config field with its documentation and its value rule attached (bounds as pydantic names
+    them: ge >=, gt >, lt <, le <=; None (derive) always passes). Numbers must also be finite."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
+    return field(
+        default=default, metadata={"doc": doc, "choices": choices, "aliases": aliases, "bounds": bounds}
+    )
 
 
 @dataclass
@@ -30,43 +45,64 @@ class ModelConfig:
         "Model family: a Megatron-style BERT (MLM + binary head) or a causal GPT.",
         choices=("bert", "gpt"),
     )
-    num_layers: int = opt(2, "Number of transformer layers.", aliases=("num-layers",))
-    hidden_size: int = opt(128, "Transformer hidden size.", aliases=("hidden-size",))
+    num_layers: int = opt(2, "Number of transformer layers.", aliases=("num-layers",), gt=0)
+    hidden_size: int = opt(128, "Transformer hidden size.", aliases=("hidden-size",), gt=0)
     num_attention_heads: int = opt(
-        2, "Number of attention heads; must divide hidden_size.", aliases=("num-attention-heads",)
+        2,
+        "Number of attention heads; must divide hidden_size.",
+        aliases=("num-attention-heads",),
+        gt=0,
     )
     ffn_hidden_size: int | None = opt(
-        None, "MLP inner size; default 4 * hidden_size.", aliases=("ffn-hidden-size",)
+        None,
+        "MLP inner size; default 4 * hidden_size.",
+        aliases=("ffn-hidden-size",),
+        gt=0,
     )
     seq_length: int = opt(
         128,
         "Sequence length of every training sample, in tokens.",
         aliases=("seq-length", "encoder-seq-length"),
+        gt=0,
     )
     max_position_embeddings: int | None = opt(
         None,
         "Size of the position table; default seq_length. Must be >= seq_length.",
         aliases=("max-position-embeddings",),
+        gt=0,
     )
     vocab_size: int | None = opt(
-        None, "Tokenizer vocabulary size before padding; default: taken from the tokenizer."
+        None,
+        "Tokenizer vocabulary size before padding; default: taken from the tokenizer.",
+        gt=0,
     )
     make_vocab_size_divisible_by: int = opt(
         128,
         "Pad the vocabulary to a multiple of this (Megatron), for efficient GEMMs.",
         aliases=("make-vocab-size-divisible-by",),
+        gt=0,
     )
     layernorm_epsilon: float = opt(
-        1e-5, "Epsilon of every LayerNorm/RMSNorm.", aliases=("layernorm-epsilon", "rms-norm-epsilon")
+        1e-5,
+        "Epsilon of every LayerNorm/RMSNorm.",
+        aliases=("layernorm-epsilon", "rms-norm-epsilon"),
+        gt=0,
     )
-    hidden_dropout: float = opt(0.1, "Dropout probability on hidden states.", aliases=("hidden-dropout",))
+    hidden_dropout: float = opt(
+        0.1, "Dropout probability on hidden states.", aliases=("hidden-dropout",), ge=0, lt=1
+    )
     attention_dropout: float = opt(
-        0.1, "Dropout probability on attention weights.", aliases=("attention-dropout",)
+        0.1,
+        "Dropout probability on attention weights.",
+        aliases=("attention-dropout",),
+        ge=0,
+        lt=1,
     )
     init_method_std: float = opt(
         0.02,
         "Std of the normal init of weights (output layers scaled by 1/sqrt(2*num_layers), as Megatron).",
         aliases=("init-method-std",),
+        ge=0,
     )
     activation: str = opt(
         "gelu",
@@ -77,7 +113,7 @@ class ModelConfig:
     position_embedding_type: str = opt(
         "learned", "Position encoding.", choices=("learned", "sinusoidal", "rotary"), aliases=("pos-emb",)
     )
-    rotary_base: int = opt(10000, "Base of the rotary frequencies (rotary only).")
+    rotary_base: int = opt(10000, "Base of the rotary frequencies (rotary only).", gt=0)
     tie_word_embeddings: bool = opt(True, "Share the input embedding with the output (LM) layer.")
     apply_residual_connection_post_layernorm: bool = opt(
         False,
@@ -87,15 +123,20 @@ class ModelConfig:
     bert_binary_head: bool = opt(
         True, "BERT only: add the NSP/SOP binary classification head.", aliases=("bert-binary-head",)
     )
-    num_tokentypes: int = opt(2, "BERT only: number of token-type (segment) embeddings.")
+    num_tokentypes: int = opt(2, "BERT only: number of token-type (segment) embeddings.", ge=0)
 
 
 @dataclass
 class ParallelConfig:
     dp: int = opt(-1, "Data-parallel size; -1 = world_size / (tp * pp).", aliases=("data-parallel-size",))
-    tp: int = opt(1, "Tensor-parallel size.", aliases=("tensor-model-parallel-size", "model-parallel-size"))
+    tp: int = opt(
+        1, "Tensor-parallel size.", aliases=("tensor-model-parallel-size", "model-parallel-size"), ge=1
+    )
     pp: int = opt(
-        1, "Pipeline-parallel size.", aliases=("pipeline-model-parallel-size", "pipe-parallel-size")
+        1,
+        "Pipeline-parallel size.",
+        aliases=("pipeline-model-parallel-size", "pipe-parallel-size"),
+        ge=1,
     )
     zero_stage: int = opt(
         0,
@@ -132,6 +173,7 @@ class ParallelConfig:
         1,
         "Model chunks (stages) per pipeline rank; > 1 for interleaved schedules.",
         aliases=("virtual-pipeline-model-parallel-size",),
+        ge=1,
     )
     pipeline_layers: str | None = opt(
         None,
@@ -141,6 +183,7 @@ class ParallelConfig:
         10.0,
         "Collective timeout: a rank waiting longer than this fails the job instead of hanging.",
         aliases=("distributed-timeout-minutes",),
+        gt=0,
     )
     activation_checkpointing: str = opt(
         "none",
@@ -149,7 +192,10 @@ class ParallelConfig:
         choices=("none", "full", "selective"),
     )
     checkpoint_num_layers: int = opt(
-        1, "Layers per activation-checkpointed chunk (full mode).", aliases=("checkpoint-num-layers",)
+        1,
+        "Layers per activation-checkpointed chunk (full mode).",
+        aliases=("checkpoint-num-layers",),
+        ge=1,
     )
     compile: bool = opt(False, "Wrap each transformer block in torch.compile (cold start 10-30 s).")
 
@@ -165,17 +211,23 @@ class OptimConfig:
     adam_w_mode: bool = opt(
         True, "Decoupled weight decay (AdamW). False = L2 added to the gradient (torch.optim.Adam)."
     )
-    lr: float = opt(1e-4, "Peak learning rate.")
-    min_lr: float = opt(0.0, "Floor of the decayed learning rate.", aliases=("min-lr",))
+    lr: float = opt(1e-4, "Peak learning rate.", ge=0)
+    min_lr: float = opt(0.0, "Floor of the decayed learning rate.", aliases=("min-lr",), ge=0)
     weight_decay: float = opt(
-        0.01, "Decoupled weight decay; never applied to biases and norm weights.", aliases=("weight-decay",)
+        0.01,
+        "Decoupled weight decay; never applied to biases and norm weights.",
+        aliases=("weight-decay",),
+        ge=0,
     )
-    adam_beta1: float = opt(0.9, "Adam beta1.", aliases=("adam-beta1",))
-    adam_beta2: float = opt(0.999, "Adam beta2.", aliases=("adam-beta2",))
-    adam_eps: float = opt(1e-8, "Adam epsilon.", aliases=("adam-eps",))
-    sgd_momentum: float = opt(0.9, "SGD momentum.", aliases=("sgd-momentum",))
+    adam_beta1: float = opt(0.9, "Adam beta1.", aliases=("adam-beta1",), ge=0, lt=1)
+    adam_beta2: float = opt(0.999, "Adam beta2.", aliases=("adam-beta2",), ge=0, lt=1)
+    adam_eps: float = opt(1e-8, "Adam epsilon.", aliases=("adam-eps",), gt=0)
+    sgd_momentum: float = opt(0.9, "SGD momentum.", aliases=("sgd-momentum",), ge=0)
     clip_grad: float = opt(
-        1.0, "Clip the global gradient 2-norm to this; 0 disables.", aliases=("clip-grad",)
+        1.0,
+        "Clip the global gradient 2-norm to this; 0 disables.",
+        aliases=("clip-grad",),
+        ge=0,
     )
     scheduler: str = opt(
         "megatron",
@@ -193,12 +245,15 @@ class OptimConfig:
         None,
         "Iterations over which lr decays to min_lr, counted from 0; default train_iters.",
         aliases=("lr-decay-iters",),
+        gt=0,
     )
-    lr_warmup_iters: int = opt(0, "Linear warmup length in iterations.", aliases=("lr-warmup-iters",))
+    lr_warmup_iters: int = opt(0, "Linear warmup length in iterations.", aliases=("lr-warmup-iters",), ge=0)
     lr_warmup_fraction: float | None = opt(
         None,
         "Warmup as a fraction of lr_decay_iters; overrides lr_warmup_iters.",
         aliases=("lr-warmup-fraction", "warmup"),
+        ge=0,
+        le=1,
     )
     warmup_min_lr: float = opt(0.0, "WarmupLR: lr at iteration 0.")
     warmup_type: str = opt("log", "WarmupLR: shape of the warmup curve.", choices=("log", "linear"))
@@ -235,36 +290,50 @@ class DataConfig:
     whole_word_masking: bool = opt(False, "BERT: mask whole words (all ## pieces of a word together).")
     split: str = opt("949,50,1", "Train/valid/test proportions, by document.", aliases=("split",))
     mask_prob: float = opt(
-        0.15, "BERT: fraction of tokens selected for masking (80/10/10).", aliases=("mask-prob",)
+        0.15,
+        "BERT: fraction of tokens selected for masking (80/10/10).",
+        aliases=("mask-prob",),
+        ge=0,
+        lt=1,
     )
     short_seq_prob: float = opt(
-        0.1, "BERT: probability of a shorter-than-max sample.", aliases=("short-seq-prob",)
+        0.1,
+        "BERT: probability of a shorter-than-max sample.",
+        aliases=("short-seq-prob",),
+        ge=0,
+        lt=1,
     )
     binary_head_task: str = opt(
         "nsp", "BERT binary head task: next-sentence (nsp) or sentence-order (sop).", choices=("nsp", "sop")
     )
     num_workers: int = opt(
-        0, "DataLoader worker processes (0 = in the training process).", aliases=("num-workers",)
+        0,
+        "DataLoader worker processes (0 = in the training process).",
+        aliases=("num-workers",),
+        ge=0,
     )
 
 
 @dataclass
 class TrainConfig:
-    train_iters: int = opt(300, "Number of optimizer steps.", aliases=("train-iters",))
+    train_iters: int = opt(300, "Number of optimizer steps.", aliases=("train-iters",), gt=0)
     micro_batch_size: int = opt(
         16,
         "Samples per device per forward/backward.",
         aliases=("micro-batch-size", "batch-size", "train_micro_batch_size_per_gpu"),
+        gt=0,
     )
     gradient_accumulation_steps: int | None = opt(
         None,
         "Micro-batches per optimizer step; default global_batch_size / (micro_batch_size * dp).",
         aliases=("gradient-accumulation-steps",),
+        gt=0,
     )
     global_batch_size: int | None = opt(
         None,
         "Samples per optimizer step = micro_batch_size * gradient_accumulation_steps * dp.",
         aliases=("global-batch-size", "train_batch_size"),
+        gt=0,
     )
     seed: int = opt(
         1234, "Seed of python, numpy and torch RNGs; same seed gives the same losses.", aliases=("seed",)
@@ -287,9 +356,12 @@ class TrainConfig:
     )
     device: str = opt("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
     eval_interval: int = opt(
-        100, "Run evaluation every this many iterations (0 = only at the end).", aliases=("eval-interval",)
+        100,
+        "Run evaluation every this many iterations (0 = only at the end).",
+        aliases=("eval-interval",),
+        ge=0,
     )
-    eval_iters: int = opt(10, "Validation micro-batches per evaluation.", aliases=("eval-iters",))
+    eval_iters: int = opt(10, "Validation micro-batches per evaluation.", aliases=("eval-iters",), ge=0)
     exit_interval: int | None = opt(
         None, "Stop after an iteration divisible by this.", aliases=("exit-interval",)
     )
@@ -301,6 +373,7 @@ class LoggingConfig:
         10,
         "Print and record metrics every this many iterations.",
         aliases=("log-interval", "steps_per_print"),
+        gt=0,
     )
     run_dir: str = opt("runs", "Parent directory of run directories.")
     run_name: str | None = opt(None, "Run directory name; default <model>-<timestamp>.")
@@ -318,8 +391,10 @@ class LoggingConfig:
         "Name in the peak-FLOPs table (e.g. a100-80gb); default: detected. "
         "On CPU the peak is a measured GEMM rate.",
     )
-    peak_tflops: float | None = opt(None, "Override the peak dense TFLOPs per device used for MFU/HFU.")
-    warmup_iters: int = opt(3, "Iterations excluded from throughput statistics (compile, allocator warm-up).")
+    peak_tflops: float | None = opt(None, "Override the peak dense TFLOPs per device used for MFU/HFU.", gt=0)
+    warmup_iters: int = opt(
+        3, "Iterations excluded from throughput statistics (compile, allocator warm-up).", ge=0
+    )
     timers_sync: bool = opt(
         True,
         "Synchronize the device at phase boundaries so per-phase times are honest.",
@@ -343,12 +418,16 @@ class CheckpointConfig:
         aliases=("load",),
     )
     save_interval: int | None = opt(
-        None, "Iterations between saves; None = only at the end of training.", aliases=("save-interval",)
+        None,
+        "Iterations between saves; None = only at the end of training.",
+        aliases=("save-interval",),
+        ge=1,
     )
     keep_last_n: int | None = opt(
         None,
         "Keep only the newest N checkpoints (older ones deleted once a newer one is complete); None = all.",
         aliases=("keep-last-n-checkpoints", "keep-last-n"),
+        ge=1,
     )
     no_save_optim: bool = opt(False, "Save weights without the optimizer state.", aliases=("no-save-optim",))
     no_save_rng: bool = opt(False, "Save without the RNG states.", aliases=("no-save-rng",))
@@ -385,6 +464,89 @@ class Config:
         return dataclasses.asdict(self)
 
 
+class _Frozen:
+    """Assignment raises once `freeze` has run: a resolved config is read-only, so no module can change
+    what another already checked (dataclasses.replace makes an unfrozen copy to resolve again)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {name!r}: a resolved config is frozen; make a changed copy with "
+                "dataclasses.replace and resolve it again"
+            )
+        super().__setattr__(name, value)
+
+
+@dataclass
+class ResolvedModelConfig(ModelConfig, _Frozen):
+    ffn_hidden_size: int = 0  # derived: never None once resolved
+    max_position_embeddings: int = 0
+
+
+@dataclass
+class ResolvedParallelConfig(ParallelConfig, _Frozen):
+    pass
+
+
+@dataclass
+class ResolvedOptimConfig(OptimConfig, _Frozen):
+    lr_decay_iters: int = 0
+
+
+@dataclass
+class ResolvedDataConfig(DataConfig, _Frozen):
+    pass
+
+
+@dataclass
+class ResolvedTrainConfig(TrainConfig, _Frozen):
+    gradient_accumulation_steps: int = 0
+    global_batch_size: int = 0
+
+
+@dataclass
+class ResolvedLoggingConfig(LoggingConfig, _Frozen):
+    pass
+
+
+@dataclass
+class ResolvedCheckpointConfig(CheckpointConfig, _Frozen):
+    pass
+
+
+@dataclass
+class ResolvedConfig(Config, _Frozen):
+    """What `config.validate.resolve` returns: every derived value filled (typed without None, except
+    model.vocab_size before a tokenizer is read), every rule checked, frozen. Parallel dp is >= 1."""
+
+    model: ResolvedModelConfig = field(default_factory=ResolvedModelConfig)
+    parallel: ResolvedParallelConfig = field(default_factory=ResolvedParallelConfig)
+    optim: ResolvedOptimConfig = field(default_factory=ResolvedOptimConfig)
+    data: ResolvedDataConfig = field(default_factory=ResolvedDataConfig)
+    train: ResolvedTrainConfig = field(default_factory=ResolvedTrainConfig)
+    logging: ResolvedLoggingConfig = field(default_factory=ResolvedLoggingConfig)
+    checkpoint: ResolvedCheckpointConfig = field(default_factory=ResolvedCheckpointConfig)
+
+
+RESOLVED_SECTIONS: dict[str, type] = {
+    "model": ResolvedModelConfig,
+    "parallel": ResolvedParallelConfig,
+    "optim": ResolvedOptimConfig,
+    "data": ResolvedDataConfig,
+    "train": ResolvedTrainConfig,
+    "logging": ResolvedLoggingConfig,
+    "checkpoint": ResolvedCheckpointConfig,
+}
+
+
+def freeze(cfg: ResolvedConfig) -> ResolvedConfig:
+    """Make cfg and its sections read-only (see `_Frozen`); returns cfg."""
+    for section in SECTIONS:
+        object.__setattr__(getattr(cfg, section), "_frozen", True)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
@@ -401,8 +563,39 @@ def section_fields(section: str) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
 
 
-def need(value: T | None, key: str) -> T:
-    """A derived value that `resolve` fills; None here is a programming error, not a user error."""
-    if value is None:
-        raise RuntimeError(f"'{key}' is unresolved: call config.validate.resolve() first")
-    return value
+_BOUND_TEXT = {"ge": ">=", "gt": ">", "lt": "<", "le": "<="}
+
+
+def check_value(f: dataclasses.Field, value: Any, where: str) -> None:
+    """A field's value rule (finite, within its bounds); raise ConfigError naming `where` and what
+    would be valid. None (derive) passes."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    bounds = f.metadata.get("bounds", {})
+    ok = {
+        "ge": lambda b: value >= b,
+        "gt": lambda b: value > b,
+        "lt": lambda b: value < b,
+        "le": lambda b: value <= b,
+    }
+    if not all(ok[k](b) for k, b in bounds.items()):
+        low = [k for k in ("ge", "gt") if k in bounds]
+        high = [k for k in ("le", "lt") if k in bounds]
+        if low and high:  # an interval: [0, 1)
+            valid = (
+                f"in {'[' if low[0] == 'ge' else '('}{bounds[low[0]]:g}, "
+                f"{bounds[high[0]]:g}{']' if high[0] == 'le' else ')'}"
+            )
+        else:
+            valid = " and ".join(f"{_BOUND_TEXT[k]} {b:g}" for k, b in bounds.items())
+        raise ConfigError(f"{where} must be {valid}, got {value!r}")
+
+
+def check_fields(cfg: Config) -> None:
+    """Every field's value rule over a whole config (configs built in Python skip the loader)."""
+    for section in SECTIONS:
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(SECTIONS[section]):
+            check_value(f, getattr(values, f.name), f"'{section}.{f.name}'")

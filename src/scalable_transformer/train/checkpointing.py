@@ -22,13 +22,13 @@ from ..checkpoint.manager import (
 )
 from ..config.load import to_yaml
 from ..config.rules import layout_label
-from ..config.schema import Config
+from ..config.schema import ResolvedConfig
 from ..metrics.environment import environment
 from ..models import count_parameters
 from .trainer import Callback, History, Trainer
 
 
-def open_resume(cfg: Config) -> Resume | None:
+def open_resume(cfg: ResolvedConfig) -> Resume | None:
     """Check checkpoint.save is writable and checkpoint.load is a complete checkpoint, before any
     training: the checkpoint to continue from (None: start fresh)."""
     c = cfg.checkpoint
@@ -55,7 +55,7 @@ class CheckpointCallback(Callback):
 
 
 def attach_checkpoints(
-    cfg: Config, trainer: Trainer, resume: Resume | None, console: Console | None, is_main: bool
+    cfg: ResolvedConfig, trainer: Trainer, resume: Resume | None, console: Console | None, is_main: bool
 ) -> CheckpointCallback | None:
     """Load `resume` into the trainer's model, optimizer, schedule, scaler and loop position and restore
     the RNG; add the periodic saves to the trainer's callbacks. Returns that callback (None without

@@ -16,14 +16,14 @@ from rich.console import Console
 
 from ..config.load import to_yaml
 from ..config.rules import layout_label
-from ..config.schema import Config, need
+from ..config.schema import ResolvedConfig
 from ..metrics.environment import environment
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink
 from .trainer import History
 
 
-def make_run_dir(cfg: Config) -> Path:
+def make_run_dir(cfg: ResolvedConfig) -> Path:
     """A new directory under logging.run_dir; an existing run is never overwritten."""
     name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     parent = Path(cfg.logging.run_dir)
@@ -42,17 +42,15 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def pipeline_bubble(cfg: Config) -> float | None:
+def pipeline_bubble(cfg: ResolvedConfig) -> float | None:
     """The theoretical pipeline bubble of the configured layout (see config.rules.pipeline_bubble)."""
     from ..config.rules import pipeline_bubble as bubble
 
     p = cfg.parallel
-    return bubble(
-        p.pp, p.virtual_pipeline_stages, need(cfg.train.gradient_accumulation_steps, "accumulation")
-    )
+    return bubble(p.pp, p.virtual_pipeline_stages, cfg.train.gradient_accumulation_steps)
 
 
-def open_run_dir(cfg: Config, console: Console) -> tuple[Path, list[Sink]]:
+def open_run_dir(cfg: ResolvedConfig, console: Console) -> tuple[Path, list[Sink]]:
     """Create the run directory with config.yaml and env.json, and the sinks that log into it."""
     run_dir = make_run_dir(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
@@ -65,7 +63,13 @@ def open_run_dir(cfg: Config, console: Console) -> tuple[Path, list[Sink]]:
 
 
 def print_banner(
-    console: Console, cfg: Config, num_params: int, device: Any, world: int, flops: FlopsCount, peak: Any
+    console: Console,
+    cfg: ResolvedConfig,
+    num_params: int,
+    device: Any,
+    world: int,
+    flops: FlopsCount,
+    peak: Any,
 ) -> None:
     """The run's opening lines: model, layout, and the FLOPs convention and peak behind every figure."""
     console.print(
@@ -89,11 +93,17 @@ def print_banner(
 
 
 def summarize(
-    cfg: Config, history: History, flops, peak, num_params: int, wall_seconds: float, num_devices: int = 1
+    cfg: ResolvedConfig,
+    history: History,
+    flops,
+    peak,
+    num_params: int,
+    wall_seconds: float,
+    num_devices: int = 1,
 ) -> dict:
     """Median throughput over the post-warm-up window, plus the losses and memory of the run."""
     times = history.iteration_seconds
-    global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
+    global_batch = cfg.train.global_batch_size
     warmup = cfg.logging.warmup_iters if len(times) > cfg.logging.warmup_iters else 0
     window = times[warmup:]
     median = statistics.median(window)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from ..config.rules import layout_label
-from ..config.schema import Config, need
+from ..config.schema import Config, ResolvedConfig
 from ..config.validate import resolve
 from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
@@ -90,7 +90,7 @@ def run_training(
 
 
 def _run(
-    cfg: Config,
+    raw: Config,
     console: Console,
     device: torch.device,
     dims: ParallelDims,
@@ -98,7 +98,7 @@ def _run(
     callbacks: Sequence[Callback],
 ) -> tuple[Path | None, dict]:
     world = dims.world_size
-    d = cfg.data
+    d = raw.data
     with rank_zero_first(dims):
         tokenizer = load_tokenizer(
             d.tokenizer,
@@ -107,14 +107,14 @@ def _run(
             merge_file=d.merge_file,
             tokenizer_type=d.tokenizer_type,
         )
-    if cfg.model.vocab_size is None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    elif cfg.model.vocab_size < tokenizer.vocab_size:
+    if raw.model.vocab_size is None:
+        raw = dataclasses.replace(raw, model=dataclasses.replace(raw.model, vocab_size=tokenizer.vocab_size))
+    elif raw.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+            f"model.vocab_size ({raw.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); remove it to use the tokenizer's size"
         )
-    cfg = resolve(cfg, world_size=world)
+    cfg = resolve(raw, world_size=world)
     resume = open_resume(cfg)  # a bad checkpoint or save directory fails here, before anything runs
 
     with rank_zero_first(dims):
@@ -144,7 +144,7 @@ def _run(
 
     flops = flops_per_iteration(
         ModelShape.from_config(cfg.model, num_params),
-        need(cfg.train.global_batch_size, "train.global_batch_size"),
+        cfg.train.global_batch_size,
         cfg.logging.flops_convention,
         cfg.parallel.activation_checkpointing,
     )
@@ -206,7 +206,7 @@ def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:
 
 
 def build_parallel_model(
-    cfg: Config, dims: ParallelDims, device: torch.device
+    cfg: ResolvedConfig, dims: ParallelDims, device: torch.device
 ) -> tuple[torch.nn.Module, Any]:
     """The plain model, split into this rank's pipeline stages when pp > 1, each parallelized.
     Returns (the module to train, the PipelineRunner or None)."""
@@ -229,6 +229,6 @@ def build_parallel_model(
         cfg,
         dims.pp_group,
         device,
-        need(cfg.train.gradient_accumulation_steps, "accumulation"),
+        cfg.train.gradient_accumulation_steps,
     )
     return torch.nn.ModuleList(stages), runner

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config.schema import Config, need
+from ..config.schema import ResolvedConfig
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.memory import MemoryTracker
 from ..metrics.sinks import Sinks
@@ -100,7 +100,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: ResolvedConfig,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -123,8 +123,8 @@ class Trainer:
         self.device, self.sinks, self.flops = device, sinks, flops
         self.peak_flops, self.num_devices = peak_flops_per_device, num_devices
         self.model_type = cfg.model.type
-        self.global_batch = need(cfg.train.global_batch_size, "train.global_batch_size")
-        self.accumulation = need(cfg.train.gradient_accumulation_steps, "train.gradient_accumulation_steps")
+        self.global_batch = cfg.train.global_batch_size
+        self.accumulation = cfg.train.gradient_accumulation_steps
         sync = torch.cuda.synchronize if device.type == "cuda" and cfg.logging.timers_sync else None
         self.timers = Timers(sync)
         self.memory = MemoryTracker(device)
