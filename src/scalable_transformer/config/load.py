@@ -291,10 +291,14 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 
 
 def parse_yaml(text: str, name: str) -> Any:
+    loader = _StrictLoader(text)
+    loader.name = name  # marks in messages name the file, not "<unicode string>"
     try:
-        return yaml.load(text, Loader=_StrictLoader)
+        return loader.get_single_data()
     except yaml.YAMLError as e:
         raise ConfigError(f"{name}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
 
 
 # --------------------------------------------------------------------------- presets and files
@@ -308,10 +312,25 @@ def preset_names() -> list[str]:
 def _read_source(spec: str) -> tuple[str, str]:
     """(text, display name) of a preset name or a YAML path."""
     path = Path(spec)
+    if path.is_dir():
+        raise ConfigError(f"config file '{spec}' is a directory; give a YAML file or a preset name")
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         if not path.is_file():
             raise ConfigError(f"config file '{spec}' does not exist; presets: {', '.join(preset_names())}")
-        return path.read_text(encoding="utf-8"), str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file '{spec}' is not UTF-8 text (byte {e.start}): give a YAML config file"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"config file '{spec}' cannot be read: {e.strerror}") from None
+        if not text.strip() or parse_yaml(text, str(path)) is None:
+            raise ConfigError(
+                f"config file '{spec}' is empty (or only comments): write at least one key, e.g. "
+                "'base: tiny-gpt', or name a preset"
+            )
+        return text, str(path)
     if spec in preset_names():
         folder = resources.files("scalable_transformer.config") / "presets"
         return (folder / f"{spec}.yaml").read_text(encoding="utf-8"), f"preset '{spec}'"
@@ -333,7 +352,12 @@ def assignments_from_mapping(data: Any, source: str) -> list[Assignment]:
     out: list[Assignment] = []
     for raw_key, value in data.items():
         key = norm_key(raw_key)
-        if key in SECTIONS and isinstance(value, dict):
+        if key in SECTIONS and not isinstance(value, dict):
+            raise ConfigError(
+                f"{source}: '{raw_key}' is a section and must be a mapping of its keys "
+                f"(e.g. {raw_key}: {{{next(iter(section_fields(key)))}: ...}}), got {value!r}"
+            )
+        if key in SECTIONS:
             fields = section_fields(key)
             aliases = {norm_key(a): n for n, f in fields.items() for a in f.metadata.get("aliases", ())}
             for sub, v in value.items():

@@ -1,0 +1,99 @@
+"""Bad inputs a new user tried (issue 11, part 3): each is one clear error that names the file, key or
+value and what would be valid, with exit status 2, and `stx config validate` rejects exactly what
+`stx train` would (one validation path: load -> resolve)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from scalable_transformer.cli import main
+
+
+def _write(tmp_path: Path, name: str, content: bytes | str) -> str:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return str(path)
+
+
+# (case id, files to create {name: content}, argv after `stx`, regex the error must match)
+CASES = [
+    ("empty-file", {"cfg": ""}, ["config", "validate", "{cfg}"], r"c\.yaml' is empty"),
+    ("only-comments", {"cfg": "# nothing\n"}, ["config", "validate", "{cfg}"], r"c\.yaml' is empty"),
+    (
+        "binary-file",
+        {"cfg": bytes(range(128, 256))},
+        ["config", "validate", "{cfg}"],
+        r"c\.yaml' is not UTF-8 text",
+    ),
+    ("directory", {}, ["config", "validate", "{dir}"], r"is a directory; give a YAML file or a preset"),
+    (
+        "duplicate-key",
+        {"cfg": "model:\n  num_layers: 2\n  num_layers: 3\n"},
+        ["config", "validate", "{cfg}"],
+        r"c\.yaml:3: duplicate key 'num_layers'",
+    ),
+    (
+        "section-not-a-mapping",
+        {"cfg": "model: 5\n"},
+        ["config", "validate", "{cfg}"],
+        r"c\.yaml: 'model' is a section and must be a mapping",
+    ),
+    (
+        "range-error-names-the-file",
+        {"cfg": "optim:\n  lr: -1\n"},
+        ["config", "validate", "{cfg}"],
+        r"c\.yaml: 'optim\.lr' must be >= 0, got -1",
+    ),
+    (
+        "lr-nan",
+        {},
+        ["config", "validate", "tiny-gpt", "optim.lr=nan"],
+        r"'optim\.lr' must be a finite number",
+    ),
+    (
+        "lr-inf",
+        {},
+        ["config", "validate", "tiny-gpt", "optim.lr=inf"],
+        r"'optim\.lr' must be a finite number",
+    ),
+    (
+        "adam-beta-1",
+        {},
+        ["config", "validate", "tiny-gpt", "optim.adam_beta2=1"],
+        r"'optim\.adam_beta2' must be in \[0, 1\), got 1",
+    ),
+    (
+        "adam-beta-negative",
+        {},
+        ["config", "validate", "tiny-gpt", "optim.adam_beta1=-0.1"],
+        r"'optim\.adam_beta1' must be in \[0, 1\)",
+    ),
+    ("world-size-0", {}, ["config", "validate", "tiny-gpt", "--world-size", "0"], r"world size must be >= 1"),
+    (
+        "train-rejects-the-same",
+        {},
+        ["train", "tiny-gpt", "optim.lr=nan", "logging.run_dir={dir}"],
+        r"'optim\.lr' must be a finite number",
+    ),
+]
+
+
+@pytest.mark.parametrize("files, argv, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_error(tmp_path, capsys, files, argv, message):
+    names = {key: _write(tmp_path, "c.yaml", content) for key, content in files.items()}
+    (tmp_path / "d").mkdir()
+    names["dir"] = str(tmp_path / "d")
+    before = sorted(os.listdir(tmp_path / "d"))
+    code = main([a.format(**names) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
+    assert re.search(message, err), err
+    assert sorted(os.listdir(tmp_path / "d")) == before  # nothing written (no run directory)
