@@ -87,11 +87,11 @@ def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
     return [(ends[k] - sizes[k], ends[k]) for k in range(3)]
 
 
-def embedded_dataset_prefix(tokenizer: Tokenizer, model_type: str) -> str:
-    """Prefix of the embedded corpus preprocessed for family `model_type` with `tokenizer`, built on
+def embedded_dataset_prefix(tokenizer: Tokenizer, family: str) -> str:
+    """Prefix of the embedded corpus preprocessed for model family `family` with `tokenizer`, built on
     first use in the user cache, as the family's `DataSpec.corpus` says: sentence-split (BERT) or
     documents closed by EOD (GPT)."""
-    data = get_spec(model_type).data
+    data = get_spec(family).data
     kind = data.corpus
     corpus_key = corpus_fingerprint()[:16]
     root = cache_dir() / "datasets"
@@ -201,14 +201,15 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[Dataset, Dataset,
     eval_iters * global batch (a split with weight 0 is empty). Token ids are checked against the
     vocabulary: the tokenizer's when the family needs it (BERT), else the model's (cfg.model.vocab_size).
     """
-    data: DataSpec = spec_for(cfg.model).data  # ValueError naming the known model types
+    spec = spec_for(cfg.model)  # ValueError naming the known model types
+    data: DataSpec = spec.data
     # BERT draws [MASK] and random replacements from the tokenizer, so its ids must be the
     # tokenizer's; GPT only needs ids the model can embed.
     vocab_size = (
         tokenizer.vocab_size if data.tokenizer_vocab else cfg.model.vocab_size or tokenizer.vocab_size
     )
     if cfg.data.path is None:
-        blend = [(1.0, embedded_dataset_prefix(tokenizer, cfg.model.type))]
+        blend = [(1.0, embedded_dataset_prefix(tokenizer, spec.name))]
         names = ["the embedded corpus"]
     else:
         blend = parse_blend(cfg.data.path)
