@@ -30,8 +30,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models import build_model, compute_loss, model_inputs
-from scalable_transformer.models.layers import argmax_rows
-from scalable_transformer.parallel.tensor import apply_tensor_parallel, loss_parallel_context
+from scalable_transformer.parallel.tensor import (
+    apply_tensor_parallel,
+    argmax_rows,
+    loss_ops,
+    loss_parallel_context,
+)
 
 STEPS, BATCH, SEED = 5, 4, 1234
 LOSS_RTOL, GRAD_ATOL, WEIGHT_ATOL, WEIGHT_RTOL = 1e-5, 1e-5, 1e-5, 1e-4
@@ -106,7 +110,8 @@ def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> di
         optimizer.zero_grad()
         with loss_parallel_context(tp):
             outputs = model(*model_inputs(cfg.type, batch))
-            loss, metrics = compute_loss(cfg.type, outputs, batch)
+            # the TP reductions over vocabulary-sharded logits come from parallel/, through the loss seam
+            loss, metrics = compute_loss(cfg.type, outputs, batch, None, loss_ops(tp))
             loss.backward()
         if not grads:
             grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}

@@ -1,8 +1,8 @@
 """Initialise our model from a local Hugging Face GPT2LMHeadModel / BertForPreTraining directory
 (`checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and `stx config from-hf`.
 
-The weight mapping is not written a second time: it is the export mapping (`export.to_gpt2` /
-`to_bert`) run backwards. A float64 copy of our model whose every element holds its own index is
+The weight mapping is not written a second time: it is the family's export mapping (`ModelSpec.hf`,
+models/<family>/hf.py) run backwards. A float64 copy of our model whose every element holds its own index is
 exported; each exported Hugging Face tensor then says, element by element, which of our elements it
 came from. Run twice with indices shifted by a constant, the tensors that shift by exactly that
 constant are the mapped ones (the exporter keeps Hugging Face's own values where we have no
@@ -21,7 +21,13 @@ from ..config.schema import ModelConfig
 from ..errors import CheckpointError
 
 _SHIFT = float(2**40)
-_HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining"}
+
+
+def _hf_classes() -> dict[str, str]:
+    """Hugging Face config.model_type -> transformers class, for every family with a mapping."""
+    from ..models import SPECS
+
+    return {s.hf.model_type: s.hf.hf_class for s in SPECS.values() if s.hf is not None}
 
 
 def _hf_config(hf_dir: Path) -> Any:
@@ -36,50 +42,23 @@ def _hf_config(hf_dir: Path) -> Any:
             f"checkpoint.init_from_hf = {hf_dir}: no config.json there (not a Hugging Face model dir)"
         )
     hf_cfg = AutoConfig.from_pretrained(hf_dir)
-    if hf_cfg.model_type not in _HF_CLASSES:
+    classes = _hf_classes()
+    if hf_cfg.model_type not in classes:
         raise CheckpointError(
             f"{hf_dir}: model_type {hf_cfg.model_type!r} has no equivalent here; supported: "
-            f"{', '.join(f'{k} ({v})' for k, v in _HF_CLASSES.items())}"
+            f"{', '.join(f'{k} ({v})' for k, v in classes.items())}"
         )
     return hf_cfg
 
 
 def model_overrides_from_hf(hf_dir: str | Path) -> dict[str, Any]:
     """The model.* settings (as `key: value`) that describe the Hugging Face model in `hf_dir`."""
+    from ..models.registry import spec_for_hf
+
     hf = _hf_config(Path(hf_dir))
-    if hf.model_type == "gpt2":
-        return {
-            "type": "gpt",
-            "num_layers": hf.n_layer,
-            "hidden_size": hf.n_embd,
-            "num_attention_heads": hf.n_head,
-            "ffn_hidden_size": hf.n_inner or 4 * hf.n_embd,
-            "max_position_embeddings": hf.n_positions,
-            "vocab_size": hf.vocab_size,
-            "activation": "gelu" if hf.activation_function == "gelu" else "openai-gelu",
-            "layernorm_epsilon": hf.layer_norm_epsilon,
-            "position_embedding_type": "learned",
-            "norm": "layernorm",
-            "apply_residual_connection_post_layernorm": False,
-            "tie_word_embeddings": bool(hf.tie_word_embeddings),
-        }
-    return {
-        "type": "bert",
-        "num_layers": hf.num_hidden_layers,
-        "hidden_size": hf.hidden_size,
-        "num_attention_heads": hf.num_attention_heads,
-        "ffn_hidden_size": hf.intermediate_size,
-        "max_position_embeddings": hf.max_position_embeddings,
-        "vocab_size": hf.vocab_size,
-        "activation": "gelu" if hf.hidden_act == "gelu" else "openai-gelu",
-        "layernorm_epsilon": hf.layer_norm_eps,
-        "num_tokentypes": hf.type_vocab_size,
-        "position_embedding_type": "learned",
-        "norm": "layernorm",
-        "apply_residual_connection_post_layernorm": True,
-        "tie_word_embeddings": True,
-        "bert_binary_head": True,
-    }
+    spec = spec_for_hf(hf.model_type)
+    assert spec is not None and spec.hf is not None  # _hf_config accepted only mapped types
+    return spec.hf.overrides(hf)
 
 
 def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
@@ -103,8 +82,9 @@ def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
 def _index_maps(cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, torch.Size]]]:
     """Hugging Face key -> int64 tensor of our flat element indices; our key -> (offset, shape)."""
     from ..models import build_model
-    from .export import to_bert, to_gpt2
+    from .export import hf_mapping
 
+    mapping = hf_mapping(cfg)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # indices up to 2**53 stay exact, in our model and in HF's
     try:
@@ -123,7 +103,7 @@ def _index_maps(cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, tu
                         torch.arange(start, start + tensor.numel(), dtype=torch.float64).view_as(tensor)
                         + shift
                     )
-            hf = to_gpt2(model, cfg) if cfg.type == "gpt" else to_bert(model, cfg)
+            hf = mapping.to_hf(model, cfg)
             exported.append({k: v.detach().clone() for k, v in hf.state_dict().items()})
     finally:
         torch.set_default_dtype(previous)
@@ -143,7 +123,7 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path
     path = Path(hf_dir)
     hf_cfg = _hf_config(path)
     _check_shape(cfg, path)
-    hf_model = getattr(transformers, _HF_CLASSES[hf_cfg.model_type]).from_pretrained(path)
+    hf_model = getattr(transformers, _hf_classes()[hf_cfg.model_type]).from_pretrained(path)
     hf_sd = hf_model.state_dict()
     maps, layout = _index_maps(cfg)
     ours = model.state_dict()
@@ -177,6 +157,7 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path
 
 def _only_padding_rows(key: str, done: torch.Tensor, cfg: ModelConfig) -> bool:
     """True when the unassigned elements of `key` are exactly the vocabulary padding rows."""
+    from .export import hf_mapping
+
     assert cfg.vocab_size is not None
-    vocab_keys = ("embedding.word.weight", "output.weight", "lm_head.bias", "lm_head.decoder.weight")
-    return key in vocab_keys and bool(done[: cfg.vocab_size].all())
+    return key in hf_mapping(cfg).vocab_keys and bool(done[: cfg.vocab_size].all())

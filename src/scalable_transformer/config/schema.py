@@ -593,9 +593,13 @@ def check_value(f: dataclasses.Field, value: Any, where: str) -> None:
         raise ConfigError(f"{where} must be {valid}, got {value!r}")
 
 
+def check_section(section: str, values: Any) -> None:
+    """Every field's value rule over one section (`values`: that section's dataclass)."""
+    for f in dataclasses.fields(SECTIONS[section]):
+        check_value(f, getattr(values, f.name), f"'{section}.{f.name}'")
+
+
 def check_fields(cfg: Config) -> None:
     """Every field's value rule over a whole config (configs built in Python skip the loader)."""
     for section in SECTIONS:
-        values = getattr(cfg, section)
-        for f in dataclasses.fields(SECTIONS[section]):
-            check_value(f, getattr(values, f.name), f"'{section}.{f.name}'")
+        check_section(section, getattr(cfg, section))

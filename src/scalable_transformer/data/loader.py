@@ -32,6 +32,8 @@ from scalable_transformer.data.indexed import IndexedDataset, IndexedDatasetErro
 from scalable_transformer.data.preprocess import preprocess
 from scalable_transformer.data.tokenizers import Tokenizer
 from scalable_transformer.metrics.hardware import cache_dir
+from scalable_transformer.models import get_spec, spec_for
+from scalable_transformer.models.spec import DataSpec
 
 if TYPE_CHECKING:
     from scalable_transformer.config.schema import Config
@@ -85,10 +87,12 @@ def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
     return [(ends[k] - sizes[k], ends[k]) for k in range(3)]
 
 
-def embedded_dataset_prefix(tokenizer: Tokenizer, model_type: str) -> str:
-    """Prefix of the embedded corpus preprocessed for `model_type` with `tokenizer`, built on first use
-    in the user cache: sentence-split for BERT, documents closed by EOD for GPT."""
-    kind = "sentences" if model_type == "bert" else "eod"
+def embedded_dataset_prefix(tokenizer: Tokenizer, family: str) -> str:
+    """Prefix of the embedded corpus preprocessed for model family `family` with `tokenizer`, built on
+    first use in the user cache, as the family's `DataSpec.corpus` says: sentence-split (BERT) or
+    documents closed by EOD (GPT)."""
+    data = get_spec(family).data
+    kind = data.corpus
     corpus_key = corpus_fingerprint()[:16]
     root = cache_dir() / "datasets"
     prefix = root / f"embedded-v{EMBEDDED_DATA_VERSION}-{kind}-{tokenizer.fingerprint}-{corpus_key}"
@@ -109,8 +113,8 @@ def embedded_dataset_prefix(tokenizer: Tokenizer, model_type: str) -> str:
         [str(jsonl)],
         str(prefix),
         tokenizer,
-        split_sentences=model_type == "bert",
-        append_eod=model_type == "gpt",
+        split_sentences=data.split_sentences,
+        append_eod=data.append_eod,
         progress=False,
     )
     return str(prefix)
@@ -147,9 +151,30 @@ def _dataset(
     documents: tuple[int, int],
     num_samples: int | None,
 ) -> Dataset:
+    kind = spec_for(cfg.model).data.dataset
+    if kind not in _DATASETS:
+        raise ValueError(f"no dataset class for data kind {kind!r}; known: {tuple(_DATASETS)}")
+    return _DATASETS[kind](cfg, tokenizer, indexed, documents, num_samples)
+
+
+def _causal_lm_dataset(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    indexed: IndexedDataset,
+    documents: tuple[int, int],
+    num_samples: int | None,
+) -> Dataset:
+    return GPTDataset(indexed, cfg.model.seq_length, cfg.train.seed, num_samples, documents)
+
+
+def _masked_lm_dataset(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    indexed: IndexedDataset,
+    documents: tuple[int, int],
+    num_samples: int | None,
+) -> Dataset:
     seq_length, seed = cfg.model.seq_length, cfg.train.seed
-    if cfg.model.type == "gpt":
-        return GPTDataset(indexed, seq_length, seed, num_samples, documents)
     return BertDataset(
         indexed,
         tokenizer,
@@ -165,23 +190,26 @@ def _dataset(
     )
 
 
+_DATASETS = {"causal-lm": _causal_lm_dataset, "masked-lm": _masked_lm_dataset}
+
+
 def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[Dataset, Dataset, Dataset]:
-    """Train, valid and test datasets of `cfg.model.type` ("bert" or "gpt"), cfg.model.seq_length
+    """Train, valid and test datasets of the model family's data kind (`DataSpec`), cfg.model.seq_length
     tokens per sample, from cfg.data.path (or the embedded corpus) split by document (cfg.data.split).
 
     Sized for the run: train holds at least train_iters * global batch samples, valid and test
     eval_iters * global batch (a split with weight 0 is empty). Token ids are checked against the
-    vocabulary: the tokenizer's for BERT, the model's (cfg.model.vocab_size) for GPT.
+    vocabulary: the tokenizer's when the family needs it (BERT), else the model's (cfg.model.vocab_size).
     """
-    if cfg.model.type not in ("bert", "gpt"):
-        raise ValueError(f"model.type must be 'bert' or 'gpt', got {cfg.model.type!r}")
+    spec = spec_for(cfg.model)  # ValueError naming the known model types
+    data: DataSpec = spec.data
     # BERT draws [MASK] and random replacements from the tokenizer, so its ids must be the
     # tokenizer's; GPT only needs ids the model can embed.
     vocab_size = (
-        tokenizer.vocab_size if cfg.model.type == "bert" else cfg.model.vocab_size or tokenizer.vocab_size
+        tokenizer.vocab_size if data.tokenizer_vocab else cfg.model.vocab_size or tokenizer.vocab_size
     )
     if cfg.data.path is None:
-        blend = [(1.0, embedded_dataset_prefix(tokenizer, cfg.model.type))]
+        blend = [(1.0, embedded_dataset_prefix(tokenizer, spec.name))]
         names = ["the embedded corpus"]
     else:
         blend = parse_blend(cfg.data.path)

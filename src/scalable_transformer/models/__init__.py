@@ -1,26 +1,40 @@
-"""Plain PyTorch Megatron-style BERT and GPT; nothing here knows about distribution."""
+"""Plain PyTorch Megatron-style model families; nothing here knows about distribution.
+
+One folder per family (bert/, gpt/), each exposing a `ModelSpec` (spec.py) registered in
+registry.py; layers.py holds the shared blocks, stage.py the pipeline-stage pruning.
+"""
 
 from scalable_transformer.models.bert import BertModel
 from scalable_transformer.models.gpt import GPTModel
 from scalable_transformer.models.layers import TransformerBlock, padded_vocab_size
 from scalable_transformer.models.registry import (
     MODELS,
+    SPECS,
     build_model,
     compute_loss,
     count_parameters,
     count_parameters_breakdown,
+    get_spec,
     model_inputs,
+    spec_for,
 )
+from scalable_transformer.models.spec import PLAIN_LOSS_OPS, LossOps, ModelSpec
 
 __all__ = [
     "MODELS",
+    "PLAIN_LOSS_OPS",
+    "SPECS",
     "BertModel",
     "GPTModel",
+    "LossOps",
+    "ModelSpec",
     "TransformerBlock",
     "build_model",
     "compute_loss",
     "count_parameters",
     "count_parameters_breakdown",
+    "get_spec",
     "model_inputs",
     "padded_vocab_size",
+    "spec_for",
 ]

@@ -13,79 +13,35 @@ checkpointing can recompute just it.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.config.rules import check_model, padded_vocab_size
+from scalable_transformer.config.schema import ModelConfig, check_section
 
 _CHOICES = {
-    "type": ("bert", "gpt"),
     "activation": ("gelu", "openai-gelu", "geglu"),
     "norm": ("layernorm", "rmsnorm"),
     "position_embedding_type": ("learned", "sinusoidal", "rotary"),
 }
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
-    """Megatron's padding: vocab_size rounded up to a multiple of divisible_by * tp (in tokens)."""
-    if vocab_size < 1 or divisible_by < 1 or tp < 1:
-        raise ValueError(
-            f"padded_vocab_size needs positive ints, got vocab_size={vocab_size}, "
-            f"divisible_by={divisible_by}, tp={tp}"
-        )
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def check_model_config(cfg: ModelConfig) -> None:
-    """Raise ValueError naming the field if cfg is unresolved or cannot build a model."""
+    """Raise ValueError naming the field if cfg is unresolved or cannot build a model. The rules
+    themselves live in config/ (field bounds in the schema, the rest in `config.rules.check_model`);
+    this is the check for models built from a config that never went through `resolve`."""
     for name in ("vocab_size", "ffn_hidden_size", "max_position_embeddings"):
         if getattr(cfg, name) is None:
-            raise ValueError(f"model.{name} is None: resolve the config (config.load.resolve) first")
+            raise ValueError(f"model.{name} is None: resolve the config (config.validate.resolve) first")
     for name, choices in _CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ValueError(f"model.{name}={getattr(cfg, name)!r} is not one of {choices}")
-    positive = (
-        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-        "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "rotary_base",
-    )  # fmt: skip
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"model.{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.num_tokentypes < 0:
-        raise ValueError(f"model.num_tokentypes must be >= 0, got {cfg.num_tokentypes}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ValueError(f"model.{name} must be in [0, 1), got {getattr(cfg, name)}")
-    if cfg.layernorm_epsilon <= 0 or cfg.init_method_std < 0:
-        raise ValueError(
-            f"model.layernorm_epsilon must be > 0 and model.init_method_std >= 0, got "
-            f"{cfg.layernorm_epsilon} and {cfg.init_method_std}"
-        )
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ValueError(
-            f"model.hidden_size={cfg.hidden_size} is not divisible by "
-            f"model.num_attention_heads={cfg.num_attention_heads}"
-        )
-    assert cfg.max_position_embeddings is not None  # for the type checker: None raised above
-    if cfg.max_position_embeddings < cfg.seq_length:
-        raise ValueError(
-            f"model.max_position_embeddings={cfg.max_position_embeddings} < model.seq_length={cfg.seq_length}"
-        )
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    if cfg.position_embedding_type == "rotary" and head_dim % 2:
-        raise ValueError(
-            f"model.position_embedding_type='rotary' needs an even head dim, got hidden_size / "
-            f"num_attention_heads = {head_dim}"
-        )
-    if cfg.position_embedding_type == "sinusoidal" and cfg.hidden_size % 2:
-        raise ValueError(f"sinusoidal positions need an even model.hidden_size, got {cfg.hidden_size}")
+    check_section("model", cfg)
+    check_model(cfg)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -97,6 +53,29 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 def norm_numel(cfg: ModelConfig) -> int:
     """Parameters of one norm layer: LayerNorm has weight and bias, RMSNorm only a weight."""
     return cfg.hidden_size * (1 if cfg.norm == "rmsnorm" else 2)
+
+
+def embedding_numel(cfg: ModelConfig, num_tokentypes: int) -> int:
+    """Parameters of `Embedding`: word (padded vocabulary), learned positions, token types, post-LN norm."""
+    assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
+    h = cfg.hidden_size
+    numel = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by) * h
+    if cfg.position_embedding_type == "learned":
+        numel += cfg.max_position_embeddings * h
+    numel += num_tokentypes * h
+    if cfg.apply_residual_connection_post_layernorm:
+        numel += norm_numel(cfg)
+    return numel
+
+
+def block_numel(cfg: ModelConfig) -> int:
+    """Parameters of one `TransformerBlock`: attention (qkv + proj), MLP (up, down), two norms."""
+    assert cfg.ffn_hidden_size is not None
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    up = 2 * f if cfg.activation == "geglu" else f
+    attention = (h * 3 * h + 3 * h) + (h * h + h)
+    mlp = (h * up + up) + (f * h + h)
+    return attention + mlp + 2 * norm_numel(cfg)
 
 
 def _frequencies(dim: int, base: float, positions: int) -> torch.Tensor:
@@ -289,6 +268,23 @@ class TransformerBlock(nn.Module):
         return x_bsh + self.dropout(self.mlp(self.norm2(x_bsh)))
 
 
+def blocks_of(layers: nn.Module) -> Iterable[nn.Module]:
+    """The blocks of a `layers` container in model order: an nn.ModuleList (whole model) or an
+    nn.ModuleDict keyed by global index (pipeline stage, see models/stage.py)."""
+    return layers.values() if isinstance(layers, nn.ModuleDict) else layers.children()
+
+
+def rotary_length(
+    inputs: torch.Tensor, has_embedding: bool, mask_bs: torch.Tensor | None, seq_length: int
+) -> int:
+    """Sequence length for the rotary tables. Without the embedding (a later pipeline stage) the
+    input is hidden states, a sequence shard under sequence parallelism: take the mask's length, or
+    the configured one (pipelined shapes are static)."""
+    if mask_bs is not None:
+        return mask_bs.shape[1]
+    return inputs.shape[1] if has_embedding else seq_length
+
+
 def run_blocks(
     blocks: Iterable[nn.Module],
     x_bsh: torch.Tensor,
@@ -340,56 +336,3 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.zeros_(bias)
         elif isinstance(module, Embedding | RotaryEmbedding):
             module.reset_buffers()
-
-
-# ---------------------------------------------------------------- losses over (possibly sharded) logits
-# Tensor parallelism hands the losses DTensor logits sharded on the vocabulary (n rows, v columns
-# split over the tp ranks). These two helpers are the only code here that knows about that.
-
-
-def _dtensor_class() -> Any:
-    """DTensor's class if torch.distributed.tensor is loaded, else None. A DTensor cannot exist
-    before its module is imported, so this keeps the ~1 s import off the plain-tensor path."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
-def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed fp32 cross-entropy over the rows whose label is not ignore_index, as a plain scalar.
-
-    Vocab-sharded DTensor logits must come inside `torch.distributed.tensor.parallel.loss_parallel()`
-    (backward too): it computes the softmax with all-reduces of [n] maxima and sums instead of
-    gathering the logits; the replicated DTensor result is returned as its local (full) value.
-    """
-    loss = F.cross_entropy(logits_nv.float(), labels_n, ignore_index=ignore_index, reduction="sum")
-    dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(loss, dtensor):
-        loss = loss.to_local()
-    return loss
-
-
-def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
-    """Vocabulary argmax [m] of the rows selected by the boolean mask rows_n (m = rows_n.sum()).
-
-    For DTensor logits sharded evenly on the vocabulary, each rank takes its shard's (max, first
-    argmax) of the selected rows and only those [m, 2] pairs are gathered; the first shard holding
-    the overall max wins, so ties resolve to the lowest index, as torch.argmax does.
-    """
-    dtensor = _dtensor_class()
-    if dtensor is None or not isinstance(logits_nv, dtensor):
-        return logits_nv[rows_n].argmax(-1)
-    placements = tuple(logits_nv.placements)
-    if not all(p.is_replicate() or p.is_shard(1) for p in placements):
-        raise ValueError(f"argmax_rows expects logits sharded on the vocabulary only, got {placements}")
-    local_mv = logits_nv.to_local()[rows_n]
-    if logits_nv.shape[1] % local_mv.shape[1]:
-        raise ValueError(f"argmax_rows needs evenly sharded logits, got {logits_nv.shape[1]} columns")
-    max_m, arg_m = local_mv.max(-1)
-    # float64 holds any fp32/bf16 logit and any vocabulary index exactly
-    pairs_m12 = torch.stack([max_m.double(), arg_m.double()], -1)[:, None, :]
-    pairs_mt2 = dtensor.from_local(
-        pairs_m12, logits_nv.device_mesh, placements, run_check=False
-    ).full_tensor()
-    shard_m = pairs_mt2[..., 0].argmax(-1)
-    local_index_m = pairs_mt2[..., 1].gather(-1, shard_m[:, None]).squeeze(-1).long()
-    return shard_m * local_mv.shape[1] + local_index_m

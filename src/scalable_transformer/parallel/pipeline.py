@@ -4,22 +4,24 @@ Shape legend: b micro-batch, s sequence (local: sequence parallel splits it over
 v padded vocabulary, n micro-batches of a step.
 
 Stages. `split_model` prunes a full model (built on every rank from the same seed) down to this
-rank's stages. Stage i holds transformer layers [start_i, start_i + count_i) in an nn.ModuleDict keyed
-by the global layer index, so parameter names (checkpoint keys) are the full model's in every layout.
-The last stage of a tied model holds its own copy of the word embedding under the same key
-(`embedding.word.weight`, Megatron's scheme); `PipelineRunner.sync_tied_grads` sums the copies'
-gradients, so they stay identical under the optimizer.
+rank's stages: each is the model itself with the parts it does not hold removed (the family's
+`ModelSpec.stage`, models/stage.py). Stage i holds transformer layers [start_i, start_i + count_i) in
+an nn.ModuleDict keyed by the global layer index, so parameter names (checkpoint keys) are the full
+model's in every layout. The last stage of a tied model holds its own copy of the word embedding
+under the same key (`embedding.word.weight`, Megatron's scheme); `PipelineRunner.sync_tied_grads`
+sums the copies' gradients, so they stay identical under the optimizer.
 
-How the batch travels. Stage 0 gets the model inputs (input_ids, BERT's token_type_ids) as the
-schedule's positional args: they are split into micro-batches and used on the first stage only.
-BERT's attention mask is needed by every block, so it is a keyword argument of every stage: the
-schedule splits kwargs like args and hands each stage its micro-batch's slice (`forward_one_chunk`
-passes kwargs to every stage, first or not), nothing is sent between ranks, and kwargs never get
-gradients sent back. (Passing the mask through as a stage output would add a P2P send per boundary
-and a non-differentiable tensor to the backward protocol.) The last stage's loss gets the schedule's
-`target`, which is tensor-split like the args, so BERT packs labels [b, s] and nsp_labels [b] into
-one [b, s + 1] tensor. Each rank calls the schedule with the same whole-step batch; the split is
-exact because micro-batches are concatenated in order and all have the same size.
+How the batch travels (the family's `ModelSpec.pipeline` names the keys). Stage 0 gets the model
+inputs (input_ids, BERT's token_type_ids) as the schedule's positional args: they are split into
+micro-batches and used on the first stage only. Inputs every block needs (BERT's attention mask) are
+keyword arguments of every stage: the schedule splits kwargs like args and hands each stage its
+micro-batch's slice (`forward_one_chunk` passes kwargs to every stage, first or not), nothing is sent
+between ranks, and kwargs never get gradients sent back. (Passing the mask through as a stage output
+would add a P2P send per boundary and a non-differentiable tensor to the backward protocol.) The last
+stage's loss gets the schedule's `target`, which is tensor-split like the args, so the spec packs
+the labels into one tensor (BERT: labels [b, s] and nsp_labels [b] as [b, s + 1]). Each rank calls
+the schedule with the same whole-step batch; the split is exact because micro-batches are
+concatenated in order and all have the same size.
 
 Shapes between stages are static: [micro_batch_size, seq_length (/ tp with sequence parallelism),
 hidden] in the stage's output dtype (fp32 under autocast, FSDP2's param_dtype under its mixed
@@ -33,7 +35,6 @@ schedule for any number of batches (see `PipelineRunner._schedule`).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -53,13 +54,18 @@ from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSc
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ..config.rules import (
+    SINGLE_STAGE_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    stage_ids,
+    stage_layer_counts,
+    stage_rank,
+)
 from ..config.schema import Config
-from ..models import compute_loss, model_inputs, padded_vocab_size
-from ..models.layers import run_blocks
-from .dims import stage_layer_counts
+from ..models import spec_for
 from .distributed import all_reduce_floats, collective_device
 from .grads import local
-from .tensor import loss_parallel_context
+from .tensor import loss_ops, loss_parallel_context
 
 Batch = dict[str, torch.Tensor]
 
@@ -71,180 +77,50 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zero-bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-SINGLE_STAGE = ("gpipe", "1f1b")
-V_SHAPED = ("zbv",)
+SINGLE_STAGE = SINGLE_STAGE_SCHEDULES
+V_SHAPED = V_SHAPED_SCHEDULES
 
 
 def _skip_action(action: Any, ctx: Any) -> None:
     """Stands in for backward actions when a multi-stage schedule runs forward only."""
 
 
-# ---------------------------------------------------------------- placement
-
-
-def stage_ids(pp: int, pp_rank: int, virtual: int, schedule: str) -> list[int]:
-    """Global stage indices held by pipeline rank `pp_rank`, in model order.
-
-    Loop placement (r, r + pp, r + 2 pp, ...) for every schedule but zbv, whose V places stages
-    r and 2 pp - 1 - r on rank r (so rank 0 holds both the first and the last stage)."""
-    if not 0 <= pp_rank < pp or virtual < 1:
-        raise ValueError(
-            f"stage_ids: need 0 <= pp_rank < pp and virtual >= 1, got {pp_rank}, {pp}, {virtual}"
-        )
-    if schedule in V_SHAPED:
-        if virtual != 2:
-            raise ValueError(
-                f"pipeline_schedule = {schedule} places exactly 2 stages per rank, got {virtual}"
-            )
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
-
-
-def stage_rank(stage: int, pp: int, virtual: int, schedule: str) -> int:
-    """The pipeline rank holding global stage `stage` (the inverse of `stage_ids`)."""
-    for rank in range(pp):
-        if stage in stage_ids(pp, rank, virtual, schedule):
-            return rank
-    raise ValueError(f"stage {stage} is not in a pipeline of {pp} x {virtual} stages")
+# placement (which rank holds which stage) is a layout rule: config.rules.stage_ids / stage_rank
 
 
 # ---------------------------------------------------------------- stage modules
 
 
-class TiedWordCopy(nn.Module):
-    """The last stage's own copy of the word embedding: key `embedding.word.weight`, as on stage 0."""
-
-    def __init__(self, word: nn.Embedding) -> None:
-        super().__init__()
-        self.word = copy.deepcopy(word)
-
-
-class PipelineStageModule(nn.Module):
-    """Layers [first, last] of a BERT or GPT model, plus the embedding (first stage) and the heads
-    (last stage), under the full model's attribute names.
-
-    forward(inputs, token_type_ids=None, *, attention_mask=None):
-      first stage: inputs = input_ids [b, s] (BERT: and token_type_ids [b, s]);
-      later stages: inputs = hidden states x [b, s, h];
-      attention_mask [b, s] (BERT, 1 = real token) is given to every stage.
-    Returns x [b, s, h], or on the last stage the model's outputs: GPT logits [b, s, v]; BERT
-    (mlm_logits [b, s, v], binary_logits [b, 2]), or mlm_logits alone without a binary head, since
-    pipelining's stage outputs must be tensors (`model_outputs` restores the model's None).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        model_type: str,
-        layer_ids: range,
-        *,
-        is_first: bool,
-        is_last: bool,
-        tied: bool,
-    ) -> None:
-        super().__init__()
-        self.model_type, self.is_first, self.is_last = model_type, is_first, is_last
-        self.cfg = getattr(model, "cfg", None)  # the ModelConfig: parallel/tensor.py reads num_layers
-        # Later stages see no token ids; with sequence parallelism their input is a shard of the
-        # sequence, so the rotary tables' length comes from here (pipelined shapes are static anyway).
-        self.seq_length = None if self.cfg is None else self.cfg.seq_length
-        if is_first:
-            self.embedding = model.get_submodule("embedding")
-        elif is_last and tied:
-            self.embedding = TiedWordCopy(model.get_submodule("embedding.word"))  # type: ignore[arg-type]
-        rotary = getattr(model, "rotary", None)
-        # No parameters, non-persistent buffers: a private copy per stage keeps FSDP roots disjoint.
-        self.rotary = copy.deepcopy(rotary) if rotary is not None else None
-        layers = model.get_submodule("layers")
-        self.layers = nn.ModuleDict({str(i): layers[i] for i in layer_ids})  # type: ignore[index]
-        self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
-        if is_last:
-            self.final_norm = getattr(model, "final_norm", None)
-            if model_type == "gpt":
-                self.output = getattr(model, "output", None)
-                self.logits = getattr(model, "logits", None)
-            else:
-                self.lm_head = model.get_submodule("lm_head")
-                self.pooler = getattr(model, "pooler", None)
-                self.binary_head = getattr(model, "binary_head", None)
-
-    def forward(
-        self,
-        inputs: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.is_first:
-            x_bsh = (
-                self.embedding(inputs) if self.model_type == "gpt" else self.embedding(inputs, token_type_ids)
-            )
-        else:
-            x_bsh = inputs
-        seq = inputs.shape[1]
-        if attention_mask is not None:
-            seq = attention_mask.shape[1]
-        elif not self.is_first and self.seq_length is not None:
-            seq = self.seq_length
-        mask_b11s = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-        rotary = None if self.rotary is None else self.rotary(seq)
-        x_bsh = run_blocks(self.layers.values(), x_bsh, mask_b11s, rotary, self.recompute_chunk)
-        if not self.is_last:
-            return x_bsh
-        if self.final_norm is not None:
-            x_bsh = self.final_norm(x_bsh)
-        tied = (
-            self.get_submodule("lm_head").decoder is None
-            if self.model_type == "bert"
-            else self.output is None
-        )
-        word_vh = self.get_parameter("embedding.word.weight") if tied else None
-        if self.model_type == "gpt":
-            weight_vh = self.get_parameter("output.weight") if word_vh is None else word_vh
-            return _output_logits(self.logits, x_bsh, weight_vh)
-        mlm_logits_bsv = self.lm_head(x_bsh, word_vh)
-        if self.pooler is None or self.binary_head is None:
-            return mlm_logits_bsv
-        return mlm_logits_bsv, self.binary_head(torch.tanh(self.pooler(x_bsh[:, 0])))
-
-
-def _output_logits(logits: nn.Module | None, x_bsh: torch.Tensor, weight_vh: torch.Tensor) -> torch.Tensor:
-    """The output matmul through the model's parameter-free `logits` module when it has one
-    (tensor parallelism hooks it), else plain F.linear."""
-    if logits is not None:
-        return logits(x_bsh, weight_vh)
-    return torch.nn.functional.linear(x_bsh, weight_vh)
-
-
-def model_outputs(model_type: str, stage_output: Any) -> Any:
-    """The last stage's output in the form `compute_loss` takes (the unsplit model's outputs)."""
-    if model_type == "bert" and isinstance(stage_output, torch.Tensor):
-        return stage_output, None
-    return stage_output
+def _tensors_only(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook of a last stage: pipelining's stage outputs must be tensors, so a model's None
+    outputs (BERT without a binary head) are dropped, and a lone tensor is sent bare. The family's
+    `pipeline.outputs_from_stage` restores the model's form for the loss."""
+    if not isinstance(output, tuple):
+        return output
+    tensors = tuple(t for t in output if t is not None)
+    return tensors[0] if len(tensors) == 1 else tensors
 
 
 def split_model(model: nn.Module, cfg: Config, pp_rank: int) -> list[nn.Module]:
-    """This rank's stage modules (plain nn.Modules, in model order), pruned from `model`.
+    """This rank's stage modules (the model's own class with parts removed, in model order).
 
     Every rank must build `model` identically (same seed), so the stages' weights are exactly the
     single-process model's; the stages share the model's submodules (no copy) except the tied
     output copy of the word embedding on the last stage.
     """
     p, m = cfg.parallel, cfg.model
+    spec = spec_for(m)
     num_stages = p.pp * p.virtual_pipeline_stages
     counts = stage_layer_counts(m.num_layers, num_stages, p.pipeline_layers if num_stages > 1 else None)
     starts = [sum(counts[:i]) for i in range(num_stages)]
-    return [
-        PipelineStageModule(
-            model,
-            m.type,
-            range(starts[s], starts[s] + counts[s]),
-            is_first=s == 0,
-            is_last=s == num_stages - 1,
-            tied=m.tie_word_embeddings,
-        )
-        for s in stage_ids(p.pp, pp_rank, p.virtual_pipeline_stages, p.pipeline_schedule)
-    ]
+    stages = []
+    for s in stage_ids(p.pp, pp_rank, p.virtual_pipeline_stages, p.pipeline_schedule):
+        last = s == num_stages - 1
+        stage = spec.stage(model, range(starts[s], starts[s] + counts[s]), first=s == 0, last=last)
+        if last:
+            stage.register_forward_hook(_tensors_only)
+        stages.append(stage)
+    return stages
 
 
 # ---------------------------------------------------------------- the runner
@@ -298,7 +174,7 @@ class PipelineRunner:
         if p.pipeline_schedule in SINGLE_STAGE and len(stages) != 1:
             raise ValueError(f"pipeline_schedule = {p.pipeline_schedule} runs one stage per rank, got {ids}")
         self.stages, self.ids, self.group, self.device = stages, ids, pp_group, device
-        self.model_type = m.type
+        self.spec = spec_for(m)
         self.schedule_name = p.pipeline_schedule
         self.pp, self.virtual = p.pp, p.virtual_pipeline_stages
         self.num_stages = p.pp * p.virtual_pipeline_stages
@@ -308,7 +184,8 @@ class PipelineRunner:
         self.pipeline_stages = [
             self._pipeline_stage(stage, index, cfg) for stage, index in zip(stages, ids, strict=True)
         ]
-        self.metric_keys = _metric_keys(m.type, m.bert_binary_head)
+        self.metric_keys = sorted(self.spec.metric_names(m))
+        self._loss_ops = loss_ops(p.tp)
         self._train_schedule: _PipelineSchedule | None = None
         # per-call state read by the loss function, which the schedule calls on the last stage
         self._normalizers: dict[str, int] = {}
@@ -325,22 +202,18 @@ class PipelineRunner:
         b, h = t.micro_batch_size, m.hidden_size
         seq = m.seq_length // self.tp if cfg.parallel.sequence_parallel else m.seq_length
         dtype = _output_dtype(stage)
-        assert m.vocab_size is not None
-        vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
 
         def meta(*shape: int, dtype: torch.dtype = dtype, grad: bool = True) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
 
-        if index == 0:
-            ids_bs = meta(b, m.seq_length, dtype=torch.long, grad=False)
-            inputs: tuple[torch.Tensor, ...] = (ids_bs,) if m.type == "gpt" else (ids_bs, ids_bs)
+        if index == 0:  # token ids (and token types) [b, s]
+            keys = self.spec.pipeline.first_stage_keys
+            inputs = tuple(meta(b, m.seq_length, dtype=torch.long, grad=False) for _ in keys)
         else:
             inputs = (meta(b, seq, h),)
         outputs: tuple[torch.Tensor, ...] = (meta(b, seq, h),)
         if index == self.num_stages - 1:  # never sent, but one entry per output tensor
-            outputs = (meta(b, m.seq_length, vocab),)
-            if m.type == "bert" and m.bert_binary_head:
-                outputs += (meta(b, 2),)
+            outputs = tuple(meta(*shape) for shape in self.spec.pipeline.last_stage_outputs(m, b))
         return PipelineStage(
             stage,
             index,
@@ -377,14 +250,10 @@ class PipelineRunner:
 
     # ------------------------------------------------------------ one step
 
-    def _loss(self, stage_output: Any, target_bt: torch.Tensor) -> torch.Tensor:
-        labels_bs = target_bt if self.model_type == "gpt" else target_bt[:, :-1]
-        batch = {"labels": labels_bs}
-        if self.model_type == "bert":
-            batch["nsp_labels"] = target_bt[:, -1]
-        loss, metrics = compute_loss(
-            self.model_type, model_outputs(self.model_type, stage_output), batch, self._normalizers
-        )
+    def _loss(self, stage_output: Any, target: torch.Tensor) -> torch.Tensor:
+        pipeline = self.spec.pipeline
+        outputs, labels = pipeline.outputs_from_stage(stage_output), pipeline.unpack_target(target)
+        loss, metrics = self.spec.loss(outputs, labels, self._normalizers, self._loss_ops)
         self._metrics.append(metrics)
         return loss * self._loss_multiplier
 
@@ -399,14 +268,12 @@ class PipelineRunner:
         def cat(key: str) -> torch.Tensor:
             return torch.cat([b[key] for b in micro_batches])
 
-        inputs = model_inputs(self.model_type, {k: cat(k) for k in micro_batches[0]})
-        args = inputs[:2] if self.has_first else ()
-        kwargs: dict[str, Any] = {"attention_mask": inputs[2]} if self.model_type == "bert" else {}
-        target = None
-        if self.has_last:
-            target = cat("labels")
-            if self.model_type == "bert":
-                target = torch.cat([target, cat("nsp_labels")[:, None].to(target.dtype)], dim=1)
+        whole = {k: cat(k) for k in micro_batches[0]}
+        self.spec.inputs(whole)  # a KeyError naming what the batch lacks
+        pipeline = self.spec.pipeline
+        args = tuple(whole[k] for k in pipeline.first_stage_keys) if self.has_first else ()
+        kwargs: dict[str, Any] = {kw: whole[key] for key, kw in pipeline.every_stage_kwargs}
+        target = pipeline.pack_target(whole) if self.has_last else None
         return args, kwargs, target
 
     def _reduce_metrics(self, n: int) -> dict[str, float]:
@@ -426,7 +293,7 @@ class PipelineRunner:
     ) -> dict[str, float]:
         """Forward and backward of all micro-batches (gradients accumulate in the stages' params).
 
-        The loss backpropagated per micro-batch is compute_loss(...)[0] * loss_multiplier (the
+        The loss backpropagated per micro-batch is the family's loss(...)[0] * loss_multiplier (the
         caller folds in the dp size that DDP/FSDP average over and the fp16 loss scale); the
         returned metrics are unscaled sums over the micro-batches, equal on every pipeline rank.
         Micro-batches must all have train.micro_batch_size sequences of model.seq_length tokens.
@@ -448,7 +315,7 @@ class PipelineRunner:
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch], normalizers: dict[str, int]) -> dict[str, float]:
-        """Forward only over `batches` (any number); the metric sums of compute_loss on every rank."""
+        """Forward only over `batches` (any number); the metric sums of the family's loss on every rank."""
         for stage in self.stages:
             stage.eval()
         schedule = self._schedule(len(batches), train=False)
@@ -530,15 +397,3 @@ class PipelineRunner:
             return set()
         copy_param = self._tied_param(self.num_stages - 1)
         return set() if copy_param is None else {id(copy_param)}
-
-
-def _metric_keys(model_type: str, binary_head: bool) -> list[str]:
-    """The metric names compute_loss returns for this model, known on every rank (not only the last
-    stage's) by scoring a one-token dummy batch."""
-    logits_bsv = torch.zeros(1, 1, 2)
-    batch = {"labels": torch.zeros(1, 1, dtype=torch.long), "nsp_labels": torch.zeros(1, dtype=torch.long)}
-    outputs: Any = (
-        logits_bsv if model_type == "gpt" else (logits_bsv, torch.zeros(1, 2) if binary_head else None)
-    )
-    _, metrics = compute_loss(model_type, outputs, batch, {"tokens": 1, "samples": 1})
-    return sorted(metrics)

@@ -3,7 +3,8 @@
 Legend: b batch, s sequence, h hidden, v padded vocabulary, t = tensor-parallel size; "local" is
 a plain tensor holding this rank's part, DTensor layouts are written Replicate / Shard(d).
 
-The plan (`tensor_parallel_plan`), per module name; "SP only" entries exist only with
+The plan (`tensor_parallel_plan`), per module name as the family's spec names them
+(`ModelSpec.tensor_parallel`; BERT's and GPT's shown); "SP only" entries exist only with
 sequence_parallel:
   embedding.word             RowwiseParallel: vocab rows Shard(0); ids Replicate in, output Replicate
                              (masked lookup + all-reduce). position/tokentype/norm stay plain (replicated).
@@ -52,9 +53,10 @@ import contextlib
 from contextlib import AbstractContextManager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -66,10 +68,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..models import PLAIN_LOSS_OPS, LossOps, spec_for
 from ..models.layers import Attention
-
-# Without a model config, a stage holding one of these children is taken to hold the model's end.
-_HEAD_NAMES = ("final_norm", "logits", "lm_head", "output", "pooler", "binary_head")
+from ..models.spec import TensorParallelNames
 
 
 def _child(module: nn.Module, name: str) -> nn.Module | None:
@@ -82,22 +83,31 @@ def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [] if layers is None else list(layers.named_children())
 
 
+def _names(module: nn.Module) -> TensorParallelNames | None:
+    """The family's tensor-parallel names, from the model config the module carries (models and
+    their pipeline stages do); None for a bare container of blocks."""
+    cfg = getattr(module, "cfg", None)
+    return None if cfg is None else spec_for(cfg).tensor_parallel
+
+
 def tensor_parallel_plan(module: nn.Module, sequence_parallel: bool) -> list[tuple[str, ParallelStyle]]:
     """(submodule name, style) pairs in application order for the children `module` has (a whole
-    model or a pipeline stage). A name may appear twice: final_norm gets two hooks under SP."""
+    model or a pipeline stage). A name may appear twice: final_norm gets two hooks under SP. A module
+    without a model config (`.cfg`) gets the blocks' entries only."""
     sp = sequence_parallel
+    names = _names(module)
     # With SP, row-parallel outputs are reduce-scattered onto the sequence dim instead of all-reduced.
     stream = Shard(1) if sp else Replicate()
     plan: list[tuple[str, ParallelStyle]] = []
-    if _child(module, "embedding") is not None:
+    if names is not None and _has(module, names.word_embedding):
         # Replicate out of the lookup: positions/token types are added to the full [b, s, h] after it.
         plan.append(
-            ("embedding.word", RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+            (names.word_embedding, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         )
-        if sp:
+        if sp and getattr(module, "has_embedding", True):  # a tied copy alone computes no embedding
             plan.append(
                 (
-                    "embedding",
+                    names.embedding,
                     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
                 )
             )
@@ -125,18 +135,18 @@ def tensor_parallel_plan(module: nn.Module, sequence_parallel: bool) -> list[tup
             (f"{prefix}.mlp.up", ColwiseParallel()),
             (f"{prefix}.mlp.down", RowwiseParallel(output_layouts=stream)),
         ]
-    if sp and _child(module, "final_norm") is not None:
+    if names is None:
+        return plan
+    if sp and _has(module, names.final_norm):
         gather = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
-        plan += [("final_norm", SequenceParallel()), ("final_norm", gather)]
+        plan += [(names.final_norm, SequenceParallel()), (names.final_norm, gather)]
     elif sp and blocks and _ends_model(module, blocks[-1][0]):
         gather = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
         plan.append((f"layers.{blocks[-1][0]}", gather))
     # The untied output matrices only need their weight sharded like the tied word embedding.
-    if _child(module, "output") is not None:
-        plan.append(("output", ColwiseParallel()))
-    lm_head = _child(module, "lm_head")
-    if lm_head is not None and _child(lm_head, "decoder") is not None:
-        plan.append(("lm_head.decoder", ColwiseParallel()))
+    for name in names.untied_outputs:
+        if _has(module, name):
+            plan.append((name, ColwiseParallel()))
     # x arrives as a plain replicated tensor; weight (and bias, by keyword) are already DTensors.
     to_logits = PrepareModuleInput(
         input_layouts=(Replicate(), None),
@@ -145,28 +155,24 @@ def tensor_parallel_plan(module: nn.Module, sequence_parallel: bool) -> list[tup
         desired_input_kwarg_layouts={},
         use_local_output=False,
     )
-    for name in ("logits", "lm_head.logits"):
-        if _has(module, name):
-            plan.append((name, to_logits))
+    if _has(module, names.logits):
+        plan.append((names.logits, to_logits))
     return plan
 
 
 def _ends_model(module: nn.Module, last_block: str) -> bool:
-    """Whether the block named last_block is the model's last: by its global index when the module
-    carries the model config (models do; stages built from one keep it), else by the presence of a
-    head (embedding-less middle stages have none)."""
+    """Whether the block named last_block is the model's last, by its global index (the module
+    carries the model config: models do, and stages built from one keep it)."""
     num_layers = getattr(getattr(module, "cfg", None), "num_layers", None)
-    if isinstance(num_layers, int) and last_block.isdigit():
-        return int(last_block) == num_layers - 1
-    return any(_child(module, name) is not None for name in _HEAD_NAMES)
+    return isinstance(num_layers, int) and last_block.isdigit() and int(last_block) == num_layers - 1
 
 
 def _has(module: nn.Module, name: str) -> bool:
+    """Whether `module` holds a submodule at dotted `name` (a removed part is None: not held)."""
     try:
-        module.get_submodule(name)
+        return module.get_submodule(name) is not None
     except AttributeError:
         return False
-    return True
 
 
 def _rows_cols(module: nn.Module, name: str) -> tuple[int, int]:
@@ -186,7 +192,8 @@ def _check_divisible(module: nn.Module, tp: int) -> None:
             (f"layers.{name} attention heads", _rows_cols(block, "attention.qkv")[0] // (3 * head_dim))
         )
         sizes.append((f"layers.{name}.mlp.down input features", _rows_cols(block, "mlp.down")[1]))
-    for name in ("embedding.word", "output", "lm_head.decoder"):
+    names = _names(module)
+    for name in () if names is None else (names.word_embedding, *names.untied_outputs):
         if _has(module, name):
             sizes.append((f"{name} vocabulary rows", _rows_cols(module, name)[0]))
     for name, size in sizes:
@@ -210,15 +217,70 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
     _check_divisible(module, tp)
     for name, style in tensor_parallel_plan(module, sequence_parallel):
         parallelize_module(module, tp_mesh, {name: style})
-    lm_head = _child(module, "lm_head")
-    if lm_head is not None and isinstance(bias := getattr(lm_head, "bias", None), nn.Parameter):
-        # Per-vocabulary-row output bias: sharded like the logits' columns, added locally.
-        lm_head.register_parameter(
-            "bias", nn.Parameter(distribute_tensor(bias.detach(), tp_mesh, [Shard(0)]), bias.requires_grad)
-        )
+    names = _names(module)
+    if names is not None and names.output_bias is not None:
+        owner_name, _, bias_name = names.output_bias.rpartition(".")
+        owner = module.get_submodule(owner_name) if _has(module, owner_name) else None
+        bias = None if owner is None else getattr(owner, bias_name, None)
+        if owner is not None and isinstance(bias, nn.Parameter):
+            # Per-vocabulary-row output bias: sharded like the logits' columns, added locally.
+            owner.register_parameter(
+                bias_name,
+                nn.Parameter(distribute_tensor(bias.detach(), tp_mesh, [Shard(0)]), bias.requires_grad),
+            )
 
 
 def loss_parallel_context(tp: int) -> AbstractContextManager[None]:
     """Wrap forward + loss + backward in this: `loss_parallel()` when tp > 1 (cross-entropy on
     vocab-sharded logits without gathering them), else a no-op context."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- the loss seam
+# Tensor parallelism hands the family's loss DTensor logits sharded on the vocabulary (n rows, v
+# columns split over the tp ranks); the loss reduces over the vocabulary only through these two.
+
+
+def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed fp32 cross-entropy over the rows whose label is not ignore_index, as a plain scalar.
+
+    Vocab-sharded DTensor logits must come inside `loss_parallel_context(tp)` (backward too): it
+    computes the softmax with all-reduces of [n] maxima and sums instead of gathering the logits; the
+    replicated DTensor result is returned as its local (full) value.
+    """
+    loss = F.cross_entropy(logits_nv.float(), labels_n, ignore_index=ignore_index, reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
+    """Vocabulary argmax [m] of the rows selected by the boolean mask rows_n (m = rows_n.sum()).
+
+    For DTensor logits sharded evenly on the vocabulary, each rank takes its shard's (max, first
+    argmax) of the selected rows and only those [m, 2] pairs are gathered; the first shard holding
+    the overall max wins, so ties resolve to the lowest index, as torch.argmax does.
+    """
+    if not isinstance(logits_nv, DTensor):
+        return logits_nv[rows_n].argmax(-1)
+    placements = tuple(logits_nv.placements)
+    if not all(p.is_replicate() or p.is_shard(1) for p in placements):
+        raise ValueError(f"argmax_rows expects logits sharded on the vocabulary only, got {placements}")
+    local_mv = logits_nv.to_local()[rows_n]
+    if logits_nv.shape[1] % local_mv.shape[1]:
+        raise ValueError(f"argmax_rows needs evenly sharded logits, got {logits_nv.shape[1]} columns")
+    max_m, arg_m = local_mv.max(-1)
+    # float64 holds any fp32/bf16 logit and any vocabulary index exactly
+    pairs_m12 = torch.stack([max_m.double(), arg_m.double()], -1)[:, None, :]
+    pairs_mt2 = DTensor.from_local(
+        pairs_m12, logits_nv.device_mesh, placements, run_check=False
+    ).full_tensor()
+    shard_m = pairs_mt2[..., 0].argmax(-1)
+    local_index_m = pairs_mt2[..., 1].gather(-1, shard_m[:, None]).squeeze(-1).long()
+    return shard_m * local_mv.shape[1] + local_index_m
+
+
+TP_LOSS_OPS = LossOps(cross_entropy_sum=cross_entropy_sum, argmax_rows=argmax_rows)
+
+
+def loss_ops(tp: int) -> LossOps:
+    """The vocabulary reductions the family's loss should use: DTensor-aware ones when tp > 1."""
+    return TP_LOSS_OPS if tp > 1 else PLAIN_LOSS_OPS

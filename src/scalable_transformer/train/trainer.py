@@ -22,11 +22,11 @@ from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.memory import MemoryTracker
 from ..metrics.sinks import Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
-from ..models import compute_loss, model_inputs
+from ..models import spec_for
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import all_reduce_floats
 from ..parallel.grads import clip_grads, grad_norm, local
-from ..parallel.tensor import loss_parallel_context
+from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
 
 Batch = dict[str, torch.Tensor]
@@ -122,7 +122,7 @@ class Trainer:
         self.train_batches, self.valid_batches = train_batches, valid_batches
         self.device, self.sinks, self.flops = device, sinks, flops
         self.peak_flops, self.num_devices = peak_flops_per_device, num_devices
-        self.model_type = cfg.model.type
+        self.spec = spec_for(cfg.model)
         self.global_batch = cfg.train.global_batch_size
         self.accumulation = cfg.train.gradient_accumulation_steps
         sync = torch.cuda.synchronize if device.type == "cuda" and cfg.logging.timers_sync else None
@@ -171,8 +171,8 @@ class Trainer:
                         self.timers("forward-compute"),
                         autocast_context(self.cfg.train.precision, self.device),
                     ):
-                        outputs = self.model(*model_inputs(self.model_type, micro))
-                        loss, metrics = compute_loss(self.model_type, outputs, micro, normalizers)
+                        outputs = self.model(*self.spec.inputs(micro))
+                        loss, metrics = self.spec.loss(outputs, micro, normalizers, loss_ops(dims.tp))
                     with self.timers("backward-compute"):
                         self.scaler.scale(loss * multiplier).backward()
                 for k, v in metrics.items():
@@ -210,11 +210,11 @@ class Trainer:
                 totals = self.pipeline.evaluate(batches, normalizers)
         for batch in batches if self.pipeline is None else []:
             with autocast_context(self.cfg.train.precision, self.device), loss_parallel_context(self.dims.tp):
-                outputs = self.model(*model_inputs(self.model_type, batch))
-                _, metrics = compute_loss(self.model_type, outputs, batch, normalizers)
+                outputs = self.model(*self.spec.inputs(batch))
+                _, metrics = self.spec.loss(outputs, batch, normalizers, loss_ops(self.dims.tp))
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        lm_key = "mlm_loss" if self.model_type == "bert" else "lm_loss"
+        lm_key = self.spec.lm_metric
         result = {"loss": totals["loss"], lm_key: totals[lm_key], "ppl": math.exp(min(totals[lm_key], 50.0))}
         if "mlm_correct" in totals:
             result["mlm_accuracy"] = totals["mlm_correct"] / max(totals["mlm_count"], 1.0)

@@ -15,16 +15,15 @@ from scalable_transformer.models.layers import (
     Logits,
     RotaryEmbedding,
     TransformerBlock,
-    argmax_rows,
+    blocks_of,
     check_model_config,
-    cross_entropy_sum,
     init_weights,
     make_norm,
     padded_vocab_size,
+    rotary_length,
     run_blocks,
 )
-
-IGNORE_INDEX = -100
+from scalable_transformer.models.spec import IGNORE_INDEX, PLAIN_LOSS_OPS, LossOps
 
 
 class BertLMHead(nn.Module):
@@ -39,13 +38,17 @@ class BertLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(vocab))
         self.logits = Logits()
 
-    def forward(self, x_bsh: torch.Tensor, word_weight_vh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, word_weight_vh: torch.Tensor | None) -> torch.Tensor:
         x_bsh = self.norm(F.gelu(self.dense(x_bsh), approximate=self.approximate))
         weight_vh = word_weight_vh if self.decoder is None else self.decoder.weight
+        assert weight_vh is not None, "a tied BertLMHead needs the word embedding weight"
         return self.logits(x_bsh, weight_vh, bias_v=self.bias)
 
 
 class BertModel(nn.Module):
+    """embedding -> blocks -> final_norm -> lm_head (+ pooler -> binary_head). A pipeline stage is
+    this class with parts removed (models/stage.py): `has_embedding` / `has_head` say which run."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         check_model_config(cfg)
@@ -66,26 +69,34 @@ class BertModel(nn.Module):
         self.lm_head = BertLMHead(cfg, vocab)
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size) if cfg.bert_binary_head else None
         self.binary_head = nn.Linear(cfg.hidden_size, 2) if cfg.bert_binary_head else None
+        self.has_embedding = self.has_head = True
         self.init_weights()
 
     def init_weights(self) -> None:
         init_weights(self, self.cfg)
-        nn.init.zeros_(self.lm_head.bias)
+        if self.lm_head is not None:
+            nn.init.zeros_(self.lm_head.bias)
 
     def forward(
         self,
-        input_ids_bs: torch.Tensor,
+        inputs: torch.Tensor,
         token_type_ids_bs: torch.Tensor | None = None,
         attention_mask_bs: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids -> (mlm_logits [b, s, v], binary_logits [b, 2] or None); mask 1 = real token."""
-        x_bsh = self.embedding(input_ids_bs, token_type_ids_bs)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids [b, s] (or, without the embedding, hidden states x [b, s, h]) -> (mlm_logits
+        [b, s, v], binary_logits [b, 2] or None), or x [b, s, h] without the head; mask 1 = real token."""
+        x_bsh = self.embedding(inputs, token_type_ids_bs) if self.has_embedding else inputs
         mask_b11s = None if attention_mask_bs is None else attention_mask_bs[:, None, None, :].bool()
-        rotary = None if self.rotary is None else self.rotary(input_ids_bs.shape[1])
-        x_bsh = run_blocks(self.layers, x_bsh, mask_b11s, rotary, self.recompute_chunk)
+        seq = rotary_length(inputs, self.has_embedding, attention_mask_bs, self.cfg.seq_length)
+        rotary = None if self.rotary is None else self.rotary(seq)
+        x_bsh = run_blocks(blocks_of(self.layers), x_bsh, mask_b11s, rotary, self.recompute_chunk)
+        if not self.has_head:
+            return x_bsh
         if self.final_norm is not None:
             x_bsh = self.final_norm(x_bsh)
-        mlm_logits_bsv = self.lm_head(x_bsh, self.embedding.word.weight)
+        # tied: the word embedding (a later stage's own copy of it under a pipeline)
+        word_vh = self.embedding.word.weight if self.lm_head.decoder is None else None
+        mlm_logits_bsv = self.lm_head(x_bsh, word_vh)
         binary_logits_b2 = None
         if self.pooler is not None and self.binary_head is not None:
             binary_logits_b2 = self.binary_head(torch.tanh(self.pooler(x_bsh[:, 0])))
@@ -96,6 +107,7 @@ def bert_loss(
     outputs: tuple[torch.Tensor, torch.Tensor | None],
     batch: dict[str, torch.Tensor],
     normalizers: dict[str, int] | None = None,
+    ops: LossOps = PLAIN_LOSS_OPS,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """MLM cross-entropy averaged over labelled positions, plus the binary-head cross-entropy
     (summed, as Megatron) when the model has one. Cross-entropy runs in fp32 for bf16/fp16 runs.
@@ -103,6 +115,8 @@ def bert_loss(
     `normalizers` ({"tokens": labelled positions, "samples": sequences} of the whole optimizer
     step) turn the per-micro-batch means into this micro-batch's share of the step's mean, so
     the shares of k accumulated micro-batches add up to the loss of one k-times-larger batch.
+    `ops` reduces over the vocabulary (tensor parallelism passes versions for sharded logits).
+    Metric keys: `bert_metric_names`.
     """
     mlm_logits_bsv, binary_logits_b2 = outputs
     labels_n = batch["labels"].reshape(-1)
@@ -111,11 +125,13 @@ def bert_loss(
     count = labelled_n.sum()
     # Sum / clamp(count) rather than mean: a micro-batch without masked tokens gives 0, not NaN.
     token_norm = normalizers["tokens"] if normalizers else count.clamp(min=1)
-    mlm_loss = cross_entropy_sum(logits_nv, labels_n, IGNORE_INDEX) / token_norm
+    mlm_loss = ops.cross_entropy_sum(logits_nv, labels_n, IGNORE_INDEX) / token_norm
     metrics = {
         "mlm_loss": mlm_loss.detach(),
         # argmax over the labelled rows only: over all b*s rows it cost ~8% of a tiny-bert step
-        "mlm_correct": (argmax_rows(logits_nv.detach(), labelled_n) == labels_n[labelled_n]).sum().float(),
+        "mlm_correct": (ops.argmax_rows(logits_nv.detach(), labelled_n) == labels_n[labelled_n])
+        .sum()
+        .float(),
         "mlm_count": count.float(),
     }
     loss = mlm_loss
@@ -129,3 +145,9 @@ def bert_loss(
         metrics["binary_count"] = torch.tensor(float(nsp_b.numel()))
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def bert_metric_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The metric keys `bert_loss` returns for a model built from cfg."""
+    names = ("loss", "mlm_loss", "mlm_correct", "mlm_count")
+    return names + (("binary_loss", "binary_correct", "binary_count") if cfg.bert_binary_head else ())

@@ -14,18 +14,22 @@ from scalable_transformer.models.layers import (
     Logits,
     RotaryEmbedding,
     TransformerBlock,
+    blocks_of,
     check_model_config,
-    cross_entropy_sum,
     init_weights,
     make_norm,
     padded_vocab_size,
+    rotary_length,
     run_blocks,
 )
-
-IGNORE_INDEX = -100
+from scalable_transformer.models.spec import IGNORE_INDEX, PLAIN_LOSS_OPS, LossOps
 
 
 class GPTModel(nn.Module):
+    """embedding -> blocks -> final_norm -> logits (output matrix or the tied word embedding). A
+    pipeline stage is this class with parts removed (models/stage.py): `has_embedding` / `has_head`
+    say which run."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         check_model_config(cfg)
@@ -45,16 +49,21 @@ class GPTModel(nn.Module):
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.logits = Logits()
+        self.has_embedding = self.has_head = True
         self.init_weights()
 
     def init_weights(self) -> None:
         init_weights(self, self.cfg)
 
-    def forward(self, input_ids_bs: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] -> next-token logits [b, s, v]."""
-        x_bsh = self.embedding(input_ids_bs)
-        rotary = None if self.rotary is None else self.rotary(input_ids_bs.shape[1])
-        x_bsh = run_blocks(self.layers, x_bsh, None, rotary, self.recompute_chunk)
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] (or, without the embedding, hidden states x [b, s, h]) -> next-token
+        logits [b, s, v], or x [b, s, h] without the head."""
+        x_bsh = self.embedding(inputs) if self.has_embedding else inputs
+        seq = rotary_length(inputs, self.has_embedding, None, self.cfg.seq_length)
+        rotary = None if self.rotary is None else self.rotary(seq)
+        x_bsh = run_blocks(blocks_of(self.layers), x_bsh, None, rotary, self.recompute_chunk)
+        if not self.has_head:
+            return x_bsh
         if self.final_norm is not None:
             x_bsh = self.final_norm(x_bsh)
         weight_vh = self.embedding.word.weight if self.output is None else self.output.weight
@@ -62,16 +71,25 @@ class GPTModel(nn.Module):
 
 
 def gpt_loss(
-    logits_bsv: torch.Tensor, batch: dict[str, torch.Tensor], normalizers: dict[str, int] | None = None
+    logits_bsv: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    normalizers: dict[str, int] | None = None,
+    ops: LossOps = PLAIN_LOSS_OPS,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token cross-entropy (fp32) averaged over positions whose label is not -100.
 
     With `normalizers` ({"tokens": labelled positions of the whole optimizer step}) the result is
-    this micro-batch's share of the step's mean (see `bert_loss`).
+    this micro-batch's share of the step's mean (see `bert_loss`). `ops` reduces over the
+    vocabulary (tensor parallelism passes versions for sharded logits).
     """
     labels_n = batch["labels"].reshape(-1)
     count = (labels_n != IGNORE_INDEX).sum()
-    loss = cross_entropy_sum(logits_bsv.reshape(labels_n.numel(), -1), labels_n, IGNORE_INDEX)
+    loss = ops.cross_entropy_sum(logits_bsv.reshape(labels_n.numel(), -1), labels_n, IGNORE_INDEX)
     # Sum / clamp(count) rather than mean: a fully ignored micro-batch gives 0, not NaN.
     loss = loss / (normalizers["tokens"] if normalizers else count.clamp(min=1))
     return loss, {"lm_loss": loss.detach(), "loss": loss.detach()}
+
+
+def gpt_metric_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The metric keys `gpt_loss` returns (the same for every GPT)."""
+    return ("loss", "lm_loss")

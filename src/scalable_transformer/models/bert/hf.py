@@ -1,0 +1,134 @@
+"""BERT <-> Hugging Face `BertForPreTraining` (the export mapping; checkpoint/hf_import.py runs it
+backwards). Post-LN BERTs with learned positions, GELU and tied embeddings only; the fused QKV is
+split per head into query/key/value. The vocabulary is exported padded, as trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.errors import CheckpointError
+from scalable_transformer.models.layers import padded_vocab_size
+
+
+def bert_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a BERT has no BertForPreTraining equivalent (empty: it has one)."""
+    reasons = []
+    if cfg.position_embedding_type != "learned":
+        reasons.append(
+            f"model.position_embedding_type = {cfg.position_embedding_type} (BERT learns positions)"
+        )
+    if cfg.norm != "layernorm":
+        reasons.append(f"model.norm = {cfg.norm} (BERT uses LayerNorm)")
+    if cfg.activation not in ("gelu", "openai-gelu"):
+        reasons.append(f"model.activation = {cfg.activation} (BERT has an ungated MLP)")
+    if not cfg.apply_residual_connection_post_layernorm:
+        reasons.append(
+            "pre-LN blocks (Megatron's default); BertForPreTraining is post-LN: "
+            "model.apply_residual_connection_post_layernorm = true"
+        )
+    if not cfg.tie_word_embeddings:
+        reasons.append("model.tie_word_embeddings = false (BertForPreTraining ties its decoder)")
+    return reasons
+
+
+def to_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers BertForPreTraining holding `model`'s weights (post-LN BERT only)."""
+    from transformers import BertConfig, BertForPreTraining
+
+    reasons = bert_unsupported(cfg)
+    if reasons:
+        raise CheckpointError("no Hugging Face equivalent for this model: " + "; ".join(reasons))
+    assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    d = h // n
+    hf_cfg = BertConfig(
+        vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by),
+        hidden_size=h,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=n,
+        intermediate_size=cfg.ffn_hidden_size or 4 * h,
+        hidden_act="gelu" if cfg.activation == "gelu" else "gelu_new",
+        max_position_embeddings=cfg.max_position_embeddings,
+        type_vocab_size=max(cfg.num_tokentypes, 1),
+        layer_norm_eps=cfg.layernorm_epsilon,
+        hidden_dropout_prob=cfg.hidden_dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout,
+    )
+    hf = BertForPreTraining(hf_cfg)
+    ours = model.state_dict()
+    sd = dict(hf.state_dict())  # keeps HF's own tensors where we have none (pooler without binary head)
+    e = "bert.embeddings."
+    sd |= {
+        e + "word_embeddings.weight": ours["embedding.word.weight"],
+        e + "position_embeddings.weight": ours["embedding.position.weight"],
+        e + "LayerNorm.weight": ours["embedding.norm.weight"],
+        e + "LayerNorm.bias": ours["embedding.norm.bias"],
+        "cls.predictions.transform.dense.weight": ours["lm_head.dense.weight"],
+        "cls.predictions.transform.dense.bias": ours["lm_head.dense.bias"],
+        "cls.predictions.transform.LayerNorm.weight": ours["lm_head.norm.weight"],
+        "cls.predictions.transform.LayerNorm.bias": ours["lm_head.norm.bias"],
+        "cls.predictions.decoder.weight": ours["embedding.word.weight"],
+        "cls.predictions.bias": ours["lm_head.bias"],
+    }
+    if "cls.predictions.decoder.bias" in sd:
+        sd["cls.predictions.decoder.bias"] = ours["lm_head.bias"]
+    if "embedding.tokentype.weight" in ours:
+        sd[e + "token_type_embeddings.weight"] = ours["embedding.tokentype.weight"]
+    else:
+        sd[e + "token_type_embeddings.weight"] = torch.zeros_like(sd[e + "token_type_embeddings.weight"])
+    if "pooler.weight" in ours:
+        sd |= {
+            "bert.pooler.dense.weight": ours["pooler.weight"],
+            "bert.pooler.dense.bias": ours["pooler.bias"],
+            "cls.seq_relationship.weight": ours["binary_head.weight"],
+            "cls.seq_relationship.bias": ours["binary_head.bias"],
+        }
+    for i in range(cfg.num_layers):
+        o, t = f"layers.{i}.", f"bert.encoder.layer.{i}."
+        q_w, k_w, v_w = ours[o + "attention.qkv.weight"].view(n, 3, d, h).unbind(1)
+        q_b, k_b, v_b = ours[o + "attention.qkv.bias"].view(n, 3, d).unbind(1)
+        sd |= {
+            t + "attention.self.query.weight": q_w.reshape(h, h),
+            t + "attention.self.query.bias": q_b.reshape(h),
+            t + "attention.self.key.weight": k_w.reshape(h, h),
+            t + "attention.self.key.bias": k_b.reshape(h),
+            t + "attention.self.value.weight": v_w.reshape(h, h),
+            t + "attention.self.value.bias": v_b.reshape(h),
+            t + "attention.output.dense.weight": ours[o + "attention.proj.weight"],
+            t + "attention.output.dense.bias": ours[o + "attention.proj.bias"],
+            t + "attention.output.LayerNorm.weight": ours[o + "norm1.weight"],
+            t + "attention.output.LayerNorm.bias": ours[o + "norm1.bias"],
+            t + "intermediate.dense.weight": ours[o + "mlp.up.weight"],
+            t + "intermediate.dense.bias": ours[o + "mlp.up.bias"],
+            t + "output.dense.weight": ours[o + "mlp.down.weight"],
+            t + "output.dense.bias": ours[o + "mlp.down.bias"],
+            t + "output.LayerNorm.weight": ours[o + "norm2.weight"],
+            t + "output.LayerNorm.bias": ours[o + "norm2.bias"],
+        }
+    hf.load_state_dict({k: v.contiguous() for k, v in sd.items()})
+    return hf.eval()
+
+
+def overrides_from_hf(hf: Any) -> dict[str, Any]:
+    """The model.* settings (as `key: value`) describing a Hugging Face BertConfig."""
+    return {
+        "type": "bert",
+        "num_layers": hf.num_hidden_layers,
+        "hidden_size": hf.hidden_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "ffn_hidden_size": hf.intermediate_size,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "vocab_size": hf.vocab_size,
+        "activation": "gelu" if hf.hidden_act == "gelu" else "openai-gelu",
+        "layernorm_epsilon": hf.layer_norm_eps,
+        "num_tokentypes": hf.type_vocab_size,
+        "position_embedding_type": "learned",
+        "norm": "layernorm",
+        "apply_residual_connection_post_layernorm": True,
+        "tie_word_embeddings": True,
+        "bert_binary_head": True,
+    }

@@ -1,0 +1,73 @@
+"""GPT: causal decoder, next-token loss, GPT-2 as its Hugging Face equivalent."""
+
+from __future__ import annotations
+
+import torch
+
+from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models.gpt import hf
+from scalable_transformer.models.gpt.model import GPTModel, gpt_loss, gpt_metric_names
+from scalable_transformer.models.layers import block_numel, embedding_numel, norm_numel, padded_vocab_size
+from scalable_transformer.models.spec import (
+    DataSpec,
+    HFMapping,
+    ModelSpec,
+    PipelineSpec,
+    TensorParallelNames,
+)
+
+
+def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by part; `layers` is num_layers blocks; a tied output matrix is counted in `embedding`."""
+    assert cfg.vocab_size is not None
+    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
+    return {
+        "embedding": embedding_numel(cfg, num_tokentypes=0),
+        "layers": cfg.num_layers * block_numel(cfg),
+        "final_norm": 0 if cfg.apply_residual_connection_post_layernorm else norm_numel(cfg),
+        "lm_head": 0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size,
+        "binary_head": 0,
+    }
+
+
+def _logits_shape(cfg: ModelConfig, micro_batch: int) -> tuple[tuple[int, ...], ...]:
+    assert cfg.vocab_size is not None
+    return (
+        (micro_batch, cfg.seq_length, padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)),
+    )
+
+
+def _labels(target_bs: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"labels": target_bs}
+
+
+SPEC = ModelSpec(
+    name="gpt",
+    build=GPTModel,
+    input_keys=("input_ids",),
+    loss=gpt_loss,
+    metric_names=gpt_metric_names,
+    lm_metric="lm_loss",
+    tensor_parallel=TensorParallelNames(untied_outputs=("output",), output_bias=None, logits="logits"),
+    embedding_parts=("embedding",),
+    head_parts=("final_norm", "output", "logits"),
+    pipeline=PipelineSpec(
+        first_stage_keys=("input_ids",),
+        every_stage_kwargs=(),
+        last_stage_outputs=_logits_shape,
+        pack_target=lambda batch: batch["labels"],
+        unpack_target=_labels,
+    ),
+    data=DataSpec(corpus="eod", dataset="causal-lm", tokenizer_vocab=False, label_keys=("labels",)),
+    parameter_breakdown=parameter_breakdown,
+    hf=HFMapping(
+        model_type="gpt2",
+        hf_class="GPT2LMHeadModel",
+        unsupported=hf.gpt2_unsupported,
+        to_hf=hf.to_gpt2,
+        overrides=hf.overrides_from_hf,
+        vocab_keys=("embedding.word.weight", "output.weight"),
+    ),
+)
+
+__all__ = ["SPEC", "GPTModel", "gpt_loss", "gpt_metric_names", "parameter_breakdown"]

@@ -1,0 +1,238 @@
+"""ModelSpec: everything the rest of the package may know about a model family, in one object.
+
+Layers above models/ (parallel/, data/, train/, checkpoint/, metrics/) ask the family's spec
+(`models.registry.spec_for(cfg)`) instead of branching on `model.type`. A spec holds facts (names,
+keys, shapes) and plain functions; the parallel machinery itself (DTensor styles, schedules,
+collectives) stays in parallel/ and reads only these facts.
+
+Shape legend: b batch, s sequence, h hidden, v padded vocabulary, n rows (b * s flattened).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalable_transformer.config.schema import ModelConfig
+
+Batch = dict[str, torch.Tensor]
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed fp32 cross-entropy over the rows whose label is not ignore_index (a scalar)."""
+    return F.cross_entropy(logits_nv.float(), labels_n, ignore_index=ignore_index, reduction="sum")
+
+
+def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
+    """Vocabulary argmax [m] of the rows selected by the boolean mask rows_n (m = rows_n.sum())."""
+    return logits_nv[rows_n].argmax(-1)
+
+
+@dataclass(frozen=True)
+class LossOps:
+    """The two reductions over the vocabulary that a loss needs, as a seam: plain torch by default;
+    tensor parallelism (`parallel.tensor.loss_ops`) supplies versions for vocabulary-sharded logits,
+    so models/ never sees a DTensor."""
+
+    cross_entropy_sum: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = cross_entropy_sum
+    argmax_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = argmax_rows
+
+
+PLAIN_LOSS_OPS = LossOps()
+
+LossFn = Callable[
+    [Any, Batch, "dict[str, int] | None", LossOps], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+
+
+@dataclass(frozen=True)
+class TensorParallelNames:
+    """Module and parameter names that `parallel/tensor.py` shards (relative to the model or a
+    pipeline stage of it; a name a stage lacks is skipped). The blocks are always `layers.<i>` with
+    the `TransformerBlock` contract of models/layers.py.
+
+    embedding       the embedding module: its output is the stack's input (sequence parallel shards it)
+    word_embedding  the vocabulary-row embedding table (row-parallel lookup)
+    final_norm      the norm after the last block (absent in post-LN models)
+    untied_outputs  Linear modules whose weight [v, h] is the untied output matrix (forward never runs)
+    output_bias     a per-vocabulary-row bias parameter [v] added to the logits, or None
+    logits          the parameter-free module computing x @ W^T (+ bias): its input becomes a DTensor
+    """
+
+    embedding: str = "embedding"
+    word_embedding: str = "embedding.word"
+    final_norm: str = "final_norm"
+    untied_outputs: tuple[str, ...] = ()
+    output_bias: str | None = None
+    logits: str = "logits"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the data loader needs to know to feed the family.
+
+    corpus          how the raw text is preprocessed, and the embedded corpus' cache name:
+                    "sentences" (one sentence per item, BERT's sentence pairs) or "eod" (documents
+                    closed by an end-of-document token, GPT's packed stream)
+    dataset         which dataset class builds the samples: "masked-lm" (BertDataset) or "causal-lm"
+                    (GPTDataset)
+    tokenizer_vocab whether token ids must be the tokenizer's (BERT draws [MASK] and random
+                    replacements from it) rather than anything the model's vocabulary embeds
+    label_keys      the batch keys the loss reads
+    """
+
+    corpus: str
+    dataset: str
+    tokenizer_vocab: bool
+    label_keys: tuple[str, ...]
+
+    @property
+    def split_sentences(self) -> bool:
+        return self.corpus == "sentences"
+
+    @property
+    def append_eod(self) -> bool:
+        return self.corpus == "eod"
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """The Hugging Face `transformers` equivalent of the family (functions in models/<family>/hf.py).
+
+    model_type      HF's config.model_type ("gpt2", "bert")
+    hf_class        the transformers class exported to / imported from
+    unsupported     cfg -> reasons the model has no equivalent (empty: it has one)
+    to_hf           (model, cfg) -> a transformers model holding the model's weights
+    overrides       HF config -> the model.* settings describing it
+    vocab_keys      our state-dict keys whose first dim is the padded vocabulary (import fills only the
+                    HF vocabulary's rows)
+    """
+
+    model_type: str
+    hf_class: str
+    unsupported: Callable[[ModelConfig], list[str]]
+    to_hf: Callable[[nn.Module, ModelConfig], Any]
+    overrides: Callable[[Any], dict[str, Any]]
+    vocab_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How torch.distributed.pipelining feeds and scores stages of the family.
+
+    first_stage_keys  batch keys given to the first stage only, as positional args in this order
+                      (the model's leading forward args; later stages get hidden states x [b, s, h])
+    every_stage_kwargs (batch key, forward keyword) pairs given to every stage (e.g. BERT's mask)
+    last_stage_outputs cfg, b -> the shapes of the last stage's output tensors (float, in order)
+    pack_target       batch -> the one tensor the schedule splits into micro-batches for the loss
+    unpack_target     that tensor -> the label batch the loss reads
+    outputs_from_stage the last stage's output (its None outputs dropped, pipelining sends tensors
+                      only) -> the model's outputs as the loss takes them
+    """
+
+    first_stage_keys: tuple[str, ...]
+    every_stage_kwargs: tuple[tuple[str, str], ...]
+    last_stage_outputs: Callable[[ModelConfig, int], tuple[tuple[int, ...], ...]]
+    pack_target: Callable[[Batch], torch.Tensor]
+    unpack_target: Callable[[torch.Tensor], Batch]
+    outputs_from_stage: Callable[[Any], Any] = lambda output: output
+
+
+@dataclass(frozen=True)
+class ShapeFacts:
+    """What FLOPs formulas need (metrics/flops.py `ModelShape`): vocab_size is the padded vocabulary
+    (for tp ranks), num_params the total N with a tied embedding counted once, ffn_hidden_size the MLP
+    inner size F, gated_mlp whether the up-projection is h -> 2 F (GeGLU)."""
+
+    num_layers: int
+    hidden_size: int
+    seq_length: int
+    vocab_size: int
+    num_params: int
+    ffn_hidden_size: int
+    gated_mlp: bool
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family (`model.type` = name): how to build, feed, score, shard, pipeline, export,
+    load data for and count it. See models/registry.py for how to add one.
+
+    build(cfg)            the model, initialised; construction is meta-device safe (under
+                          `torch.device("meta")` nothing is computed; `model.init_weights()` fills it)
+    input_keys            batch keys -> the model's positional forward args, in order
+    loss(outputs, batch, normalizers, ops) -> (scalar loss to backprop, detached fp32 scalar metrics)
+    metric_names(cfg)     the keys `loss` returns for cfg, known without running it
+    lm_metric             the language-model loss metric that perplexity is computed from
+    tensor_parallel       names for the tensor-parallel plan
+    embedding_parts / head_parts  top-level children that only the first / last pipeline stage holds
+    pipeline              stage inputs, outputs and target packing
+    hf                    the Hugging Face mapping, or None
+    data                  what the data loader needs
+    parameter_breakdown(cfg) -> parameters by part without building the model (sums to the total)
+    shape(cfg, tp)        the FLOPs-relevant shape facts (`ShapeFacts`)
+    """
+
+    name: str
+    build: Callable[[ModelConfig], nn.Module]
+    input_keys: tuple[str, ...]
+    loss: LossFn
+    metric_names: Callable[[ModelConfig], tuple[str, ...]]
+    lm_metric: str
+    tensor_parallel: TensorParallelNames
+    embedding_parts: tuple[str, ...]
+    head_parts: tuple[str, ...]
+    pipeline: PipelineSpec
+    data: DataSpec
+    parameter_breakdown: Callable[[ModelConfig], dict[str, int]]
+    hf: HFMapping | None = None
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The positional arguments of the model's forward, taken from a batch dict."""
+        missing = [key for key in self.input_keys if key not in batch]
+        if missing:
+            raise KeyError(f"{self.name} batch lacks {missing}; it has {sorted(batch)}")
+        return tuple(batch[key] for key in self.input_keys)
+
+    def num_params(self, cfg: ModelConfig) -> int:
+        """Exactly sum(p.numel() for p in build(cfg).parameters()), computed analytically."""
+        return sum(self.parameter_breakdown(cfg).values())
+
+    def shape(self, cfg: ModelConfig, tp: int = 1) -> ShapeFacts:
+        """The FLOPs-relevant facts of a resolved cfg; the vocabulary padded for `tp` ranks, as the
+        model pads it (models.layers.padded_vocab_size)."""
+        from scalable_transformer.models.layers import padded_vocab_size
+
+        assert cfg.vocab_size is not None and cfg.ffn_hidden_size is not None
+        return ShapeFacts(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            seq_length=cfg.seq_length,
+            vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
+            num_params=self.num_params(cfg),
+            ffn_hidden_size=cfg.ffn_hidden_size,
+            gated_mlp=cfg.activation == "geglu",
+        )
+
+    def stage(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
+        """`model` with the parts a pipeline stage does not hold removed: layers `layer_ids` only (an
+        nn.ModuleDict keyed by global index), the embedding if `first`, the head if `last` (plus the
+        tied word-embedding copy when tied and not first). Parameter names stay the full model's.
+        Shares `model`'s submodules; see models/stage.py."""
+        from scalable_transformer.models.stage import make_stage
+
+        return make_stage(
+            model,
+            layer_ids,
+            first=first,
+            last=last,
+            embedding_parts=self.embedding_parts,
+            head_parts=self.head_parts,
+            word_embedding=self.tensor_parallel.word_embedding,
+        )

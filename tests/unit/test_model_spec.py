@@ -1,0 +1,179 @@
+"""ModelSpec: what each family declares agrees with what its model and loss do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models import SPECS, build_model, get_spec, spec_for
+from scalable_transformer.models.spec import ModelSpec
+
+FAMILIES = sorted(SPECS)
+
+
+def tiny(model_type: str, **overrides) -> ModelConfig:
+    base = dict(
+        type=model_type,
+        num_layers=4,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        seq_length=8,
+        max_position_embeddings=8,
+        vocab_size=50,
+        make_vocab_size_divisible_by=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def batch(cfg: ModelConfig, b: int = 2) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (b, cfg.seq_length), generator=gen)
+    return {
+        "input_ids": ids,
+        "token_type_ids": torch.zeros_like(ids),
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.where(torch.rand(ids.shape, generator=gen) < 0.5, ids, -100),
+        "nsp_labels": torch.randint(0, 2, (b,), generator=gen),
+    }
+
+
+VARIANTS = [
+    ("bert", {}),
+    ("bert", {"bert_binary_head": False}),
+    ("bert", {"tie_word_embeddings": False, "position_embedding_type": "rotary"}),
+    ("gpt", {}),
+    ("gpt", {"tie_word_embeddings": False, "apply_residual_connection_post_layernorm": True}),
+]
+
+
+def test_registry_rejects_an_unknown_type_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"model.type='llama' is not one of \('bert', 'gpt'\)"):
+        get_spec("llama")
+    with pytest.raises(ValueError, match="is not one of"):
+        build_model(tiny("bert", type="llama"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spec_is_registered_under_its_name(family):
+    spec = get_spec(family)
+    assert isinstance(spec, ModelSpec) and spec.name == family
+    assert spec_for(tiny(family)) is spec
+    assert spec.lm_metric in spec.metric_names(tiny(family))
+    assert set(spec.pipeline.first_stage_keys) <= set(spec.input_keys)
+    assert {key for key, _ in spec.pipeline.every_stage_kwargs} <= set(spec.input_keys)
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS)
+def test_declared_metric_names_are_the_keys_the_loss_returns(family, overrides):
+    cfg = tiny(family, **overrides)
+    spec = spec_for(cfg)
+    data = batch(cfg)
+    _, metrics = spec.loss(build_model(cfg)(*spec.inputs(data)), data, None)
+    assert sorted(metrics) == sorted(spec.metric_names(cfg))
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS)
+def test_parameter_breakdown_matches_the_built_model(family, overrides):
+    cfg = tiny(family, **overrides)
+    spec = spec_for(cfg)
+    model = build_model(cfg)
+    assert spec.num_params(cfg) == sum(p.numel() for p in model.parameters())
+    shape = spec.shape(cfg, tp=2)
+    assert shape.num_params == spec.num_params(cfg) and shape.vocab_size % 16 == 0
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS)
+def test_construction_is_meta_device_safe(family, overrides):
+    cfg = tiny(family, **overrides)
+    with torch.device("meta"):
+        model = spec_for(cfg).build(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    real = build_model(cfg)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in real.named_parameters()]
+
+
+def _pipeline(model: torch.nn.Module, spec: ModelSpec, cuts: list[range]) -> list[torch.nn.Module]:
+    last = len(cuts) - 1
+    return [spec.stage(model, ids, first=i == 0, last=i == last) for i, ids in enumerate(cuts)]
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS)
+def test_stages_hold_exactly_the_full_models_parameter_names(family, overrides):
+    cfg = tiny(family, **overrides)
+    spec = spec_for(cfg)
+    model = build_model(cfg)
+    full = dict(model.named_parameters())
+    stages = _pipeline(model, spec, [range(0, 1), range(1, 3), range(3, 4)])
+    names = [dict(stage.named_parameters()) for stage in stages]
+    assert set(names[1]) == {n for n in full if n.startswith(("layers.1.", "layers.2."))}
+    assert "layers.3.mlp.up.weight" in names[2] and "layers.0.mlp.up.weight" in names[0]
+    assert not any(n.startswith("embedding.") for n in names[1])
+    for stage_names in names:
+        assert set(stage_names) <= set(full)
+        # shared with the model, not copied, except the tied word embedding's own copy
+        for name, param in stage_names.items():
+            if not (name == "embedding.word.weight" and stage_names is names[-1]):
+                assert param is full[name]
+    tied_copy = cfg.tie_word_embeddings and "embedding.word.weight" in names[-1]
+    assert set().union(*names) == set(full)
+    assert sum(len(n) for n in names) == len(full) + int(tied_copy)
+    assert tied_copy == cfg.tie_word_embeddings
+    if tied_copy:
+        assert set(n for n in names[-1] if n.startswith("embedding.")) == {"embedding.word.weight"}
+        assert torch.equal(names[-1]["embedding.word.weight"], full["embedding.word.weight"])
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS)
+def test_stages_chained_compute_the_full_forward_and_loss(family, overrides):
+    cfg = tiny(family, **overrides)
+    spec = spec_for(cfg)
+    model = build_model(cfg).eval()
+    data = batch(cfg)
+    stages = _pipeline(model, spec, [range(0, 2), range(2, 4)])
+    pipeline = spec.pipeline
+    kwargs = {kw: data[key] for key, kw in pipeline.every_stage_kwargs}
+    with torch.no_grad():
+        x_bsh = stages[0](*(data[k] for k in pipeline.first_stage_keys), **kwargs)
+        assert x_bsh.shape == (2, cfg.seq_length, cfg.hidden_size)
+        out = stages[1](x_bsh, **kwargs)
+        if isinstance(out, tuple):  # the runner's hook drops None outputs: do the same
+            out = tuple(t for t in out if t is not None)
+            out = out[0] if len(out) == 1 else out
+        shapes = pipeline.last_stage_outputs(cfg, 2)
+        got = (out,) if isinstance(out, torch.Tensor) else out
+        assert tuple(tuple(t.shape) for t in got) == shapes
+        staged_loss, staged = spec.loss(
+            pipeline.outputs_from_stage(out), pipeline.unpack_target(pipeline.pack_target(data)), None
+        )
+        whole_loss, whole = spec.loss(model(*spec.inputs(data)), data, None)
+    assert torch.equal(staged_loss, whole_loss)
+    assert staged.keys() == whole.keys()
+
+
+def test_the_rest_of_the_package_does_not_branch_on_the_model_type():
+    """Only models/ and config/ may look at model.type (a run name may print it)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "src" / "scalable_transformer"
+    branch = re.compile(r"(model\.type|m\.type|cfg\.type|model_type)\s*(==|!=|\bin\b|\bnot in\b)")
+    offenders = [
+        f"{path.relative_to(root)}:{i}"
+        for path in root.rglob("*.py")
+        if path.relative_to(root).parts[0] not in ("models", "config")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if branch.search(line) and "hf_cfg.model_type" not in line
+    ]
+    assert offenders == []
+
+
+def test_a_spec_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        get_spec("gpt").lm_metric = "x"  # type: ignore[misc]
