@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import warnings
 
 import pytest
 
+from scalable_transformer.metrics import flops as flops_module
 from scalable_transformer.metrics.calculator import add_arguments, estimate_num_params, run
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
@@ -115,13 +118,34 @@ def test_throughput_metrics_arithmetic():
     assert no_peak["mfu"] is None and no_peak["tflops_per_device"] == pytest.approx(0.25)
 
 
-def test_mfu_above_one_is_an_error():
+def test_impossible_mfu_is_stored_as_null_and_logged_once(monkeypatch, caplog):
+    # Training path: a metric must never stop a run, so > 100% becomes None plus one log warning.
+    monkeypatch.setattr(flops_module, "_WARNED", set())
+    count = FlopsCount(model_flops=5e12, hardware_flops=5e12, convention="6n")
+    with caplog.at_level(logging.WARNING, logger=flops_module.__name__), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no Python warning (with its source line) on this path
+        first = throughput_metrics(count, 1.0, 1, 1e12)
+        again = throughput_metrics(count, 1.0, 1, 1e12)  # the next log interval of the same run
+        # HFU above 100% with MFU below is just as impossible: both become null
+        hfu_only = throughput_metrics(FlopsCount(0.9e12, 1.2e12, "6n"), 1.0, 1, 1e12)
+    for m in (first, again, hfu_only):
+        assert m["mfu"] is None and m["hfu"] is None
+    assert first["tflops_per_device"] == pytest.approx(5.0)  # the rate itself is still reported
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2  # once for each distinct (FLOPs, devices, peak), not once per call
+    assert "MFU 500.0%" in messages[0] and "logging.peak_tflops" in messages[0] and "null" in messages[0]
+    # a possible figure is untouched
+    assert throughput_metrics(count, 10.0, 1, 1e12)["mfu"] == pytest.approx(0.5)
+
+
+def test_strict_and_calculator_paths_keep_the_error():
     count = FlopsCount(model_flops=5e12, hardware_flops=5e12, convention="6n")
     with pytest.raises(MFUError, match="bug"):
-        throughput_metrics(count, 1.0, 1, 1e12)
-    # HFU above 100% with MFU below is just as impossible
+        throughput_metrics(count, 1.0, 1, 1e12, strict=True)
     with pytest.raises(MFUError):
-        throughput_metrics(FlopsCount(0.9e12, 1.2e12, "6n"), 1.0, 1, 1e12)
+        throughput_metrics(FlopsCount(0.9e12, 1.2e12, "6n"), 1.0, 1, 1e12, strict=True)
+    assert throughput_metrics(count, 10.0, 1, 1e12, strict=True)["mfu"] == pytest.approx(0.5)
+    # the calculator reports what it was given, with the warning
     with pytest.warns(RuntimeWarning, match="exceed 100%"):
         m = throughput_metrics(count, 1.0, 1, 1e12, allow_over_100=True)
     assert m["mfu"] == pytest.approx(5.0)

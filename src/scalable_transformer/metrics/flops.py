@@ -46,6 +46,7 @@ mosaic -- MosaicML llm-foundry `scripts/train/benchmarking/collect_results.py` a
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,8 @@ from ..errors import MFUError
 
 if TYPE_CHECKING:
     from scalable_transformer.config.schema import ModelConfig
+
+_log = logging.getLogger(__name__)
 
 CONVENTIONS: tuple[str, ...] = ("megatron", "mosaic", "6n")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
@@ -207,6 +210,11 @@ def flops_per_iteration(
     return FlopsCount(model_flops=float(model), hardware_flops=float(hardware), convention=convention)
 
 
+# Impossible-utilisation warnings already given in this process, so a run warns once, not at every
+# log line (keyed by what makes the figure: the step's FLOPs, convention, devices and peak).
+_WARNED: set[tuple] = set()
+
+
 def throughput_metrics(
     count: FlopsCount,
     iteration_seconds: float,
@@ -214,14 +222,19 @@ def throughput_metrics(
     peak_flops_per_device: float | None,
     *,
     allow_over_100: bool = False,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Rates and utilisations of one step that took iteration_seconds on num_devices devices.
 
     count holds FLOPs of the whole step (all devices); peak_flops_per_device is in FLOP/s.
     Returns tflops_per_device and hw_tflops_per_device (TFLOP/s = 1e12 FLOP/s per device), mfu and
-    hfu (fractions of the peak, 0..1; None when the peak is None) and the convention. MFU or HFU
-    above 1 raises MFUError; with allow_over_100 (for the calculator, which reports what it was
-    given) it warns instead.
+    hfu (fractions of the peak, 0..1; None when the peak is None) and the convention.
+
+    MFU or HFU above 1 is impossible, so it is never a result. By default (training: a metric must
+    never stop a run) both become None and a warning naming the likely causes is logged once per
+    (FLOPs, devices, peak); strict=True raises MFUError instead (a checked calculation);
+    allow_over_100=True keeps the values and issues a RuntimeWarning (the calculator, which reports
+    what it was given).
     """
     if not iteration_seconds > 0:
         raise ValueError(f"iteration_seconds must be > 0, got {iteration_seconds}")
@@ -244,13 +257,21 @@ def throughput_metrics(
     if max(mfu, hfu) > 1.0:
         message = (
             f"{count.convention}: MFU {mfu:.1%} / HFU {hfu:.1%} exceed 100% of the peak "
-            f"({peak_flops_per_device / 1e12:.4g} TFLOP/s per device). This is a bug in the inputs, not a "
-            "result: check that samples is the global batch of one step, iteration_seconds the time of "
-            "that step, num_devices every device that shared it, and the peak the one of the dtype "
-            "actually computed in."
+            f"({peak_flops_per_device / 1e12:.4g} TFLOP/s per device): impossible, so a bug in the peak "
+            "or the inputs, not a result. Likely causes: a peak measured on other kernels or under load than "
+            "the run's (on CPU: the cached measured peak), logging.peak_tflops / --peak-tflops set too low, "
+            "logging.device_name naming another device or dtype; or samples not the global batch of one "
+            "step, iteration_seconds not that step's time, num_devices not every device that shared it."
         )
-        if not allow_over_100:
+        if strict:
             raise MFUError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if allow_over_100:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        else:
+            key = (count, num_devices, peak_flops_per_device)
+            if key not in _WARNED:
+                _WARNED.add(key)
+                _log.warning("%s MFU and HFU are recorded as null (n/a).", message)
+            return metrics
     metrics["mfu"], metrics["hfu"] = mfu, hfu
     return metrics

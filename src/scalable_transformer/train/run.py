@@ -30,8 +30,8 @@ from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
 from ..errors import ConfigError
 from ..metrics.flops import ModelShape, flops_per_iteration, throughput_metrics
-from ..metrics.hardware import resolve_peak
-from ..metrics.sinks import ConsoleSink, JsonlSink, Sinks, TensorBoardSink
+from ..metrics.hardware import cpu_precision_warning, resolve_peak
+from ..metrics.sinks import ConsoleSink, JsonlSink, Sinks, TensorBoardSink, percent
 from ..models import build_model, count_parameters
 from ..parallel.apply import parallelize
 from ..parallel.dims import ParallelDims
@@ -187,6 +187,9 @@ def _run(
         peak = resolve_peak(
             device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops
         )
+        slow_precision = cpu_precision_warning(cfg.train.precision) if main and device.type == "cpu" else None
+        if slow_precision is not None:
+            console.print(f"[bold yellow]warning[/]: {slow_precision}")
     train_loader = build_loader(
         train_ds,
         cfg.train.micro_batch_size,
@@ -284,8 +287,8 @@ def _run(
     console.print(
         f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
         f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
-        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {100 * summary['mfu']:.2f}%, "
-        f"HFU {100 * summary['hfu']:.2f}% ({flops.convention} convention, {world} device(s)) over iterations "
+        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {percent(summary['mfu'])}, "
+        f"HFU {percent(summary['hfu'])} ({flops.convention} convention, {world} device(s)) over iterations "
         f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
         f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "
         f"rank {', '.join(f'{b / 2**20:.0f}' for b in per_rank_peak)} MiB ({history.peak_memory_method}); "
