@@ -19,6 +19,7 @@ from scalable_transformer.metrics.flops import (
     flops_per_iteration,
     throughput_metrics,
 )
+from scalable_transformer.metrics.hardware import lookup_peak
 
 # A toy shape small enough to do by hand: L=2, h=4, s=8, V=16, N=1000, F=4h=16, B=3 samples.
 SHAPE = ModelShape(num_layers=2, hidden_size=4, seq_length=8, vocab_size=16, num_params=1000)
@@ -51,22 +52,54 @@ def test_megatron_ffn_and_gated_mlp():
 
 
 def test_mosaic_by_hand():
-    # per sequence: params = 2*N*s = 2*1000*8 = 16000; attn = L*2*2*h*s^2 = 2*2*2*4*64 = 2048
+    # per sequence: params = 2*N*s = 2*1000*8 = 16000; attn = L*2*h*s^2 = 2*2*4*64 = 1024
     c = flops_per_iteration(SHAPE, B, "mosaic", "none")
+    assert c.model_flops == pytest.approx((3 * 16000 + 2 * 1024) * 3)  # 150144
+    assert c.hardware_flops == pytest.approx(150144)
+    full = flops_per_iteration(SHAPE, B, "mosaic", "full")
+    assert full.hardware_flops == pytest.approx((4 * 16000 + 3 * 1024) * 3)  # 201216
+    selective = flops_per_iteration(SHAPE, B, "mosaic", "selective")
+    assert selective.hardware_flops == pytest.approx((3 * 16000 + 3 * 1024) * 3)  # 153216
+
+
+def test_llm_foundry_by_hand():
+    # per sequence: params = 16000; attn = L*2*2*h*s^2 = 2048 (twice the table's, times 3x in MFU)
+    c = flops_per_iteration(SHAPE, B, "llm-foundry", "none")
     assert c.model_flops == pytest.approx(3 * (16000 + 2048) * 3)  # 162432
     assert c.hardware_flops == pytest.approx(162432)
-    full = flops_per_iteration(SHAPE, B, "mosaic", "full")
+    full = flops_per_iteration(SHAPE, B, "llm-foundry", "full")
     assert full.hardware_flops == pytest.approx(4 * (16000 + 2048) * 3)  # 216576
-    selective = flops_per_iteration(SHAPE, B, "mosaic", "selective")
+    selective = flops_per_iteration(SHAPE, B, "llm-foundry", "selective")
     assert selective.hardware_flops == pytest.approx((3 * 16000 + 4 * 2048) * 3)  # 168576
-    # the issue text's 3*(2Ns) + 2*(L*2*h*s^2) would give (48000 + 2048) * 3 = 150144: not MosaicML's
-    assert c.model_flops != pytest.approx(150144)
+
+
+# MosaicML's published MosaicGPT throughput table, as issue 11 gives it: model, seq, GPUs, GPU,
+# params, samples/s, activation checkpointing -> MFU, HFU. gpt13b: 40 layers, d_model 5120.
+MOSAIC_TABLE = [
+    ("gpt13b", 40, 5120, 16384, 8, "a100-80gb", 12_926_786_560, 0.5285, True, 0.3157, 0.4286),
+    ("gpt13b", 40, 5120, 2048, 8, "a100-80gb", 12_853_386_240, 6.8014, True, 0.4397, 0.5879),
+]
+
+
+@pytest.mark.parametrize("row", MOSAIC_TABLE, ids=lambda r: f"{r[0]}-s{r[3]}")
+def test_mosaic_reproduces_the_published_mosaicgpt_table(row):
+    _, layers, d_model, seq, gpus, gpu, params, samples_per_s, ckpt, mfu, hfu = row
+    shape = ModelShape(
+        num_layers=layers, hidden_size=d_model, seq_length=seq, vocab_size=50368, num_params=params
+    )
+    count = flops_per_iteration(shape, samples_per_s, "mosaic", "full" if ckpt else "none")
+    m = throughput_metrics(count, 1.0, gpus, lookup_peak(gpu, "bf16"), strict=True)
+    assert m["mfu"] == pytest.approx(mfu, abs=1e-3)
+    assert m["hfu"] == pytest.approx(hfu, abs=1e-3)
+    # llm-foundry's current formula does not reproduce it: its attention term is 3x larger
+    other = flops_per_iteration(shape, samples_per_s, "llm-foundry", "full" if ckpt else "none")
+    assert throughput_metrics(other, 1.0, gpus, lookup_peak(gpu, "bf16"))["mfu"] > mfu + 1e-3
 
 
 def test_6n_by_hand():
     # per token 6N + 12*L*h*s = 6000 + 12*64 = 6768; tokens = B*s = 24
     c = flops_per_iteration(SHAPE, B, "6n", "none")
-    assert c.model_flops == pytest.approx(6768 * 24)  # 162432, the same as mosaic for the same N
+    assert c.model_flops == pytest.approx(6768 * 24)  # 162432, the same as llm-foundry for the same N
     full = flops_per_iteration(SHAPE, B, "6n", "full")
     assert full.hardware_flops == pytest.approx((8000 + 16 * 64) * 24)  # 216576
     selective = flops_per_iteration(SHAPE, B, "6n", "selective")
@@ -199,15 +232,18 @@ def test_calculator_json_explicit_shape(capsys):
     assert result["peak"]["tflops_per_device"] == pytest.approx(2e-7)
     assert "user override" in result["peak"]["source"]
     rows = {r["convention"]: r for r in result["results"]}
-    assert list(rows) == ["megatron", "mosaic", "6n"]
+    assert list(rows) == ["megatron", "mosaic", "llm-foundry", "6n"]
     # megatron: 80640 model / 107520 hardware FLOPs per step of 3 samples, over 2 s, peak 2e5 FLOP/s
     assert rows["megatron"]["model_flops_per_iteration"] == pytest.approx(80640)
     assert rows["megatron"]["hardware_flops_per_iteration"] == pytest.approx(107520)
     assert rows["megatron"]["tflops_per_device"] == pytest.approx(40320 / 1e12)
     assert rows["megatron"]["mfu"] == pytest.approx(40320 / 2e5)
     assert rows["megatron"]["hfu"] == pytest.approx(53760 / 2e5)
-    # mosaic / 6n: 162432 model, 216576 hardware FLOPs per step
-    for name in ("mosaic", "6n"):
+    # mosaic: 150144 model, 201216 hardware FLOPs per step
+    assert rows["mosaic"]["mfu"] == pytest.approx(150144 / 2 / 2e5)
+    assert rows["mosaic"]["hfu"] == pytest.approx(201216 / 2 / 2e5)
+    # llm-foundry / 6n: 162432 model, 216576 hardware FLOPs per step
+    for name in ("llm-foundry", "6n"):
         assert rows[name]["mfu"] == pytest.approx(162432 / 2 / 2e5)
         assert rows[name]["hfu"] == pytest.approx(216576 / 2 / 2e5)
         assert rows[name]["model_flops_per_sample"] == pytest.approx(162432 / 3)
@@ -227,7 +263,7 @@ def test_calculator_table_and_mfu_over_100_warning(capsys):
     code, out = _run(argv, capsys)
     assert code == 0
     assert "megatron" in out.out and "mosaic" in out.out and "user override" in out.out
-    # mosaic HFU = 216576 / 3 * 1.5 / 1e5 = 108% of the peak: reported, with a warning naming it a bug
+    # llm-foundry HFU = 216576 / 3 * 1.5 / 1e5 = 108% of the peak: reported, with a warning naming it a bug
     assert "warning" in out.out and "bug" in out.out
 
 
