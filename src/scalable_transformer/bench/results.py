@@ -79,6 +79,7 @@ class ResultsStore:
 
     def __init__(self, path: str | Path, create: bool = True):
         self.path = Path(path)
+        self.writable = create
         if not self.path.exists():
             if not create:
                 raise StoreError(f"{self.path}: no such results store")
@@ -123,10 +124,11 @@ class ResultsStore:
                 f"{self.path}: results store schema version {version} is newer than this stx "
                 f"understands ({SCHEMA_VERSION}); upgrade scalable-transformer"
             )
-        # Columns added since the file was created are added empty (NULL), so old stores keep working.
+        # Columns added since the file was created are added empty (NULL) by writers, so old stores
+        # keep working; readers (create=False) leave the file as it is and see the columns as missing.
         have = {r[1] for r in self.conn.execute("PRAGMA table_info(results)")}
         missing = [(c, t) for c, t in COLUMNS if c not in have]
-        if missing:
+        if missing and self.writable:
             with self.conn:
                 for column, kind in missing:
                     self.conn.execute(f'ALTER TABLE results ADD COLUMN "{column}" {kind}')
