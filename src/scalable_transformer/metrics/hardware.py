@@ -269,21 +269,22 @@ def measure_cpu_kernels(
                 n = 256
                 a, b = operands(kernel, n)
                 seconds = timed(kernel, n, a, b)
-                while seconds < 0.01 and n < 4096:  # grow until a run is long enough to scale
+                # grow until a run is long enough to scale (or the budget is spent: a loaded machine)
+                while seconds < 0.01 and n < 4096 and time.perf_counter() < deadline:
                     n *= 2
                     a, b = operands(kernel, n)
                     seconds = timed(kernel, n, a, b)
                 # scale to ~0.05 s per run, in multiples of 256 (a slow kernel stays small)
                 target = int(min(4096, max(256, round(n * (0.05 / seconds) ** (1 / 3) / 256) * 256)))
-                if target != n:
+                if target != n and time.perf_counter() < deadline:
                     n = target
                     a, b = operands(kernel, n)
                 call(kernel, a, b)  # warm-up: the first call at a size pays for packing/dispatch
                 sized[kernel] = (n, a, b)
             for _ in range(20):
-                if time.perf_counter() >= deadline:
-                    break
                 for kernel, (n, a, b) in sized.items():
+                    if time.perf_counter() >= deadline:
+                        break
                     timed(kernel, n, a, b)
         return best
     finally:
