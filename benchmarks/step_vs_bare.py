@@ -290,7 +290,7 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 def mfu_text(flops: FlopsCount, seconds: float, peak: PeakInfo) -> tuple[str, str]:
     try:
-        perf = throughput_metrics(flops, seconds, 1, peak.flops_per_second)
+        perf = throughput_metrics(flops, seconds, 1, peak.flops_per_second, strict=True)
     except MFUError as e:  # a peak measured under load can be too low: say so, keep the timings
         return f"n/a ({e})", "n/a"
     return f"{100 * perf['mfu']:.2f}%", f"{100 * perf['hfu']:.2f}%"

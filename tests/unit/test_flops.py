@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import warnings
 
 import pytest
 
+from scalable_transformer.metrics import flops as flops_module
 from scalable_transformer.metrics.calculator import add_arguments, estimate_num_params, run
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
@@ -16,6 +19,7 @@ from scalable_transformer.metrics.flops import (
     flops_per_iteration,
     throughput_metrics,
 )
+from scalable_transformer.metrics.hardware import lookup_peak
 
 # A toy shape small enough to do by hand: L=2, h=4, s=8, V=16, N=1000, F=4h=16, B=3 samples.
 SHAPE = ModelShape(num_layers=2, hidden_size=4, seq_length=8, vocab_size=16, num_params=1000)
@@ -48,22 +52,54 @@ def test_megatron_ffn_and_gated_mlp():
 
 
 def test_mosaic_by_hand():
-    # per sequence: params = 2*N*s = 2*1000*8 = 16000; attn = L*2*2*h*s^2 = 2*2*2*4*64 = 2048
+    # per sequence: params = 2*N*s = 2*1000*8 = 16000; attn = L*2*h*s^2 = 2*2*4*64 = 1024
     c = flops_per_iteration(SHAPE, B, "mosaic", "none")
+    assert c.model_flops == pytest.approx((3 * 16000 + 2 * 1024) * 3)  # 150144
+    assert c.hardware_flops == pytest.approx(150144)
+    full = flops_per_iteration(SHAPE, B, "mosaic", "full")
+    assert full.hardware_flops == pytest.approx((4 * 16000 + 3 * 1024) * 3)  # 201216
+    selective = flops_per_iteration(SHAPE, B, "mosaic", "selective")
+    assert selective.hardware_flops == pytest.approx((3 * 16000 + 3 * 1024) * 3)  # 153216
+
+
+def test_llm_foundry_by_hand():
+    # per sequence: params = 16000; attn = L*2*2*h*s^2 = 2048 (twice the table's, times 3x in MFU)
+    c = flops_per_iteration(SHAPE, B, "llm-foundry", "none")
     assert c.model_flops == pytest.approx(3 * (16000 + 2048) * 3)  # 162432
     assert c.hardware_flops == pytest.approx(162432)
-    full = flops_per_iteration(SHAPE, B, "mosaic", "full")
+    full = flops_per_iteration(SHAPE, B, "llm-foundry", "full")
     assert full.hardware_flops == pytest.approx(4 * (16000 + 2048) * 3)  # 216576
-    selective = flops_per_iteration(SHAPE, B, "mosaic", "selective")
+    selective = flops_per_iteration(SHAPE, B, "llm-foundry", "selective")
     assert selective.hardware_flops == pytest.approx((3 * 16000 + 4 * 2048) * 3)  # 168576
-    # the issue text's 3*(2Ns) + 2*(L*2*h*s^2) would give (48000 + 2048) * 3 = 150144: not MosaicML's
-    assert c.model_flops != pytest.approx(150144)
+
+
+# MosaicML's published MosaicGPT throughput table, as issue 11 gives it: model, seq, GPUs, GPU,
+# params, samples/s, activation checkpointing -> MFU, HFU. gpt13b: 40 layers, d_model 5120.
+MOSAIC_TABLE = [
+    ("gpt13b", 40, 5120, 16384, 8, "a100-80gb", 12_926_786_560, 0.5285, True, 0.3157, 0.4286),
+    ("gpt13b", 40, 5120, 2048, 8, "a100-80gb", 12_853_386_240, 6.8014, True, 0.4397, 0.5879),
+]
+
+
+@pytest.mark.parametrize("row", MOSAIC_TABLE, ids=lambda r: f"{r[0]}-s{r[3]}")
+def test_mosaic_reproduces_the_published_mosaicgpt_table(row):
+    _, layers, d_model, seq, gpus, gpu, params, samples_per_s, ckpt, mfu, hfu = row
+    shape = ModelShape(
+        num_layers=layers, hidden_size=d_model, seq_length=seq, vocab_size=50368, num_params=params
+    )
+    count = flops_per_iteration(shape, samples_per_s, "mosaic", "full" if ckpt else "none")
+    m = throughput_metrics(count, 1.0, gpus, lookup_peak(gpu, "bf16"), strict=True)
+    assert m["mfu"] == pytest.approx(mfu, abs=1e-3)
+    assert m["hfu"] == pytest.approx(hfu, abs=1e-3)
+    # llm-foundry's current formula does not reproduce it: its attention term is 3x larger
+    other = flops_per_iteration(shape, samples_per_s, "llm-foundry", "full" if ckpt else "none")
+    assert throughput_metrics(other, 1.0, gpus, lookup_peak(gpu, "bf16"))["mfu"] > mfu + 1e-3
 
 
 def test_6n_by_hand():
     # per token 6N + 12*L*h*s = 6000 + 12*64 = 6768; tokens = B*s = 24
     c = flops_per_iteration(SHAPE, B, "6n", "none")
-    assert c.model_flops == pytest.approx(6768 * 24)  # 162432, the same as mosaic for the same N
+    assert c.model_flops == pytest.approx(6768 * 24)  # 162432, the same as llm-foundry for the same N
     full = flops_per_iteration(SHAPE, B, "6n", "full")
     assert full.hardware_flops == pytest.approx((8000 + 16 * 64) * 24)  # 216576
     selective = flops_per_iteration(SHAPE, B, "6n", "selective")
@@ -115,13 +151,34 @@ def test_throughput_metrics_arithmetic():
     assert no_peak["mfu"] is None and no_peak["tflops_per_device"] == pytest.approx(0.25)
 
 
-def test_mfu_above_one_is_an_error():
+def test_impossible_mfu_is_stored_as_null_and_logged_once(monkeypatch, caplog):
+    # Training path: a metric must never stop a run, so > 100% becomes None plus one log warning.
+    monkeypatch.setattr(flops_module, "_WARNED", set())
+    count = FlopsCount(model_flops=5e12, hardware_flops=5e12, convention="6n")
+    with caplog.at_level(logging.WARNING, logger=flops_module.__name__), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no Python warning (with its source line) on this path
+        first = throughput_metrics(count, 1.0, 1, 1e12)
+        again = throughput_metrics(count, 1.0, 1, 1e12)  # the next log interval of the same run
+        # HFU above 100% with MFU below is just as impossible: both become null
+        hfu_only = throughput_metrics(FlopsCount(0.9e12, 1.2e12, "6n"), 1.0, 1, 1e12)
+    for m in (first, again, hfu_only):
+        assert m["mfu"] is None and m["hfu"] is None
+    assert first["tflops_per_device"] == pytest.approx(5.0)  # the rate itself is still reported
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2  # once for each distinct (FLOPs, devices, peak), not once per call
+    assert "MFU 500.0%" in messages[0] and "logging.peak_tflops" in messages[0] and "null" in messages[0]
+    # a possible figure is untouched
+    assert throughput_metrics(count, 10.0, 1, 1e12)["mfu"] == pytest.approx(0.5)
+
+
+def test_strict_and_calculator_paths_keep_the_error():
     count = FlopsCount(model_flops=5e12, hardware_flops=5e12, convention="6n")
     with pytest.raises(MFUError, match="bug"):
-        throughput_metrics(count, 1.0, 1, 1e12)
-    # HFU above 100% with MFU below is just as impossible
+        throughput_metrics(count, 1.0, 1, 1e12, strict=True)
     with pytest.raises(MFUError):
-        throughput_metrics(FlopsCount(0.9e12, 1.2e12, "6n"), 1.0, 1, 1e12)
+        throughput_metrics(FlopsCount(0.9e12, 1.2e12, "6n"), 1.0, 1, 1e12, strict=True)
+    assert throughput_metrics(count, 10.0, 1, 1e12, strict=True)["mfu"] == pytest.approx(0.5)
+    # the calculator reports what it was given, with the warning
     with pytest.warns(RuntimeWarning, match="exceed 100%"):
         m = throughput_metrics(count, 1.0, 1, 1e12, allow_over_100=True)
     assert m["mfu"] == pytest.approx(5.0)
@@ -175,15 +232,18 @@ def test_calculator_json_explicit_shape(capsys):
     assert result["peak"]["tflops_per_device"] == pytest.approx(2e-7)
     assert "user override" in result["peak"]["source"]
     rows = {r["convention"]: r for r in result["results"]}
-    assert list(rows) == ["megatron", "mosaic", "6n"]
+    assert list(rows) == ["megatron", "mosaic", "llm-foundry", "6n"]
     # megatron: 80640 model / 107520 hardware FLOPs per step of 3 samples, over 2 s, peak 2e5 FLOP/s
     assert rows["megatron"]["model_flops_per_iteration"] == pytest.approx(80640)
     assert rows["megatron"]["hardware_flops_per_iteration"] == pytest.approx(107520)
     assert rows["megatron"]["tflops_per_device"] == pytest.approx(40320 / 1e12)
     assert rows["megatron"]["mfu"] == pytest.approx(40320 / 2e5)
     assert rows["megatron"]["hfu"] == pytest.approx(53760 / 2e5)
-    # mosaic / 6n: 162432 model, 216576 hardware FLOPs per step
-    for name in ("mosaic", "6n"):
+    # mosaic: 150144 model, 201216 hardware FLOPs per step
+    assert rows["mosaic"]["mfu"] == pytest.approx(150144 / 2 / 2e5)
+    assert rows["mosaic"]["hfu"] == pytest.approx(201216 / 2 / 2e5)
+    # llm-foundry / 6n: 162432 model, 216576 hardware FLOPs per step
+    for name in ("llm-foundry", "6n"):
         assert rows[name]["mfu"] == pytest.approx(162432 / 2 / 2e5)
         assert rows[name]["hfu"] == pytest.approx(216576 / 2 / 2e5)
         assert rows[name]["model_flops_per_sample"] == pytest.approx(162432 / 3)
@@ -203,7 +263,7 @@ def test_calculator_table_and_mfu_over_100_warning(capsys):
     code, out = _run(argv, capsys)
     assert code == 0
     assert "megatron" in out.out and "mosaic" in out.out and "user override" in out.out
-    # mosaic HFU = 216576 / 3 * 1.5 / 1e5 = 108% of the peak: reported, with a warning naming it a bug
+    # llm-foundry HFU = 216576 / 3 * 1.5 / 1e5 = 108% of the peak: reported, with a warning naming it a bug
     assert "warning" in out.out and "bug" in out.out
 
 

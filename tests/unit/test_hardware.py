@@ -8,13 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from scalable_transformer import cache
+from scalable_transformer.cache import cache_dir
 from scalable_transformer.metrics import hardware
 from scalable_transformer.metrics.hardware import (
+    CPU_PEAK_METHOD,
     PEAK_TFLOPS,
-    cache_dir,
+    cpu_fingerprint,
     cpu_peak,
+    cpu_precision_warning,
     detect_device_name,
     lookup_peak,
+    measure_cpu_kernels,
     measure_cpu_peak,
     resolve_peak,
 )
@@ -95,6 +100,13 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "scalable-transformer"
+    assert hardware.cache_dir is cache_dir  # the old import path still works
+
+
+def test_cache_module_imports_nothing_of_the_package():
+    # data/ and metrics/ both use it: it must not pull one layer into the other
+    source = Path(cache.__file__).read_text()
+    assert "scalable_transformer" not in source and "from ." not in source
 
 
 @pytest.fixture
@@ -117,7 +129,7 @@ def test_cpu_peak_is_measured_once_then_read_from_the_cache(fake_measure, tmp_pa
     path = tmp_path / "cache" / "cpu_peak.json"
     entries = json.loads(path.read_text())
     (key,) = entries
-    assert "torch=" in key and "threads=" in key and key.endswith("bf16")
+    assert "torch=" in key and "threads=" in key and key.endswith("bf16") and key.startswith(CPU_PEAK_METHOD)
     assert cpu_peak("fp32") == pytest.approx(2.0e11)  # another dtype, another entry
     assert fake_measure == ["bf16", "fp32"]
     assert len(json.loads(path.read_text())) == 2
@@ -156,8 +168,51 @@ def test_resolve_peak_sources(fake_measure, tmp_path):
         resolve_peak("cpu", "bf16", None, 0.0)
 
 
-def test_measure_cpu_peak_runs_a_real_gemm():
-    value = measure_cpu_peak("fp32", budget_seconds=0.2)
-    assert value > 0 and math.isfinite(value)
+def test_a_peak_cached_by_the_old_measurement_is_not_reused(fake_measure, tmp_path):
+    # v1 keys had no method prefix and held a bf16 torch.mm rate, 20x too low on a CPU without native
+    # bf16: reusing one would bring back MFU > 100%.
+    old_key = cpu_fingerprint("bf16").split(" | ", 1)[1]
+    path = tmp_path / "cache" / "cpu_peak.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({old_key: {"flops_per_second": 1.0e9}}))
+    assert cpu_peak("bf16") == pytest.approx(1.0e12)
+    assert fake_measure == ["bf16"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_measure_cpu_peak_times_every_gemm_of_a_linear_layer(dtype):
+    rates = measure_cpu_kernels(dtype, budget_seconds=0.2)
+    assert set(rates) == {"forward", "grad_input", "grad_weight"}
+    assert all(r > 0 and math.isfinite(r) for r in rates.values())
     with pytest.raises(ValueError, match="tf32"):
         measure_cpu_peak("tf32")
+
+
+def test_measure_cpu_peak_is_the_best_of_the_kernels(monkeypatch):
+    rates = {"forward": 2.0e10, "grad_input": 1.0e9, "grad_weight": 1.9e10}
+    monkeypatch.setattr(
+        hardware, "measure_cpu_kernels", lambda dtype, threads=None, budget_seconds=2.0: rates
+    )
+    assert measure_cpu_peak("bf16") == pytest.approx(2.0e10)
+
+
+@pytest.fixture
+def fake_peaks(monkeypatch):
+    peaks = {"fp32": 1.5e11, "bf16": 2.0e10, "fp16": 1.4e11}
+    monkeypatch.setattr(hardware, "cpu_peak", lambda dtype, threads=None: peaks[dtype])
+    return peaks
+
+
+def test_precision_warning_names_both_rates_and_the_missing_flags(fake_peaks, monkeypatch):
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"avx2", "fma"})
+    line = cpu_precision_warning("bfloat16", threads=2)
+    assert line is not None and "\n" not in line
+    assert "bf16 runs at 20 GFLOP/s" in line and "fp32 150 GFLOP/s" in line and "2 threads" in line
+    assert "no native bf16 (no amx_bf16/avx512_bf16)" in line and "8x slower" in line
+    assert cpu_precision_warning("fp32") is None
+    assert cpu_precision_warning("fp16") is None  # not clearly slower than fp32: nothing to say
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"amx_bf16"})
+    line = cpu_precision_warning("bf16", threads=2)
+    assert line is not None and "despite amx_bf16" in line
+    fake_peaks["bf16"] = 1.0e12  # an AMX machine: bf16 faster than fp32
+    assert cpu_precision_warning("bf16", threads=2) is None

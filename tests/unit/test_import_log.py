@@ -220,3 +220,86 @@ def test_imported_logs_sit_beside_our_runs_in_one_table(tmp_path: Path, capsys) 
     assert table["bert-345m deepspeed"] == ["42.00 samples/s, 86.11 TFLOPs/dev", ""]
     assert table["tiny-gpt tp=1 zero0"] == ["12.00 samples/s, 0.50 TFLOPs/dev", ""]
     assert "deepspeed flops profiler" in text
+
+
+# Megatron-DeepSpeed, BERT-345M on 8 GPUs with activation checkpointing, as the users' ZeRO-3 table
+# row "megatron bert 345m (mp=1)": 1658.93 samples/s next to 2.94 tflops/gpu.
+BERT_345M_ARGS = """\
+------------------------ arguments ------------------------
+  checkpoint_activations .......................... True
+  global_batch_size ............................... 32
+  hidden_size ..................................... 1024
+  micro_batch_size ................................ 4
+  num_layers ...................................... 24
+  seq_length ...................................... 512
+  tensor_model_parallel_size ...................... 1
+  world_size ...................................... 8
+-------------------- end of arguments ---------------------
+ > padded vocab (size: 28996) with 60 dummy tokens (new size: 29056)
+"""
+
+
+def bert_345m_log(tflops: float) -> str:
+    line = (
+        " iteration {i:>8d}/ 2000000 | consumed samples: {c:>12d} | elapsed time per iteration (ms): 19.3 | "
+        "global batch size:    32 | lm loss: 7.1E+00 | samples per second: 1658.930 | TFLOPs: {t} |"
+    )
+    return BERT_345M_ARGS + "\n".join(line.format(i=i, c=32 * i, t=tflops) for i in (10, 20, 30)) + "\n"
+
+
+def test_logged_tflops_that_disagree_with_samples_per_second_are_flagged(tmp_path: Path, capsys) -> None:
+    log, store = tmp_path / "zero3.log", tmp_path / "results.sqlite"
+    log.write_text(bert_345m_log(2.94))
+    assert main(["report", "import-log", str(log), "--format", "megatron", "--store", str(store)]) == 0
+    assert "warning" in capsys.readouterr().out
+    with ResultsStore(store) as s:
+        (row,) = s.rows()
+    # 96*s*L*h^2*(1 + s/(6h) + V/(16*L*h)) = 1.4314 TFLOP per sample, x 1658.93 / 8 GPUs
+    assert row["tflops_recomputed"] == pytest.approx(296.8, abs=0.1)
+    assert row["tflops_mismatch"] == 1 and row["tflops_per_device"] == pytest.approx(2.94)
+    text = report.build_report(store, ["label"], ["devices"], ["tflops_per_device"], None)
+    assert "disagree" in text and "296.8 recomputed" in text  # the note under the table
+
+
+def test_logged_tflops_that_agree_are_not_flagged(tmp_path: Path) -> None:
+    log, store = tmp_path / "ok.log", tmp_path / "results.sqlite"
+    log.write_text(bert_345m_log(290.0))  # 2.3% below the recomputed 296.8: within 10%
+    record = import_log(log, "megatron", store)
+    assert record["tflops_mismatch"] == 0 and "agree" in record["summary_json"]
+    assert record["flops_convention"] == "megatron (as logged)"
+
+
+def test_tflops_not_checkable_without_the_shape(tmp_path: Path) -> None:
+    log = tmp_path / "ds.log"
+    log.write_text(MEGATRON_DS)  # samples/s and TFLOPs, but no argument dump
+    record = import_log(log, "megatron", tmp_path / "results.sqlite", devices=64)
+    assert record["tflops_mismatch"] is None and record["tflops_recomputed"] is None
+    assert "not checked: no num_layers, hidden_size, seq_length, padded vocabulary" in record["summary_json"]
+
+
+def test_a_store_from_before_the_cross_check_columns_is_migrated_on_open(tmp_path: Path) -> None:
+    import sqlite3
+
+    from scalable_transformer.bench.results import APP_ID, COLUMNS, SCHEMA_VERSION
+
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    old = [(c, t) for c, t in COLUMNS if not c.startswith("tflops_")]
+    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    conn.executemany(
+        "INSERT INTO meta VALUES (?, ?)", [("application", APP_ID), ("schema_version", str(SCHEMA_VERSION))]
+    )
+    cols = ", ".join(f'"{c}" {t}' for c, t in old)
+    conn.execute(f"CREATE TABLE results (id INTEGER PRIMARY KEY, {cols}, UNIQUE(config_hash, repeat))")
+    conn.execute("INSERT INTO results (config_hash, repeat, status) VALUES ('old', 0, 'ok')")
+    conn.commit()
+    conn.close()
+    with ResultsStore(path, create=False) as s:  # a reader does not migrate
+        assert "tflops_mismatch" not in s.rows()[0]
+    log = tmp_path / "zero3.log"
+    log.write_text(bert_345m_log(2.94))
+    import_log(log, "megatron", path)  # a writer does
+    with ResultsStore(path) as s:
+        rows = {r["config_hash"]: r for r in s.rows()}
+    assert rows["old"]["tflops_mismatch"] is None and rows["old"]["status"] == "ok"
+    assert [r["tflops_mismatch"] for h, r in rows.items() if h != "old"] == [1]

@@ -114,6 +114,9 @@ def parse_megatron(text: str) -> dict[str, Any]:
         [it[k] for it in window for k in ("tflops", "throughput per gpu (tflop/s/gpu)") if k in it]
     )
     seq = arg_int("seq_length") or arg_int("encoder_seq_length")
+    # " > padded vocab (size: 28996) with 124 dummy tokens (new size: 29120)", or the argument
+    padded = re.search(r"padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)", text)
+    vocab = int(padded.group(1)) if padded else arg_int("padded_vocab_size")
     phases: dict[str, float] = {}
     timer_window = _post_warmup(timers)
     for key in dict.fromkeys(k for t in timer_window for k in t):
@@ -141,6 +144,15 @@ def parse_megatron(text: str) -> dict[str, Any]:
         else args.get("recompute_granularity") or ("none" if args else None),
         "num_layers": arg_int("num_layers"),
         "hidden_size": arg_int("hidden_size"),
+        "ffn_hidden_size": arg_int("ffn_hidden_size"),
+        "padded_vocab_size": vocab,
+        # Megatron-DeepSpeed's "TFLOPs" counts recomputation (factor 4 with checkpointing): hardware
+        # FLOPs; Megatron-LM core's "throughput per GPU" counts model FLOPs only.
+        "tflops_kind": None
+        if tflops is None
+        else "model"
+        if any("throughput per gpu (tflop/s/gpu)" in it for it in window)
+        else "hardware",
         "phase_time_ms_median": phases,
     }
 
@@ -233,6 +245,73 @@ def parse_deepspeed(text: str) -> dict[str, Any]:
 
 PARSERS = {"megatron": parse_megatron, "deepspeed": parse_deepspeed}
 
+MISMATCH_TOLERANCE = 0.10  # a logged TFLOPs more than 10% off the recomputed one is flagged
+
+
+def cross_check_tflops(summary: dict[str, Any], world: int | None) -> dict[str, Any]:
+    """Recompute TFLOP/s per device from the log's samples/s with the convention the log names
+    (Megatron logs: `megatron`, hardware FLOPs for Megatron-DeepSpeed's "TFLOPs", model FLOPs for
+    Megatron-LM's "throughput per GPU") and compare with the logged figure.
+
+    Returns {"recomputed": TFLOP/s per device or None, "mismatch": True/False/None, "note": str};
+    None when the log lacks something the formula needs (named in the note). DeepSpeed's FLOPs
+    profiler figure is a measurement (3 x the profiled forward), not a formula, so it is not checked.
+    """
+    from ..metrics.flops import ModelShape, flops_per_iteration
+
+    logged, sps = summary.get("tflops_per_device"), summary.get("samples_per_second")
+    if logged is None or sps is None:
+        return {
+            "recomputed": None,
+            "mismatch": None,
+            "note": "not checked: the log has not both samples/s and TFLOPs",
+        }
+    if summary.get("source") != "megatron":
+        return {
+            "recomputed": None,
+            "mismatch": None,
+            "note": "not checked: the DeepSpeed FLOPs profiler measures FLOPs, it names no formula",
+        }
+    need = {
+        "num_layers": summary.get("num_layers"),
+        "hidden_size": summary.get("hidden_size"),
+        "seq_length": summary.get("seq_length"),
+        "padded vocabulary": summary.get("padded_vocab_size"),
+        "world size": world,
+    }
+    missing = [name for name, value in need.items() if not value]
+    if missing or world is None:
+        return {
+            "recomputed": None,
+            "mismatch": None,
+            "note": f"not checked: no {', '.join(missing)} in the log",
+        }
+    shape = ModelShape(
+        num_layers=summary["num_layers"],
+        hidden_size=summary["hidden_size"],
+        seq_length=summary["seq_length"],
+        vocab_size=summary["padded_vocab_size"],
+        num_params=1,  # not used by the megatron formula
+        ffn_hidden_size=summary.get("ffn_hidden_size"),
+    )
+    recompute = "full" if summary.get("activation_checkpointing") == "full" else "none"
+    count = flops_per_iteration(shape, sps, "megatron", recompute)  # FLOPs of one second
+    kind = summary.get("tflops_kind") or "hardware"
+    recomputed = (count.hardware_flops if kind == "hardware" else count.model_flops) / world / 1e12
+    ratio = logged / recomputed
+    mismatch = abs(ratio - 1) > MISMATCH_TOLERANCE
+    note = (
+        f"logged {logged:.4g} TFLOP/s per device vs {recomputed:.4g} recomputed from {sps:.4g} samples/s "
+        f"on {world} devices (megatron convention, {kind} FLOPs, recompute {recompute}): "
+        + (
+            f"disagree by {max(ratio, 1 / ratio):.3g}x (logged {'below' if ratio < 1 else 'above'}): one of "
+            "the two logged figures is wrong, or the log used another formula"
+            if mismatch
+            else "agree within 10%"
+        )
+    )
+    return {"recomputed": recomputed, "mismatch": mismatch, "note": note}
+
 
 def import_log(
     path: Path,
@@ -259,6 +338,11 @@ def import_log(
         if summary.get("samples_per_second"):
             summary["tokens_per_second"] = summary["samples_per_second"] * seq_length
     world = devices or summary.get("world_size")
+    check = cross_check_tflops(summary, world)
+    summary["tflops_check"] = check["note"]
+    if check["mismatch"]:
+        # the report's conventions note prints this column, so the disagreement shows under the table
+        summary["flops_convention"] = f"{summary['flops_convention']}; {check['note']}"
     label = label or f"{path.stem} ({fmt})"
     digest = hashlib.sha256(text.encode() + b"\0" + label.encode()).hexdigest()[:20]
     per_rank = summary.get("peak_memory_bytes_per_rank") or []
@@ -274,6 +358,8 @@ def import_log(
         "run_dir": str(path.resolve()),
         "summary_json": json.dumps(summary),
         "peak_memory_bytes_max": max(per_rank) if per_rank else None,
+        "tflops_recomputed": check["recomputed"],
+        "tflops_mismatch": None if check["mismatch"] is None else int(check["mismatch"]),
     }
     for key in (
         "samples_per_second",
@@ -315,4 +401,6 @@ def main_import(args: Any) -> int:
         + (f", {tf:.2f} TFLOPs/dev" if tf is not None else "")
         + f" -> {args.store}"
     )
+    if record.get("tflops_mismatch"):
+        print(f"warning: {json.loads(record['summary_json'])['tflops_check']}")
     return 0

@@ -46,6 +46,10 @@ COLUMNS: list[tuple[str, str]] = [
     ("hfu", "REAL"),
     ("flops_convention", "TEXT"),
     ("peak_flops_per_device", "REAL"),
+    # imported logs: TFLOPs/device recomputed from samples/s with the named convention, and 1 when the
+    # logged figure disagrees with it by more than 10% (0 agrees, NULL not checkable)
+    ("tflops_recomputed", "REAL"),
+    ("tflops_mismatch", "INTEGER"),
     ("peak_memory_bytes_max", "REAL"),  # the largest per-rank peak
     ("seq_length", "INTEGER"),
     ("num_parameters", "INTEGER"),
@@ -75,6 +79,7 @@ class ResultsStore:
 
     def __init__(self, path: str | Path, create: bool = True):
         self.path = Path(path)
+        self.writable = create
         if not self.path.exists():
             if not create:
                 raise StoreError(f"{self.path}: no such results store")
@@ -119,6 +124,14 @@ class ResultsStore:
                 f"{self.path}: results store schema version {version} is newer than this stx "
                 f"understands ({SCHEMA_VERSION}); upgrade scalable-transformer"
             )
+        # Columns added since the file was created are added empty (NULL) by writers, so old stores
+        # keep working; readers (create=False) leave the file as it is and see the columns as missing.
+        have = {r[1] for r in self.conn.execute("PRAGMA table_info(results)")}
+        missing = [(c, t) for c, t in COLUMNS if c not in have]
+        if missing and self.writable:
+            with self.conn:
+                for column, kind in missing:
+                    self.conn.execute(f'ALTER TABLE results ADD COLUMN "{column}" {kind}')
 
     def close(self) -> None:
         self.conn.close()

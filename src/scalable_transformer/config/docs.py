@@ -30,6 +30,13 @@ def reference_markdown() -> str:
             doc = f.metadata.get("doc", "")
             if f.metadata.get("choices"):
                 doc += " Choices: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+            if f.metadata.get("bounds"):
+                signs = {"ge": ">=", "gt": ">", "lt": "<", "le": "<="}
+                doc += (
+                    " Valid: "
+                    + " and ".join(f"{signs[k]} {b:g}" for k, b in f.metadata["bounds"].items())
+                    + "."
+                )
             if f.metadata.get("aliases"):
                 doc += " Aliases: " + ", ".join(f"`{a}`" for a in f.metadata["aliases"]) + "."
             default = f.default if f.default is not dataclasses.MISSING else None

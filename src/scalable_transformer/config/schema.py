@@ -384,7 +384,7 @@ class LoggingConfig:
     flops_convention: str = opt(
         "megatron",
         "FLOPs convention for TFLOPs, MFU and HFU (docs/METRICS.md).",
-        choices=("megatron", "mosaic", "6n"),
+        choices=("megatron", "mosaic", "llm-foundry", "6n"),
     )
     device_name: str | None = opt(
         None,

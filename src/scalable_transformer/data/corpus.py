@@ -26,7 +26,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from scalable_transformer.metrics.hardware import cache_dir
+from scalable_transformer.cache import cache_dir
 
 # Bump when the way documents are built changes, so stale caches are not reused.
 CORPUS_VERSION = 1

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from scalable_transformer.metrics.hardware import cache_dir
+from scalable_transformer.cache import cache_dir
 
 if TYPE_CHECKING:
     from scalable_transformer.data.indexed import IndexedDataset

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from scalable_transformer.cache import cache_dir
 from scalable_transformer.data.bert_dataset import BertDataset
 from scalable_transformer.data.blend import BlendedDataset, blend_sizes, parse_blend
 from scalable_transformer.data.corpus import _atomic_write, corpus_fingerprint, embedded_corpus
@@ -31,7 +32,6 @@ from scalable_transformer.data.gpt_dataset import GPTDataset
 from scalable_transformer.data.indexed import IndexedDataset, IndexedDatasetError, check_vocab
 from scalable_transformer.data.preprocess import preprocess
 from scalable_transformer.data.tokenizers import Tokenizer
-from scalable_transformer.metrics.hardware import cache_dir
 from scalable_transformer.models import get_spec, spec_for
 from scalable_transformer.models.spec import DataSpec
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from scalable_transformer.cache import cache_dir
 from scalable_transformer.data.corpus import _atomic_write, corpus_fingerprint, embedded_documents
-from scalable_transformer.metrics.hardware import cache_dir
 
 # Bump when the embedded tokenizer's recipe changes, so stale caches are not reused.
 TOKENIZER_VERSION = 1

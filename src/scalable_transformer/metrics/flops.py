@@ -26,26 +26,32 @@ megatron -- Narayanan et al. 2021 (arXiv 2104.04473) eq. 3, as computed by Megat
       of a dense attention kernel). Megatron-LM's earlier form (expansion factor 12),
       72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for F = 4h, differs from ours only by (b).
 
-mosaic -- MosaicML llm-foundry `scripts/train/benchmarking/collect_results.py` and the MPT
-  `flops_per_batch`: per sequence  params = 2*N*s,  attn = L * 2 * 2 * h * s^2  (QK^T and AV, 2
-  FLOPs per MAC); MFU uses 3*(params + attn) = 6*N*s + 12*L*h*s^2, HFU with activation checkpointing
-  4*(params + attn) = 8*N*s + 16*L*h*s^2 (HFU = MFU without checkpointing). N is every parameter,
-  embeddings included (`n_active_params = sum(p.numel() for p in self.parameters())`; a tied
-  embedding counts once). The issue text had 3*(2*N*s) + 2*(L*2*h*s^2) for MFU and
-  4*(2*N*s) + 3*(L*2*h*s^2) for HFU: its attention term is 3x (MFU) and 8/3x (HFU) smaller than what
-  MosaicML computes; we implement MosaicML's. For selective recompute we add one attention forward:
-  3*params + 4*attn. (MosaicML notes a flash-attention backward recomputes attention once more;
-  neither they nor we count it.)
+mosaic -- the formula of MosaicML's published MosaicGPT throughput table (llm-foundry's benchmarking
+  README, as the users' table was computed): per sequence  params = 2*N*s,  attn = L*2*h*s^2;
+  model FLOPs 3*params + 2*attn, hardware FLOPs with full activation checkpointing
+  4*params + 3*attn (HFU = MFU without checkpointing); selective recompute adds one attention
+  forward: 3*params + 3*attn. N is every parameter, embeddings included (a tied embedding once).
+  Reproduces every row of the table to 1e-3 (tests/unit/test_flops.py::MOSAIC_TABLE).
+
+llm-foundry -- MosaicML llm-foundry's current code (`scripts/train/benchmarking/collect_results.py`
+  and the MPT `flops_per_batch`): params = 2*N*s,  attn = L * 2 * 2 * h * s^2 per sequence (QK^T and
+  AV, 2 FLOPs per MAC); model FLOPs 3*(params + attn) = 6*N*s + 12*L*h*s^2, full recompute
+  4*(params + attn), selective 3*params + 4*attn. Its attention term is 3x (MFU) and 8/3x (HFU) the
+  table's: the table's attn counts one s x s product of 2*h FLOPs per position pair per layer where the
+  code counts both (QK^T and AV) at 2 FLOPs per MAC, and the table's backward factor for attention is
+  1x, not 2x. (MosaicML notes a flash-attention backward recomputes attention once more; neither
+  counts it.)
 
 6n -- PaLM (arXiv 2204.02311) appendix B, as used by nanoGPT's `estimate_mfu`: per token
   6*N + 12*L*h*s; with full recompute 8*N + 16*L*h*s; selective 6*N + 16*L*h*s. For the same N this
-  equals `mosaic` exactly (12*L*h*s per token = 12*L*h*s^2 per sequence); the two names are kept
+  equals `llm-foundry` exactly (12*L*h*s per token = 12*L*h*s^2 per sequence); the two names are kept
   because users quote both. nanoGPT passes N without the position table (`get_num_params()`); give
   such an N through `ModelShape.num_params` if you want that variant.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,7 +61,9 @@ from ..errors import MFUError
 if TYPE_CHECKING:
     from scalable_transformer.config.schema import ModelConfig
 
-CONVENTIONS: tuple[str, ...] = ("megatron", "mosaic", "6n")
+_log = logging.getLogger(__name__)
+
+CONVENTIONS: tuple[str, ...] = ("megatron", "mosaic", "llm-foundry", "6n")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
 
 
@@ -165,6 +173,20 @@ def _megatron(shape: ModelShape, samples: float, recompute: str) -> tuple[float,
 def _mosaic(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
     s = shape.seq_length
     params_per_seq = 2 * shape.num_params * s
+    attn_per_seq = shape.num_layers * 2 * shape.hidden_size * s * s
+    model = (3 * params_per_seq + 2 * attn_per_seq) * samples
+    if recompute == "full":
+        hardware = (4 * params_per_seq + 3 * attn_per_seq) * samples
+    elif recompute == "selective":
+        hardware = (3 * params_per_seq + 3 * attn_per_seq) * samples  # one more attention forward
+    else:
+        hardware = model
+    return model, hardware
+
+
+def _llm_foundry(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
+    s = shape.seq_length
+    params_per_seq = 2 * shape.num_params * s
     attn_per_seq = shape.num_layers * 2 * 2 * shape.hidden_size * s * s
     model = 3 * (params_per_seq + attn_per_seq) * samples
     if recompute == "full":
@@ -190,7 +212,7 @@ def _six_n(shape: ModelShape, samples: float, recompute: str) -> tuple[float, fl
     return model, hardware
 
 
-_FORMULAS = {"megatron": _megatron, "mosaic": _mosaic, "6n": _six_n}
+_FORMULAS = {"megatron": _megatron, "mosaic": _mosaic, "llm-foundry": _llm_foundry, "6n": _six_n}
 
 
 def flops_per_iteration(
@@ -207,6 +229,11 @@ def flops_per_iteration(
     return FlopsCount(model_flops=float(model), hardware_flops=float(hardware), convention=convention)
 
 
+# Impossible-utilisation warnings already given in this process, so a run warns once, not at every
+# log line (keyed by what makes the figure: the step's FLOPs, convention, devices and peak).
+_WARNED: set[tuple] = set()
+
+
 def throughput_metrics(
     count: FlopsCount,
     iteration_seconds: float,
@@ -214,14 +241,19 @@ def throughput_metrics(
     peak_flops_per_device: float | None,
     *,
     allow_over_100: bool = False,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Rates and utilisations of one step that took iteration_seconds on num_devices devices.
 
     count holds FLOPs of the whole step (all devices); peak_flops_per_device is in FLOP/s.
     Returns tflops_per_device and hw_tflops_per_device (TFLOP/s = 1e12 FLOP/s per device), mfu and
-    hfu (fractions of the peak, 0..1; None when the peak is None) and the convention. MFU or HFU
-    above 1 raises MFUError; with allow_over_100 (for the calculator, which reports what it was
-    given) it warns instead.
+    hfu (fractions of the peak, 0..1; None when the peak is None) and the convention.
+
+    MFU or HFU above 1 is impossible, so it is never a result. By default (training: a metric must
+    never stop a run) both become None and a warning naming the likely causes is logged once per
+    (FLOPs, devices, peak); strict=True raises MFUError instead (a checked calculation);
+    allow_over_100=True keeps the values and issues a RuntimeWarning (the calculator, which reports
+    what it was given).
     """
     if not iteration_seconds > 0:
         raise ValueError(f"iteration_seconds must be > 0, got {iteration_seconds}")
@@ -244,13 +276,21 @@ def throughput_metrics(
     if max(mfu, hfu) > 1.0:
         message = (
             f"{count.convention}: MFU {mfu:.1%} / HFU {hfu:.1%} exceed 100% of the peak "
-            f"({peak_flops_per_device / 1e12:.4g} TFLOP/s per device). This is a bug in the inputs, not a "
-            "result: check that samples is the global batch of one step, iteration_seconds the time of "
-            "that step, num_devices every device that shared it, and the peak the one of the dtype "
-            "actually computed in."
+            f"({peak_flops_per_device / 1e12:.4g} TFLOP/s per device): impossible, so a bug in the peak "
+            "or the inputs, not a result. Likely causes: a peak measured on other kernels or under load than "
+            "the run's (on CPU: the cached measured peak), logging.peak_tflops / --peak-tflops set too low, "
+            "logging.device_name naming another device or dtype; or samples not the global batch of one "
+            "step, iteration_seconds not that step's time, num_devices not every device that shared it."
         )
-        if not allow_over_100:
+        if strict:
             raise MFUError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if allow_over_100:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        else:
+            key = (count, num_devices, peak_flops_per_device)
+            if key not in _WARNED:
+                _WARNED.add(key)
+                _log.warning("%s MFU and HFU are recorded as null (n/a).", message)
+            return metrics
     metrics["mfu"], metrics["hfu"] = mfu, hfu
     return metrics

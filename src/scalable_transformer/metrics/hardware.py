@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache import cache_dir  # re-exported: callers of metrics.hardware.cache_dir keep working
+
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
 _DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -167,18 +169,6 @@ def detect_device_name(cuda_device_name: str | None = None) -> str | None:
 # ----------------------------------------------------------------------------------------- CPU
 
 
-def cache_dir() -> Path:
-    """The user cache directory of scalable-transformer: $STX_CACHE_DIR if set, else
-    $XDG_CACHE_HOME/scalable-transformer, else ~/.cache/scalable-transformer. Not created here:
-    writers call mkdir(parents=True, exist_ok=True)."""
-    explicit = os.environ.get("STX_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "scalable-transformer"
-
-
 def cpu_peak_cache_path() -> Path:
     """JSON file holding measured CPU GEMM peaks, one entry per machine/torch/dtype key."""
     return cache_dir() / "cpu_peak.json"
@@ -195,72 +185,116 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
+# What a CPU peak is measured on; part of the cache key, so changing the measurement (v1 was bf16
+# torch.mm, 20x below what bf16 training reaches on a CPU without native bf16) invalidates old peaks.
+CPU_PEAK_METHOD = "v2: best of the 3 GEMMs of a linear layer (fwd under autocast, 2 bwd)"
+
+
 def cpu_fingerprint(dtype: str, threads: int | None = None) -> str:
-    """Cache key of a CPU peak: CPU model, logical cores, torch threads, torch version and dtype."""
+    """Cache key of a CPU peak: measurement method, CPU model, logical cores, torch threads, torch
+    version and dtype."""
     import torch
 
     nthreads = threads if threads is not None else torch.get_num_threads()
     return (
-        f"{_cpu_model()} | cores={os.cpu_count()} | threads={nthreads} | torch={torch.__version__} | "
-        f"{normalize_dtype(dtype)}"
+        f"{CPU_PEAK_METHOD} | {_cpu_model()} | cores={os.cpu_count()} | threads={nthreads} | "
+        f"torch={torch.__version__} | {normalize_dtype(dtype)}"
     )
 
 
 _CPU_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def measure_cpu_peak(dtype: str, threads: int | None = None, *, budget_seconds: float = 2.0) -> float:
-    """Best GEMM rate of this CPU in FLOP/s for dtype (fp32, bf16, fp16), over square matmuls.
+def measure_cpu_kernels(
+    dtype: str, threads: int | None = None, *, budget_seconds: float = 2.0
+) -> dict[str, float]:
+    """Best rate in FLOP/s of each GEMM that training runs for a linear layer y = x W^T, in dtype
+    (fp32, bf16, fp16), over square sizes:
 
-    The size grows until one matmul takes ~0.1 s, then matmuls repeat until budget_seconds
+    - "forward": F.linear(x, W), for bf16/fp16 under torch.autocast("cpu", dtype) with W an fp32
+      leaf that requires grad (so autocast casts it once and caches it, as it does a parameter);
+    - "grad_input": g @ W and "grad_weight": g^T @ x, plain matmuls in dtype, as autograd runs them on
+      the tensors autocast saved.
+
+    The three differ by 20x on a CPU without native bf16 (only one operand layout has a fast
+    kernel), which is why the peak is not measured on torch.mm alone. Each GEMM grows until one run
+    takes ~10 ms, is scaled to ~0.05 s per run, then the three repeat in turn until budget_seconds
     (total ~2-3 s); the best run counts, because the machine may be shared and noisy. threads sets
     torch's intra-op threads for the measurement (restored afterwards).
     """
     import torch
+    import torch.nn.functional as F
 
     dt = normalize_dtype(dtype)
     if dt not in _CPU_DTYPES:
         raise ValueError(f"CPU peak is measured for {', '.join(_CPU_DTYPES)}, not {dt}")
-    torch_dtype = getattr(torch, _CPU_DTYPES[dt])
+    low = getattr(torch, _CPU_DTYPES[dt])
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     # A private generator: measuring must not move the global RNG, or a run that measures (cache
     # miss) would draw other dropout masks than an identical run that reads the cache.
     gen = torch.Generator().manual_seed(0)
+    autocast = torch.autocast("cpu", dtype=low) if dt != "fp32" else torch.autocast("cpu", enabled=False)
+
+    def operands(kernel: str, n: int):
+        a = torch.randn(n, n, generator=gen)
+        b = torch.randn(n, n, generator=gen)
+        if kernel == "forward":
+            return a, b.requires_grad_()  # fp32 in; autocast casts, as in training
+        return a.to(low), b.to(low)
+
+    def call(kernel: str, a, b) -> None:
+        if kernel == "forward":
+            F.linear(a, b)
+        elif kernel == "grad_input":
+            torch.mm(a, b)
+        else:
+            torch.mm(a.t(), b)
+
+    best = {"forward": 0.0, "grad_input": 0.0, "grad_weight": 0.0}
     try:
-        best = 0.0
+        with torch.no_grad(), autocast:
+            deadline = time.perf_counter() + budget_seconds
 
-        def run(n: int) -> float:
-            nonlocal best
-            a = torch.randn(n, n, generator=gen).to(torch_dtype)
-            b = torch.randn(n, n, generator=gen).to(torch_dtype)
-            start = time.perf_counter()
-            torch.mm(a, b)
-            seconds = time.perf_counter() - start
-            if n >= 512:  # smaller GEMMs mostly measure call overhead
-                best = max(best, 2 * n**3 / seconds)
-            return seconds
+            def timed(kernel: str, n: int, a, b) -> float:
+                start = time.perf_counter()
+                call(kernel, a, b)
+                seconds = time.perf_counter() - start
+                best[kernel] = max(best[kernel], 2 * n**3 / seconds)
+                return seconds
 
-        deadline = time.perf_counter() + budget_seconds
-        n, seconds = 256, run(256)
-        while seconds < 0.025 and n < 4096:  # calibrate: grow until a run is long enough to scale
-            n *= 2
-            seconds = run(n)
-        # scale to ~0.1 s per run, in multiples of 256
-        n = int(min(4096, max(512, round(n * (0.1 / seconds) ** (1 / 3) / 256) * 256)))
-        a = torch.randn(n, n, generator=gen).to(torch_dtype)
-        b = torch.randn(n, n, generator=gen).to(torch_dtype)
-        torch.mm(a, b)  # warm-up: first call at a new size pays for packing/dispatch
-        for _ in range(20):
-            if time.perf_counter() >= deadline:
-                break
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+            sized = {}
+            for kernel in best:
+                n = 256
+                a, b = operands(kernel, n)
+                seconds = timed(kernel, n, a, b)
+                # grow until a run is long enough to scale (or the budget is spent: a loaded machine)
+                while seconds < 0.01 and n < 4096 and time.perf_counter() < deadline:
+                    n *= 2
+                    a, b = operands(kernel, n)
+                    seconds = timed(kernel, n, a, b)
+                # scale to ~0.05 s per run, in multiples of 256 (a slow kernel stays small)
+                target = int(min(4096, max(256, round(n * (0.05 / seconds) ** (1 / 3) / 256) * 256)))
+                if target != n and time.perf_counter() < deadline:
+                    n = target
+                    a, b = operands(kernel, n)
+                call(kernel, a, b)  # warm-up: the first call at a size pays for packing/dispatch
+                sized[kernel] = (n, a, b)
+            for _ in range(20):
+                for kernel, (n, a, b) in sized.items():
+                    if time.perf_counter() >= deadline:
+                        break
+                    timed(kernel, n, a, b)
         return best
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def measure_cpu_peak(dtype: str, threads: int | None = None, *, budget_seconds: float = 2.0) -> float:
+    """Peak of this CPU in FLOP/s for dtype: the best of the GEMMs training runs (see
+    `measure_cpu_kernels`), so a training step can never beat it."""
+    return max(measure_cpu_kernels(dtype, threads, budget_seconds=budget_seconds).values())
 
 
 def _read_cache(path: Path) -> dict:
@@ -324,7 +358,9 @@ def resolve_peak(
     if device_type == "cpu" or (device_name or "").strip().lower() == "cpu":
         value, path, cached = _cpu_peak_entry(dt)
         how = f"cached {path}" if cached else f"measured now, cached to {path}"
-        return PeakInfo(value, f"measured CPU {dt} GEMM peak ({how})")
+        return PeakInfo(
+            value, f"measured CPU {dt} GEMM peak (best linear-layer GEMM, as training runs it; {how})"
+        )
     if device_type == "cuda":
         import torch
 
@@ -340,3 +376,47 @@ def resolve_peak(
             )
         return PeakInfo(lookup_peak(detected, dt), f"{detected} {dt} dense table (detected from {raw!r})")
     raise ValueError(f"no peak FLOPs for device type {device_type!r}: set logging.peak_tflops")
+
+
+# x86 /proc/cpuinfo flags of matmul units that compute the dtype natively (named in the warning).
+_NATIVE_FLAGS = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}
+
+
+def _cpu_flags() -> set[str] | None:
+    """The x86 feature flags of this CPU, or None where /proc/cpuinfo has no "flags" line."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_precision_warning(dtype: str, threads: int | None = None) -> str | None:
+    """One line for the start of a CPU run in bf16/fp16 whose matmuls this CPU runs clearly (> 1.5x)
+    slower than fp32 ones, with the measured peaks of both dtypes; None for fp32 or when the dtype is
+    not slower. Measures (and caches) the two peaks if needed (~2 s each)."""
+    dt = normalize_dtype(dtype)
+    if dt == "fp32":
+        return None
+    import torch
+
+    nthreads = threads if threads is not None else torch.get_num_threads()
+    low, full = cpu_peak(dt, nthreads), cpu_peak("fp32", nthreads)
+    if low * 1.5 >= full:  # 1.5: two peaks measured under load differ by that much without meaning it
+        return None
+    flags, native = _cpu_flags(), _NATIVE_FLAGS[dt]
+    if flags is None:
+        why = f"this CPU has no fast {dt} matmul"
+    elif not flags & set(native):
+        why = f"this CPU has no native {dt} (no {'/'.join(native)})"
+    else:
+        have = "/".join(sorted(flags & set(native)))
+        why = f"this CPU's {dt} matmuls are slower than its fp32 ones despite {have}"
+    return (
+        f"{dt} runs at {low / 1e9:.0f} GFLOP/s here vs fp32 {full / 1e9:.0f} GFLOP/s (best linear-layer "
+        f"GEMM, {nthreads} threads): {why}; expect steps up to about {full / low:.0f}x slower than in "
+        "fp32 (train.precision=fp32)"
+    )

@@ -54,6 +54,14 @@ class TensorBoardSink:
         self._writer.close()
 
 
+def percent(fraction: float | None) -> str:
+    """A utilisation (fraction of the peak) as "12.34%", or "n/a" when it is unknown (no peak, or a
+    figure above 100% that was recorded as null)."""
+    if fraction is None or not math.isfinite(fraction):
+        return "n/a"
+    return f"{100 * fraction:.2f}%"
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -88,8 +96,8 @@ class ConsoleSink:
             f"samples/s: {r['samples_per_second']:.2f}",
             f"tokens/s: {r['tokens_per_second']:.0f}",
             f"TFLOPs/dev: {r['tflops_per_device']:.3f}",
-            f"MFU: {100 * r['mfu']:.2f}%",
-            f"HFU: {100 * r['hfu']:.2f}%",
+            f"MFU: {percent(r.get('mfu'))}",
+            f"HFU: {percent(r.get('hfu'))}",
             f"peak mem ({r.get('peak_memory_kind', 'allocated')}): {_fmt_bytes(r['peak_memory_bytes'])}",
         ]
         if r.get("skipped_iterations"):

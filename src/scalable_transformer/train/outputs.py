@@ -19,7 +19,7 @@ from ..config.rules import layout_label
 from ..config.schema import ResolvedConfig
 from ..metrics.environment import environment
 from ..metrics.flops import FlopsCount, throughput_metrics
-from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink
+from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, percent
 from .trainer import History
 
 
@@ -147,8 +147,8 @@ def print_done(console: Console, summary: dict, run_dir: Path, memory_method: st
     console.print(
         f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
         f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
-        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {100 * summary['mfu']:.2f}%, "
-        f"HFU {100 * summary['hfu']:.2f}% ({summary['flops_convention']} convention, "
+        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {percent(summary['mfu'])}, "
+        f"HFU {percent(summary['hfu'])} ({summary['flops_convention']} convention, "
         f"{summary['world_size']} device(s)) over iterations "
         f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
         f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "

@@ -27,7 +27,7 @@ from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
 from ..errors import ConfigError
 from ..metrics.flops import ModelShape, flops_per_iteration
-from ..metrics.hardware import resolve_peak
+from ..metrics.hardware import cpu_precision_warning, resolve_peak
 from ..metrics.sinks import Sink, Sinks
 from ..models import build_model, count_parameters
 from ..parallel.apply import parallelize
@@ -122,6 +122,11 @@ def _run(
         peak = resolve_peak(
             device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops
         )
+        slow_precision = (
+            cpu_precision_warning(cfg.train.precision) if dims.is_main and device.type == "cpu" else None
+        )
+        if slow_precision is not None:
+            console.print(f"[bold yellow]warning[/]: {slow_precision}")
     train_loader = build_loader(
         train_ds,
         cfg.train.micro_batch_size,
