@@ -172,10 +172,27 @@ REPORT_USAGE = """stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2]
        stx report import-log FILE --format megatron|deepspeed [--store PATH] [--label L] [--devices N]"""
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from .bench.sweep import main_sweep
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
-    return main_sweep(args)
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import signal
+
+    from .bench.sweep import SweepOptions, load_sweep, run_sweep
+
+    opts = SweepOptions(
+        sweep_file=Path(args.sweep),
+        store=Path(args.store).resolve() if args.store else None,
+        retry_failed=args.retry_failed,
+        dry_run=args.dry_run,
+    )
+    spec = load_sweep(opts.sweep_file)
+    # SIGTERM (a scheduler, `kill`) stops the sweep like Ctrl-C: the running member is killed, not recorded.
+    signal.signal(signal.SIGTERM, _interrupt)
+    # The members' processes inherit it: their output reaches the member's log as it is written.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return run_sweep(spec, opts).exit_code
 
 
 def _report_parsers() -> dict[str, argparse.ArgumentParser]:
