@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from scalable_transformer.metrics.calculator import add_arguments, estimate_num_params, run
+from scalable_transformer.cli.flops import add_arguments, run
+from scalable_transformer.metrics.calculator import estimate_num_params
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
     FlopsCount,
