@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scalable_transformer.checkpoint.manager import CheckpointError, describe_checkpoint, prune
+from scalable_transformer.cli.checkpoint import render_info
 from scalable_transformer.config.load import load_config
 from scalable_transformer.train.run import run_training
 
@@ -63,7 +64,7 @@ def test_layout_on_disk_and_info(saved):
     assert meta["model"]["hidden_size"] == 32 and "model:" in meta["config_yaml"]
     assert meta["environment"]["torch"] and meta["scheduler"]["last_epoch"] == 4
     assert "rng/rank_00000.pt" in meta["files"] and "__0_0.distcp" in meta["files"]
-    info = describe_checkpoint(str(ckpt))
+    info = render_info(describe_checkpoint(str(ckpt)))
     for text in ("iteration: 4 (16 consumed samples)", "layout dp=1 tp=1 pp=1 zero0", "2 layers x 32 hidden"):
         assert text in info
 

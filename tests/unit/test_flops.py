@@ -9,8 +9,9 @@ import warnings
 
 import pytest
 
+from scalable_transformer.cli.flops import add_arguments, run
 from scalable_transformer.metrics import flops as flops_module
-from scalable_transformer.metrics.calculator import add_arguments, estimate_num_params, run
+from scalable_transformer.metrics.calculator import estimate_num_params
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
     FlopsCount,

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scalable_transformer.cli import preprocess as cli_pp
 from scalable_transformer.data.corpus import split_sentences
 from scalable_transformer.data.indexed import IndexedDataset
 from scalable_transformer.data.preprocess import PreprocessError, expand_inputs, preprocess
@@ -335,14 +336,14 @@ def test_cli_run(tmp_path, capsys, tok):
     tok.hf.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "in.txt").write_text("alpha beta. Gamma delta.\nepsilon\n")
     parser = argparse.ArgumentParser()
-    pp.add_arguments(parser)
+    cli_pp.add_arguments(parser)
     args = parser.parse_args(
         [
             *("--input", str(tmp_path / "in.txt"), "--output-prefix", str(tmp_path / "o")),
             *("--tokenizer", str(tmp_path), "--split-sentences", "--append-eod", "--workers", "2"),
         ]
     )
-    assert pp.run(args) == 0
+    assert cli_pp.run(args) == 0
     out = capsys.readouterr().out
     assert "2 documents, 3 sequences" in out and "2 worker(s)" in out and "tokens/s" in out
     assert IndexedDataset(tmp_path / "o").num_documents == 2
@@ -356,5 +357,5 @@ def test_cli_run(tmp_path, capsys, tok):
             str(tmp_path),
         ]
     )
-    assert pp.run(args) == 2
+    assert cli_pp.run(args) == 2
     assert "input not found" in capsys.readouterr().err

@@ -10,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from scalable_transformer.cli.tokenizer import add_train_arguments, run_train
 from scalable_transformer.data.preprocess import PreprocessError
-from scalable_transformer.data.tokenizers import (
-    add_train_arguments,
-    load_tokenizer,
-    run_train,
-    train_tokenizer,
-    vocab_is_lowercase,
-)
+from scalable_transformer.data.tokenizers import load_tokenizer, train_tokenizer, vocab_is_lowercase
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizers"
 

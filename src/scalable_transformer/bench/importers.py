@@ -381,26 +381,3 @@ def import_log(
     with ResultsStore(store_path) as store:
         store.put(record)
     return record
-
-
-def main_import(args: Any) -> int:
-    record = import_log(
-        Path(args.file),
-        fmt=args.format,
-        label=args.label,
-        devices=args.devices,
-        nnodes=args.nnodes,
-        seq_length=args.seq_length,
-        store_path=Path(args.store),
-    )
-    sps, tf = record.get("samples_per_second"), record.get("tflops_per_device")
-    print(
-        f"imported {args.file} as '{record['label']}' (source {args.format}, "
-        f"devices {record['nproc'] or '?'}): "
-        + (f"{sps:.2f} samples/s" if sps is not None else "no throughput found")
-        + (f", {tf:.2f} TFLOPs/dev" if tf is not None else "")
-        + f" -> {args.store}"
-    )
-    if record.get("tflops_mismatch"):
-        print(f"warning: {json.loads(record['summary_json'])['tflops_check']}")
-    return 0

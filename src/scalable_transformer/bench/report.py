@@ -449,32 +449,5 @@ def parse_markdown_table(text: str) -> list[list[str]]:
     return rows
 
 
-def main_report(args: Any) -> int:
-    out = build_report(
-        Path(args.store),
-        [k.strip() for k in args.rows.split(",")],
-        [k.strip() for k in args.cols.split(",")],
-        parse_values(args.value),
-        Path(args.output) if args.output else None,
-        args.format,
-        args.device_memory_gb,
-    )
-    print(out, end="")
-    if args.output:
-        print(
-            f"\nwritten: {args.output}/table.md, wide.md, table.csv, wide.csv, report.html, *.png", flush=True
-        )
-    return 0
-
-
-def main_export(args: Any) -> int:
-    from .results import export
-
-    with ResultsStore(args.store, create=False) as store:
-        n = export(store, args.format, args.output)
-    print(f"{n} result(s) written to {args.output} ({args.format})")
-    return 0
-
-
 def dumps(data: Any) -> str:
     return json.dumps(data, indent=2)

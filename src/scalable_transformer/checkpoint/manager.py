@@ -588,35 +588,22 @@ class Saver:
             self.save(trainer)
 
 
-def describe_checkpoint(path: str, as_json: bool = False) -> str:
-    """`stx checkpoint info`: what a checkpoint holds, checked for completeness first."""
+def describe_checkpoint(path: str) -> dict[str, Any]:
+    """`stx checkpoint info`: what a checkpoint holds, checked for completeness first.
+
+    Returns {"path": the checkpoint directory, "metadata": its metadata.json, "model_tensors":
+    how many saved tensors belong to the model, "size_bytes": the directory's size on disk,
+    "metadata_file": {name of metadata.json: its size in bytes}} (metadata lists the other files).
+    """
     found = find_checkpoint(path, None)
     if found is None:  # only for load = auto, which find_checkpoint rejects without a save dir
         raise CheckpointError(f"{path}: no checkpoint")
     meta = read_metadata(found)
     shapes = saved_tensor_shapes(found)
-    if as_json:
-        return json.dumps(meta, indent=2)
-    m, files = meta["model"], meta["files"]
-    env = meta.get("environment") or {}
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "scalable_transformer") if k in env)
-    model_tensors = [k for k in shapes if k.startswith("model.")]
-    lines = [
-        f"checkpoint: {found}",
-        f"iteration: {meta['iteration']} ({meta['consumed_samples']} consumed samples)",
-        f"written by: {meta['world_size']} process(es), layout {meta['layout']}",
-        f"model: {m['type']}, {meta.get('num_parameters', 0):,} parameters, {m['num_layers']} layers x "
-        f"{m['hidden_size']} hidden, {m['num_attention_heads']} heads, seq {m['seq_length']}, "
-        f"vocab {m['vocab_size']}, {m['position_embedding_type']} positions, {m['activation']}, {m['norm']}",
-        f"holds: {len(model_tensors)} model tensors"
-        + (", optimizer state" if meta["contents"]["optimizer"] else ", no optimizer state")
-        + (f", RNG states of {meta['world_size']} rank(s)" if meta["contents"]["rng"] else ", no RNG states"),
-        f"size on disk: {directory_size(found) / 2**20:.2f} MiB in {len(files) + 1} files"
-        f" (saved in {meta.get('save_seconds', float('nan')):.2f} s)",
-    ]
-    if versions:
-        lines.append(f"saved with: {versions}")
-    lines.append("files:")
-    lines += [f"  {name}  {size:,} bytes" for name, size in sorted(files.items())]
-    lines.append(f"  {METADATA}  {(found / METADATA).stat().st_size:,} bytes")
-    return "\n".join(lines)
+    return {
+        "path": found,
+        "metadata": meta,
+        "model_tensors": sum(1 for k in shapes if k.startswith("model.")),
+        "size_bytes": directory_size(found),
+        "metadata_file": {METADATA: (found / METADATA).stat().st_size},
+    }

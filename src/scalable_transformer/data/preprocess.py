@@ -25,7 +25,6 @@ corpus size (a single line must fit in memory). Each worker tokenizes single-thr
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import glob
@@ -51,7 +50,7 @@ import numpy as np
 
 from scalable_transformer.data.corpus import split_sentences as _split_sentences
 from scalable_transformer.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
-from scalable_transformer.data.tokenizers import Tokenizer
+from scalable_transformer.data.tokenizers import Tokenizer, TokenizerSource
 
 from ..errors import PreprocessError
 
@@ -599,8 +598,8 @@ def preprocess(
     PreprocessError naming the file and line (and byte offset for bad UTF-8), unless
     `skip_bad_lines`, which skips and counts undecodable, malformed or key-less lines. An input
     file without any document is an error (skipped and counted with `skip_bad_lines`); no document
-    at all is always an error. `progress` shows a bar (when stderr is a terminal) and prints the
-    summary at the end.
+    at all is always an error. `progress` shows a bar (when stderr is a terminal); the caller
+    prints the summary (`PreprocessSummary.format`) if it wants to.
     """
     if workers < 1:
         raise PreprocessError(f"workers must be at least 1, got {workers}")
@@ -673,84 +672,38 @@ def preprocess(
         builder.finalize(idx_path(prefix))
     summary.skipped = dict(skipped)
     summary.seconds = time.perf_counter() - start
-    if progress:
-        print(summary.format())
     return summary
 
 
-# -- command line ---------------------------------------------------------------------------------
+# -- options --------------------------------------------------------------------------------------
 
 
-def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tokenizer, --vocab-file, --merge-file, --tokenizer-type, --tokenizer-vocab-size."""
-    parser.add_argument(
-        "--tokenizer",
-        default="embedded",
-        help="'embedded', a tokenizer.json, a BERT vocab.txt, a GPT-2 vocab.json, or a directory holding one",
+@dataclass(frozen=True)
+class PreprocessOptions:
+    """`stx preprocess`: the inputs (files, directories, globs), PREFIX of PREFIX.bin/.idx, the
+    tokenizer, and the keyword arguments of `preprocess`."""
+
+    inputs: tuple[str, ...]
+    output_prefix: str
+    tokenizer: TokenizerSource = field(default_factory=TokenizerSource)
+    json_key: str = "text"
+    split_sentences: bool = False
+    append_eod: bool = False
+    workers: int = 1
+    skip_bad_lines: bool = False
+    progress: bool = True
+
+
+def run_preprocess(opts: PreprocessOptions) -> PreprocessSummary:
+    """Load opts.tokenizer and run `preprocess` with opts."""
+    return preprocess(
+        list(opts.inputs),
+        opts.output_prefix,
+        opts.tokenizer.load(),
+        json_key=opts.json_key,
+        split_sentences=opts.split_sentences,
+        append_eod=opts.append_eod,
+        workers=opts.workers,
+        skip_bad_lines=opts.skip_bad_lines,
+        progress=opts.progress,
     )
-    parser.add_argument("--vocab-file", help="Megatron-style vocab file (BERT vocab.txt or GPT-2 vocab.json)")
-    parser.add_argument("--merge-file", help="GPT-2 merges.txt that goes with --vocab-file")
-    parser.add_argument(
-        "--tokenizer-type",
-        choices=("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "HFTokenizer"),
-        help="Megatron tokenizer type; default: inferred from the files",
-    )
-    parser.add_argument(
-        "--tokenizer-vocab-size", type=int, default=8192, help="vocab size of the 'embedded' tokenizer"
-    )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `stx preprocess`."""
-    parser.add_argument(
-        "--input", nargs="+", required=True, metavar="PATH", help="files, directories or globs"
-    )
-    parser.add_argument(
-        "--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (give PREFIX as data.path)"
-    )
-    add_tokenizer_arguments(parser)
-    parser.add_argument("--json-key", default="text", help="key of the text in JSON lines (default: text)")
-    parser.add_argument(
-        "--split-sentences", action="store_true", help="one sequence per sentence (BERT); else per document"
-    )
-    parser.add_argument("--append-eod", action="store_true", help="end each document with the EOD token")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
-    parser.add_argument(
-        "--skip-bad-lines",
-        action="store_true",
-        help="skip and count lines that are not UTF-8, not JSON or lack the key, instead of stopping",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar and summary")
-
-
-def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer:
-    from scalable_transformer.data.tokenizers import load_tokenizer
-
-    return load_tokenizer(
-        args.tokenizer,
-        args.tokenizer_vocab_size,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_type=args.tokenizer_type,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """`stx preprocess`: 0 on success, 2 (message on stderr) on bad input or a bad tokenizer."""
-    try:
-        tokenizer = tokenizer_from_args(args)
-        preprocess(
-            args.input,
-            args.output_prefix,
-            tokenizer,
-            json_key=args.json_key,
-            split_sentences=args.split_sentences,
-            append_eod=args.append_eod,
-            workers=args.workers,
-            skip_bad_lines=args.skip_bad_lines,
-            progress=not getattr(args, "no_progress", False),
-        )
-    except (PreprocessError, FileNotFoundError, ValueError) as e:
-        print(f"stx preprocess: error: {e}", file=sys.stderr)
-        return 2
-    return 0

@@ -8,13 +8,12 @@ tokenizer.json in the user cache directory, keyed by vocabulary size and corpus 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -409,37 +408,58 @@ def train_tokenizer(
     return out / "tokenizer.json"
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `stx tokenizer train`."""
-    parser.add_argument(
-        "--input", nargs="+", required=True, metavar="PATH", help="files, directories or globs"
-    )
-    parser.add_argument(
-        "--type", choices=("wordpiece", "bpe"), required=True, help="WordPiece (BERT) or BPE (GPT)"
-    )
-    parser.add_argument("--vocab-size", type=int, required=True, help="number of tokens, e.g. 30522")
-    parser.add_argument(
-        "--output", required=True, metavar="DIR", help="directory for tokenizer.json and vocab files"
-    )
-    parser.add_argument("--json-key", default="text", help="key of the text in JSON lines (default: text)")
-    parser.add_argument("--cased", action="store_true", help="keep case (default: lower-case the text)")
+@dataclasses.dataclass(frozen=True)
+class TokenizerSource:
+    """Which tokenizer to load, as `load_tokenizer` takes it (`stx preprocess --tokenizer ...`)."""
 
+    tokenizer: str | None = "embedded"
+    vocab_size: int = 8192  # of the embedded tokenizer
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_type: str | None = None  # one of TOKENIZER_TYPES, or None: inferred from the files
 
-def run_train(args: argparse.Namespace) -> int:
-    """`stx tokenizer train`: 0 on success, 2 (message on stderr) on bad input."""
-    try:
-        path = train_tokenizer(
-            args.input,
-            args.type,
-            args.vocab_size,
-            args.output,
-            json_key=args.json_key,
-            lowercase=not args.cased,
+    def load(self) -> Tokenizer:
+        return load_tokenizer(
+            self.tokenizer,
+            self.vocab_size,
+            vocab_file=self.vocab_file,
+            merge_file=self.merge_file,
+            tokenizer_type=self.tokenizer_type,
         )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"stx tokenizer train: error: {e}", file=sys.stderr)
-        return 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerTrainOptions:
+    """`stx tokenizer train`: see `train_tokenizer` for the meaning of each field."""
+
+    inputs: tuple[str, ...]
+    kind: str  # "wordpiece" or "bpe"
+    vocab_size: int
+    output_dir: str
+    json_key: str = "text"
+    lowercase: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedTokenizer:
+    """What `train_tokenizer_files` wrote: the directory, the file names in it, the vocabulary size."""
+
+    directory: Path
+    files: tuple[str, ...]
+    kind: str
+    vocab_size: int
+
+
+def train_tokenizer_files(opts: TokenizerTrainOptions) -> TrainedTokenizer:
+    """`train_tokenizer` with opts, and what it wrote (read back from the output directory)."""
+    path = train_tokenizer(
+        list(opts.inputs),
+        opts.kind,
+        opts.vocab_size,
+        opts.output_dir,
+        json_key=opts.json_key,
+        lowercase=opts.lowercase,
+    )
     tok = Tokenizer(HFTokenizer.from_file(str(path)), name=str(path))
-    written = sorted(p.name for p in path.parent.iterdir() if p.name in _TRAINED_FILES)
-    print(f"wrote {', '.join(written)} to {path.parent}: {args.type}, {tok.vocab_size} tokens")
-    return 0
+    written = tuple(sorted(p.name for p in path.parent.iterdir() if p.name in _TRAINED_FILES))
+    return TrainedTokenizer(path.parent, written, opts.kind, tok.vocab_size)

@@ -7,86 +7,41 @@ table, a measured CPU peak (`--device cpu`) or `--peak-tflops`. Without a peak o
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+import dataclasses
 import warnings
 from typing import Any
 
-from .flops import CONVENTIONS, RECOMPUTE_MODES, ModelShape, flops_per_iteration, throughput_metrics
-from .hardware import DTYPES, PEAK_TFLOPS, normalize_dtype, resolve_peak
+from .flops import CONVENTIONS, ModelShape, flops_per_iteration, throughput_metrics
+from .hardware import normalize_dtype, resolve_peak
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "seq_length", "vocab_size", "ffn_hidden_size")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the `stx flops` options on parser."""
-    model = parser.add_argument_group("model (a config, or an explicit shape)")
-    model.add_argument(
-        "--config", metavar="PATH_OR_PRESET", help="config YAML or preset name (e.g. bert-345m)"
-    )
-    model.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, repeatable (e.g. model.seq_length=1024)",
-    )
-    model.add_argument("--num-layers", type=int)
-    model.add_argument("--hidden-size", type=int)
-    model.add_argument("--seq-length", type=int, help="tokens per sample")
-    model.add_argument("--vocab-size", type=int, help="vocabulary before padding")
-    model.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="pad the explicit --vocab-size to a multiple of this, as Megatron does (default 128)",
-    )
-    model.add_argument("--ffn-hidden-size", type=int, help="MLP inner size (default 4 * hidden size)")
-    model.add_argument(
-        "--params",
-        type=int,
-        metavar="N",
-        help="parameter count N; overrides the counted (config) or estimated (shape) count",
-    )
+@dataclasses.dataclass(frozen=True)
+class FlopsOptions:
+    """The inputs of `calculate`: a model (config + overrides, or an explicit shape), one measured
+    throughput (samples/s, tokens/s, or seconds per optimizer step with its global batch) and the
+    hardware (device count, device name or measured CPU, dtype, or an explicit peak in TFLOP/s)."""
 
-    speed = parser.add_argument_group("measured throughput (one of)")
-    rate = speed.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--samples-per-second", type=float, help="global samples (sequences) per second")
-    rate.add_argument("--tokens-per-second", type=float, help="global tokens per second")
-    rate.add_argument(
-        "--iteration-time",
-        type=float,
-        metavar="SECONDS",
-        help="seconds per optimizer step (needs --global-batch-size or a config)",
-    )
-    speed.add_argument("--global-batch-size", type=int, help="samples per optimizer step")
-
-    hw = parser.add_argument_group("hardware")
-    hw.add_argument("--devices", type=int, help="devices that shared the work (default 1)")
-    hw.add_argument(
-        "--device",
-        metavar="NAME",
-        help=f"peak table entry ({', '.join(PEAK_TFLOPS)}) or 'cpu' to measure this CPU",
-    )
-    hw.add_argument(
-        "--dtype",
-        help=f"compute dtype of the matmuls: {', '.join(DTYPES)} "
-        "(default: the config's precision, else bf16)",
-    )
-    hw.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device (overrides --device)")
-    parser.add_argument(
-        "--activation-checkpointing",
-        choices=RECOMPUTE_MODES,
-        help="recompute mode, counts towards HFU (default: the config's, else none)",
-    )
-    parser.add_argument(
-        "--convention",
-        choices=(*CONVENTIONS, "all"),
-        default="all",
-        help="FLOPs convention (default all: one row each)",
-    )
-    parser.add_argument("--json", action="store_true", help="print a machine-readable dict")
+    config: str | None = None  # preset name or config path
+    override: tuple[str, ...] = ()  # key=value config overrides (need config)
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    seq_length: int | None = None  # tokens per sample
+    vocab_size: int | None = None  # before padding
+    make_vocab_size_divisible_by: int = 128
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    params: int | None = None  # parameter count; default counted (config) or estimated (shape)
+    samples_per_second: float | None = None  # global
+    tokens_per_second: float | None = None  # global
+    iteration_time: float | None = None  # seconds per optimizer step
+    global_batch_size: int | None = None  # samples per optimizer step
+    devices: int | None = None  # devices that shared the work (default 1)
+    device: str | None = None  # peak table entry, or "cpu" to measure this CPU
+    dtype: str | None = None  # default: the config's precision, else bf16
+    peak_tflops: float | None = None  # dense peak TFLOP/s per device (overrides device)
+    activation_checkpointing: str | None = None  # default: the config's, else none
+    convention: str = "all"  # one of CONVENTIONS, or "all"
 
 
 def estimate_num_params(
@@ -127,68 +82,71 @@ def _resolve_config(spec: str, overrides: list[str], devices: int) -> tuple[Any,
     return resolve(raw, world_size=1), raw.train.global_batch_size
 
 
-def calculate(args: argparse.Namespace) -> dict[str, Any]:
+def calculate(opts: FlopsOptions) -> dict[str, Any]:
     """The numbers `stx flops` prints, as a JSON-ready dict. Raises ValueError on bad input."""
-    given_shape = [name for name in _SHAPE_FLAGS if getattr(args, name, None) is not None]
-    devices = args.devices if args.devices is not None else 1
+    given_shape = [name for name in _SHAPE_FLAGS if getattr(opts, name) is not None]
+    devices = opts.devices if opts.devices is not None else 1
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
     cfg, config_batch = None, None
-    if args.config is not None:
+    if opts.config is not None:
         if given_shape:
             raise ValueError(
                 f"--config and explicit shape flags ({', '.join(given_shape)}) are exclusive; "
                 "change the config with --override model.KEY=VALUE"
             )
-        cfg, config_batch = _resolve_config(args.config, list(args.override), devices)
-        if args.params is not None:
-            n, n_source = args.params, "given (--params)"
+        cfg, config_batch = _resolve_config(opts.config, list(opts.override), devices)
+        if opts.params is not None:
+            n, n_source = opts.params, "given (--params)"
         else:
             from scalable_transformer.models import count_parameters
 
-            n, n_source = count_parameters(cfg.model), f"counted from the model of {args.config}"
+            n, n_source = count_parameters(cfg.model), f"counted from the model of {opts.config}"
         shape = ModelShape.from_config(cfg.model, n, tp=cfg.parallel.tp)
     else:
-        missing = [f"--{name.replace('_', '-')}" for name in _SHAPE_FLAGS[:4] if getattr(args, name) is None]
-        if missing:
+        layers, hidden, seq, raw_vocab = opts.num_layers, opts.hidden_size, opts.seq_length, opts.vocab_size
+        if layers is None or hidden is None or seq is None or raw_vocab is None:
+            missing = [
+                f"--{name.replace('_', '-')}" for name in _SHAPE_FLAGS[:4] if getattr(opts, name) is None
+            ]
             raise ValueError(f"give --config, or an explicit shape: missing {', '.join(missing)}")
-        if args.override:
+        if opts.override:
             raise ValueError("--override needs --config")
         from scalable_transformer.models import padded_vocab_size
 
-        vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
-        if args.params is not None:
-            n, n_source = args.params, "given (--params)"
+        vocab = padded_vocab_size(raw_vocab, opts.make_vocab_size_divisible_by)
+        if opts.params is not None:
+            n, n_source = opts.params, "given (--params)"
         else:
-            n = estimate_num_params(
-                args.num_layers, args.hidden_size, args.seq_length, vocab, args.ffn_hidden_size
-            )
+            n = estimate_num_params(layers, hidden, seq, vocab, opts.ffn_hidden_size)
             n_source = "estimated: 12*L*h^2 + 13*L*h + V*h + s*h (pass --params for the exact count)"
-        shape = ModelShape(args.num_layers, args.hidden_size, args.seq_length, vocab, n, args.ffn_hidden_size)
+        shape = ModelShape(layers, hidden, seq, vocab, n, opts.ffn_hidden_size)
 
-    recompute = args.activation_checkpointing or (cfg.parallel.activation_checkpointing if cfg else "none")
-    dtype = normalize_dtype(args.dtype or (cfg.train.precision if cfg else "bf16"))
-    global_batch = args.global_batch_size or (config_batch if cfg else None)
+    recompute = opts.activation_checkpointing or (cfg.parallel.activation_checkpointing if cfg else "none")
+    dtype = normalize_dtype(opts.dtype or (cfg.train.precision if cfg else "bf16"))
+    global_batch = opts.global_batch_size or (config_batch if cfg else None)
     if global_batch is not None and global_batch < 1:
         raise ValueError(f"--global-batch-size must be >= 1, got {global_batch}")
 
-    if args.iteration_time is not None:
-        if not args.iteration_time > 0:
-            raise ValueError(f"--iteration-time must be > 0 seconds, got {args.iteration_time}")
+    if opts.iteration_time is not None:
+        if not opts.iteration_time > 0:
+            raise ValueError(f"--iteration-time must be > 0 seconds, got {opts.iteration_time}")
         if global_batch is None:
             raise ValueError("--iteration-time needs --global-batch-size (or a config that sets it)")
-        samples_per_second = global_batch / args.iteration_time
-    elif args.tokens_per_second is not None:
-        samples_per_second = args.tokens_per_second / shape.seq_length
+        samples_per_second = global_batch / opts.iteration_time
+    elif opts.tokens_per_second is not None:
+        samples_per_second = opts.tokens_per_second / shape.seq_length
+    elif opts.samples_per_second is not None:
+        samples_per_second = opts.samples_per_second
     else:
-        samples_per_second = args.samples_per_second
+        raise ValueError("give one throughput: --samples-per-second, --tokens-per-second or --iteration-time")
     if not samples_per_second > 0:
         raise ValueError(f"throughput must be > 0, got {samples_per_second} samples/s")
     iteration_seconds = global_batch / samples_per_second if global_batch is not None else None
 
-    device = args.device or (cfg.logging.device_name if cfg else None)
+    device = opts.device or (cfg.logging.device_name if cfg else None)
     override = (
-        args.peak_tflops if args.peak_tflops is not None else (cfg.logging.peak_tflops if cfg else None)
+        opts.peak_tflops if opts.peak_tflops is not None else (cfg.logging.peak_tflops if cfg else None)
     )
     peak = None
     if device is not None or override is not None:
@@ -197,7 +155,7 @@ def calculate(args: argparse.Namespace) -> dict[str, Any]:
 
     # FLOPs are linear in samples, so one second of work at the measured rate gives the same rates
     # as one step of the global batch; per-step FLOPs are reported only when the batch is known.
-    conventions = CONVENTIONS if args.convention == "all" else (args.convention,)
+    conventions = CONVENTIONS if opts.convention == "all" else (opts.convention,)
     rows, notes = [], []
     for convention in conventions:
         per_second = flops_per_iteration(shape, samples_per_second, convention, recompute)
@@ -235,66 +193,3 @@ def calculate(args: argparse.Namespace) -> dict[str, Any]:
         "results": rows,
         "warnings": notes,
     }
-
-
-def _render(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    shape, peak = result["shape"], result["peak"]
-    console.print(
-        f"model: L={shape['num_layers']} h={shape['hidden_size']} s={shape['seq_length']} "
-        f"V={shape['vocab_size']} (padded) F={shape['ffn_hidden_size']} N={shape['num_params']:,} "
-        f"[dim]({result['num_params_source']})[/dim]"
-    )
-    step = (
-        f", {result['global_batch_size']} samples/step = {result['iteration_seconds']:.4g} s/step"
-        if result["global_batch_size"]
-        else ""
-    )
-    console.print(
-        f"throughput: {result['samples_per_second']:.4g} samples/s, "
-        f"{result['tokens_per_second']:.4g} tokens/s{step}, on {result['devices']} device(s)"
-    )
-    console.print(f"activation checkpointing: {result['activation_checkpointing']} (counts towards HFU only)")
-    if peak is None:
-        console.print("peak: none given (--device NAME, --device cpu or --peak-tflops) -> no MFU/HFU")
-    else:
-        console.print(
-            f"peak: {peak['tflops_per_device']:.4g} TFLOP/s per device, {result['dtype']} "
-            f"[dim]({peak['source']})[/dim]"
-        )
-    table = Table(title="TFLOP/s per device (dense peak)")
-    for column in ("convention", "model TFLOP/s/dev", "HW TFLOP/s/dev", "MFU", "HFU", "model GFLOP/sample"):
-        table.add_column(column, justify="left" if column == "convention" else "right")
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1%}"
-
-    for row in result["results"]:
-        table.add_row(
-            row["convention"],
-            f"{row['tflops_per_device']:.2f}",
-            f"{row['hw_tflops_per_device']:.2f}",
-            pct(row["mfu"]),
-            pct(row["hfu"]),
-            f"{row['model_flops_per_sample'] / 1e9:,.1f}",
-        )
-    console.print(table)
-    for note in result["warnings"]:
-        console.print(f"[bold red]warning:[/bold red] {note}")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `stx flops`; returns the process exit code."""
-    try:
-        result = calculate(args)
-    except (ValueError, ImportError) as error:
-        print(f"stx flops: error: {error}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _render(result)
-    return 0

@@ -1,0 +1,76 @@
+"""Present: the console lines of a sweep (plan, progress with ETA, outcomes, totals), on stderr.
+
+Only formatting: `run_sweep` decides what happens and calls one method per event.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+if TYPE_CHECKING:  # sweep.py imports this module
+    from .sweep import Member
+    from .sweep_spec import SweepSpec
+
+
+def hms(seconds: float) -> str:
+    """seconds as H:MM:SS."""
+    s = int(seconds)
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class SweepConsole:
+    """What `stx sweep` prints while it plans and runs; plain text (no markup), soft-wrapped."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+
+    def plan(self, spec: SweepSpec, members: list[Member], filtered: int, store_path: Path) -> None:
+        invalid = [m for m in members if m.invalid_reason]
+        self.console.print(
+            f"sweep {spec.name}: {len(members)} member(s) ({len(invalid)} invalid, {filtered} left out by "
+            f"filters), {spec.steps} steps each, store {store_path}"
+        )
+        for m in invalid:
+            if m.repeat == 0:
+                self.console.print(f"  invalid: {m.label} (nproc {m.nproc}): {m.invalid_reason}")
+
+    def dry_run(self, members: list[Member]) -> None:
+        for m in members:
+            if not m.invalid_reason:
+                self.console.print(
+                    f"  would run: {m.label} (nproc {m.nproc}, repeat {m.repeat}, timeout "
+                    f"{m.timeout_seconds:g} s, memory limit {m.memory_limit_mb or '-'} MiB) [{m.config_hash}]"
+                )
+
+    def to_run(self, todo: int, skipped: int) -> None:
+        self.console.print(f"to run: {todo}; already in the store: {skipped}")
+
+    def starting(self, done: int, total: int, m: Member, elapsed: float, eta: float | None) -> None:
+        self.console.print(
+            f"[{done}/{total} done] running {m.label} (nproc {m.nproc}, repeat {m.repeat}) | "
+            f"elapsed {hms(elapsed)} | ETA {hms(eta) if eta is not None else '?'}"
+        )
+
+    def finished(self, record: dict[str, Any]) -> None:
+        extra = ""
+        if record["status"] == "ok":
+            extra = (
+                f": {record['samples_per_second']:.2f} samples/s, overhead "
+                f"{record['overhead_seconds'] or float('nan'):.1f} s"
+            )
+        self.console.print(f"  -> {record['status']} in {record['wall_seconds']:.1f} s{extra}")
+
+    def interrupted(self, done: int) -> None:
+        self.console.print(
+            f"sweep interrupted after {done} member(s); run it again to resume (finished members are skipped)"
+        )
+
+    def summary(self, total: int, seconds: float, counts: dict[str, int], store_path: Path) -> None:
+        self.console.print(
+            f"[{total}/{total} done] in {hms(seconds)}: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing to run")
+            + f"; store {store_path}"
+        )

@@ -1,0 +1,130 @@
+"""Record: the results-store rows of a sweep's members (and the summary fields they copy).
+
+A row is the member's identity and layout columns (`base_record`) merged with how it ended:
+`invalid_record` for a member the config rules rejected, `result_record` for one that ran.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config.load import to_yaml
+from ..config.schema import Config
+
+if TYPE_CHECKING:  # sweep.py imports this module
+    from .sweep import Member
+    from .sweep_spec import SweepSpec
+
+
+def now() -> str:
+    """The current UTC time as the store keeps it (ISO 8601, seconds)."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def loop_seconds(run_dir: Path) -> float | None:
+    """The sum of the training iterations' times, from metrics.jsonl (per-interval mean x interval)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    total, prev = 0.0, 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train" and "iteration_time_ms" in rec:
+            total += rec["iteration_time_ms"] / 1000 * (rec["iteration"] - prev)
+            prev = rec["iteration"]
+    return total or None
+
+
+def record_from_summary(summary: dict[str, Any], cfg: Config | None) -> dict[str, Any]:
+    """Result columns from a summary.json (and the resolved config for the layout columns)."""
+    per_rank = summary.get("peak_memory_bytes_per_rank") or (
+        [summary["peak_memory_bytes"]] if summary.get("peak_memory_bytes") else []
+    )
+    rec: dict[str, Any] = {
+        k: summary.get(k)
+        for k in (
+            "samples_per_second",
+            "tokens_per_second",
+            "tflops_per_device",
+            "mfu",
+            "hfu",
+            "flops_convention",
+            "peak_flops_per_device",
+            "seq_length",
+            "global_batch_size",
+            "layout",
+        )
+    }
+    rec["num_parameters"] = summary.get("num_parameters")
+    rec["peak_memory_bytes_max"] = max(per_rank) if per_rank else None
+    rec["summary_json"] = json.dumps(summary)
+    if cfg is not None:
+        rec.update(config_columns(cfg))
+    return rec
+
+
+def config_columns(cfg: Config) -> dict[str, Any]:
+    p, t = cfg.parallel, cfg.train
+    return {
+        "model": cfg.model.type,
+        "seq_length": cfg.model.seq_length,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "zero_stage": p.zero_stage,
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "offload": int(bool(p.offload_optimizer or p.offload_param)),
+        "activation_checkpointing": p.activation_checkpointing,
+        "precision": t.precision,
+        "config_yaml": to_yaml(cfg),
+    }
+
+
+def base_record(spec: SweepSpec, m: Member) -> dict[str, Any]:
+    """What identifies a member and its layout, whatever its outcome."""
+    rec: dict[str, Any] = {
+        "config_hash": m.config_hash,
+        "repeat": m.repeat,
+        "source": "stx",
+        "sweep": spec.name,
+        "label": m.label,
+        "nproc": m.nproc,
+        "nnodes": 1,
+        "steps": spec.steps,
+        "overrides_json": json.dumps(dict(kv.split("=", 1) for kv in m.overrides)),
+    }
+    if m.cfg is not None:
+        rec.update(config_columns(m.cfg))
+    return rec
+
+
+def invalid_record(spec: SweepSpec, m: Member, env_json: str) -> dict[str, Any]:
+    """The row of a member that never runs: its config breaks a rule (the reason is the error)."""
+    return base_record(spec, m) | {
+        "status": "invalid",
+        "error": m.invalid_reason,
+        "env_json": env_json,
+        "finished_at": now(),
+    }
+
+
+def result_record(outcome: dict[str, Any], m: Member) -> dict[str, Any]:
+    """outcome (status, error, times, run_dir: what execute reports) plus, for an ok member, the
+    numbers of its summary.json and loop time, and the environment its ranks recorded."""
+    record = dict(outcome)
+    run_dir = Path(outcome["run_dir"])
+    if record["status"] == "ok":
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        record.update(record_from_summary(summary, m.cfg))
+        loop = loop_seconds(run_dir)
+        record["loop_seconds"] = loop
+        record["overhead_seconds"] = record["wall_seconds"] - loop if loop is not None else None
+    env_path = run_dir / "env.json"
+    if env_path.is_file():
+        record["env_json"] = env_path.read_text(encoding="utf-8")
+    return record

@@ -1,0 +1,75 @@
+"""`stx`: command parsing and dispatch only; the work happens in the library modules the commands call.
+
+One module per command: it registers its argparse parser, turns the parsed arguments into a typed
+options object, calls the library with it and renders what comes back (console text, JSON). Here:
+the top-level parser, and the error handling and exit codes common to every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from . import checkpoint, config, env, export, flops, launch, preprocess, report, sweep, tokenizer, train
+
+EPILOG = """Examples:
+  stx train
+  stx train tiny-gpt model.num_layers=4 optim.lr=3e-4
+  stx launch -n 2 train tiny-gpt
+  stx config show bert-345m
+  stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
+  stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
+  stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16
+  stx sweep sweep.yaml
+  stx report results.sqlite --output report/"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stx",
+        description="Pretrain BERT/GPT with any parallel layout "
+        "from one config; measure and compare layouts.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    # The order of `stx --help`; launch's SUBCOMMAND accepts every command, whatever the order.
+    commands = (train, config, tokenizer, preprocess, flops, checkpoint, export, env, sweep, report, launch)
+    for command in commands:
+        command.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import CheckpointError, ConfigError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
+        # `stx report` has three forms with their own options (see REPORT_USAGE): parsed in cli/report.py.
+        args = argparse.Namespace(fn=report.run, args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+    warnings.simplefilter("default")
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"stx: config error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"stx: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        # Bad input (a dataset, a tokenizer file, a blend) is reported as a message, not a traceback;
+        # STX_DEBUG=1 re-raises for the full stack when the message is not enough.
+        if os.environ.get("STX_DEBUG"):
+            raise
+        print(f"stx: error: {e}\n(set STX_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stx: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `stx ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0

@@ -1,0 +1,97 @@
+"""`stx config show|validate|docs|from-hf`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from .train import split_config_args
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigOptions:
+    """action: show, validate, docs or from-hf; config and overrides as `stx train` takes them;
+    world_size: processes the job will run on (for dp); update: docs files to rewrite (None: print)."""
+
+    action: str
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+    world_size: int = 1
+    update: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ConfigOptions:
+        if args.action == "from-hf":  # one directory, whatever it looks like
+            if len(args.items) != 1:
+                raise ValueError("stx config from-hf takes one argument: a Hugging Face model directory")
+            return cls(args.action, args.items[0], (), args.world_size)
+        config, overrides = split_config_args(args.items)
+        update = tuple(args.update) if args.update is not None else None
+        return cls(args.action, config, tuple(overrides), args.world_size, update)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="show, validate or document configs")
+    p.add_argument("action", choices=("show", "validate", "docs", "from-hf"))
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.add_argument("--world-size", type=int, default=1, help="processes the job will run on (for dp)")
+    p.add_argument(
+        "--update",
+        nargs="*",
+        metavar="FILE",
+        help="docs: rewrite the reference block in these files (README.md docs/CONFIG.md)",
+    )
+    p.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = ConfigOptions.from_args(args)
+    if opts.action == "docs":
+        from ..config.docs import reference_markdown, update_file
+
+        if opts.update:
+            for path in opts.update:
+                changed = update_file(Path(path))
+                print(f"{path}: {'updated' if changed else 'already up to date'}")
+        else:
+            print(reference_markdown())
+        return 0
+    if opts.action == "from-hf":
+        _print_from_hf(Path(str(opts.config)).resolve())
+        return 0
+    from ..config.load import load_config, to_yaml
+    from ..config.validate import resolve
+
+    cfg = resolve(load_config(opts.config, list(opts.overrides)), world_size=opts.world_size)
+    if opts.action == "show":
+        print(to_yaml(cfg), end="")
+    else:
+        name = opts.config or "the embedded default (tiny-bert)"
+        print(
+            f"{name}: valid (world size {opts.world_size}: dp={cfg.parallel.dp}, global batch "
+            f"{cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
+            f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp})"
+        )
+    return 0
+
+
+def config_from_hf(hf_dir: Path) -> dict[str, Any]:
+    """A config (as a YAML-ready dict) that continues pretraining the Hugging Face model in hf_dir."""
+    from ..checkpoint.hf_import import model_overrides_from_hf
+
+    model = model_overrides_from_hf(hf_dir)
+    model["seq_length"] = model["max_position_embeddings"]  # the longest the model was trained for
+    config: dict[str, Any] = {"model": model, "checkpoint": {"init_from_hf": str(hf_dir)}}
+    if (hf_dir / "tokenizer.json").is_file():
+        config["data"] = {"vocab_file": str(hf_dir / "tokenizer.json")}
+    return config
+
+
+def _print_from_hf(hf_dir: Path) -> None:
+    import yaml
+
+    config = config_from_hf(hf_dir)
+    print(f"# continue pretraining {hf_dir}; save as a file and run `stx train FILE`", flush=True)
+    print(yaml.safe_dump(config, sort_keys=False), end="")

@@ -1,0 +1,44 @@
+"""`stx env`: versions and hardware fingerprint (the env.json of every run directory)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvOptions:
+    as_json: bool = False  # the whole fingerprint as JSON instead of one line per entry
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="versions and hardware fingerprint (stored in every run directory)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.environment import environment
+
+    opts = EnvOptions(as_json=args.json)
+    env = environment()
+    if opts.as_json:
+        print(json.dumps(env, indent=2))
+    else:
+        for line in render(env):
+            print(line)
+    return 0
+
+
+def render(env: dict[str, Any]) -> list[str]:
+    """One `key: value` line per entry, keys right-aligned; dicts and lists on one line."""
+    lines = []
+    for key, value in env.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
+        elif isinstance(value, list):
+            value = "; ".join(json.dumps(v) for v in value) or "-"
+        lines.append(f"{key:>22}: {value}")
+    return lines

@@ -1,0 +1,195 @@
+"""`stx report`: tables and plots from a results store; `export` it; `import-log` Megatron/DeepSpeed logs.
+
+The three forms have their own options (see REPORT_USAGE), so `stx report` takes the rest of the
+command line and parses it here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+REPORT_USAGE = """stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2] [--format md|csv|html]
+                  [--output DIR] [--device-memory-gb G]
+       stx report export STORE --format csv|parquet --output FILE
+       stx report import-log FILE --format megatron|deepspeed [--store PATH] [--label L] [--devices N]"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableOptions:
+    """`stx report [STORE]`: row and column keys, cell values, what is printed, where files go."""
+
+    store: Path
+    rows: tuple[str, ...]
+    cols: tuple[str, ...]
+    values: tuple[str, ...]
+    format: str = "md"
+    output: Path | None = None
+    device_memory_gb: float | None = None  # GiB: the device memory line of the memory plot
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """`stx report export`: every stored result to one csv or parquet file."""
+
+    store: Path
+    format: str
+    output: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportLogOptions:
+    """`stx report import-log`: a Megatron or DeepSpeed training log as one stored result."""
+
+    file: str  # as given: the summary line names it so
+    format: str
+    store: str
+    label: str | None = None
+    devices: int | None = None
+    nnodes: int = 1
+    seq_length: int | None = None  # tokens per sample, when the log does not say
+
+
+def _report_parsers() -> dict[str, argparse.ArgumentParser]:
+    table = argparse.ArgumentParser(prog="stx report", usage=REPORT_USAGE)
+    table.add_argument(
+        "store", nargs="?", default="results.sqlite", help="results store (default results.sqlite)"
+    )
+    table.add_argument(
+        "--rows", default="label", help="row keys, comma-separated (default label: the layout)"
+    )
+    table.add_argument(
+        "--cols", default="devices", help="column keys (default devices: '2', or '4*8' for nodes)"
+    )
+    table.add_argument(
+        "--value",
+        default="samples_per_second,tflops_per_device",
+        help="cell values: samples_per_second, tokens_per_second, tflops_per_device, mfu, hfu, peak_memory",
+    )
+    table.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what is printed")
+    table.add_argument("--output", help="directory: table/wide .md and .csv, report.html, PNG plots")
+    table.add_argument("--device-memory-gb", type=float, help="device memory line of the memory plot (GiB)")
+    export = argparse.ArgumentParser(prog="stx report export")
+    export.add_argument("store")
+    export.add_argument("--format", choices=("csv", "parquet"), required=True)
+    export.add_argument("--output", required=True)
+    imp = argparse.ArgumentParser(prog="stx report import-log")
+    imp.add_argument("file")
+    imp.add_argument("--format", choices=("megatron", "deepspeed"), required=True)
+    imp.add_argument("--store", default="results.sqlite", help="results store (default results.sqlite)")
+    imp.add_argument("--label", help="report row label (default: file name and format)")
+    imp.add_argument("--devices", type=int, help="GPUs of the job (default: world size from the log)")
+    imp.add_argument("--nnodes", type=int, default=1, help="nodes of the job (for the '4*8' column)")
+    imp.add_argument("--seq-length", type=int, help="tokens per sample, when the log does not say")
+    return {"table": table, "export": export, "import-log": imp}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="tables (md/csv/html) and plots from a results store; export; import Megatron/DeepSpeed logs",
+        usage=REPORT_USAGE,
+        description="Tables like the users' own (layout x device count) and a wide MosaicML-style table.",
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see usage")
+    p.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.results import StoreError
+
+    parsers = _report_parsers()
+    rest = list(args.args)
+    action = rest.pop(0) if rest and rest[0] in ("export", "import-log") else "table"
+    sub_args = parsers[action].parse_args(rest)
+    try:
+        if action == "export":
+            return export(ExportOptions(Path(sub_args.store), sub_args.format, sub_args.output))
+        if action == "import-log":
+            return import_log(
+                ImportLogOptions(
+                    sub_args.file,
+                    sub_args.format,
+                    sub_args.store,
+                    sub_args.label,
+                    sub_args.devices,
+                    sub_args.nnodes,
+                    sub_args.seq_length,
+                )
+            )
+        return table(table_options(sub_args))
+    except StoreError as e:
+        print(f"stx report: error: {e}", file=sys.stderr)
+        return 2
+
+
+def table_options(args: argparse.Namespace) -> TableOptions:
+    from ..bench.report import parse_values
+
+    return TableOptions(
+        store=Path(args.store),
+        rows=tuple(k.strip() for k in args.rows.split(",")),
+        cols=tuple(k.strip() for k in args.cols.split(",")),
+        values=tuple(parse_values(args.value)),
+        format=args.format,
+        output=Path(args.output) if args.output else None,
+        device_memory_gb=args.device_memory_gb,
+    )
+
+
+def table(opts: TableOptions) -> int:
+    from ..bench.report import build_report
+
+    out = build_report(
+        opts.store,
+        list(opts.rows),
+        list(opts.cols),
+        list(opts.values),
+        opts.output,
+        opts.format,
+        opts.device_memory_gb,
+    )
+    print(out, end="")
+    if opts.output:
+        print(
+            f"\nwritten: {opts.output}/table.md, wide.md, table.csv, wide.csv, report.html, *.png", flush=True
+        )
+    return 0
+
+
+def export(opts: ExportOptions) -> int:
+    from ..bench.results import ResultsStore
+    from ..bench.results import export as export_results
+
+    with ResultsStore(opts.store, create=False) as store:
+        n = export_results(store, opts.format, opts.output)
+    print(f"{n} result(s) written to {opts.output} ({opts.format})")
+    return 0
+
+
+def import_log(opts: ImportLogOptions) -> int:
+    from ..bench.importers import import_log as import_one
+
+    record = import_one(
+        Path(opts.file),
+        fmt=opts.format,
+        label=opts.label,
+        devices=opts.devices,
+        nnodes=opts.nnodes,
+        seq_length=opts.seq_length,
+        store_path=Path(opts.store),
+    )
+    sps, tf = record.get("samples_per_second"), record.get("tflops_per_device")
+    print(
+        f"imported {opts.file} as '{record['label']}' (source {opts.format}, "
+        f"devices {record['nproc'] or '?'}): "
+        + (f"{sps:.2f} samples/s" if sps is not None else "no throughput found")
+        + (f", {tf:.2f} TFLOPs/dev" if tf is not None else "")
+        + f" -> {opts.store}"
+    )
+    if record.get("tflops_mismatch"):
+        print(f"warning: {json.loads(record['summary_json'])['tflops_check']}")
+    return 0

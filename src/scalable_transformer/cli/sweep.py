@@ -1,0 +1,53 @@
+"""`stx sweep SWEEP.yaml`: run a grid of layouts, catch OOM/timeout/crash, store every result."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..bench.sweep import SweepOptions
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="run a grid of layouts (each via stx launch), catch OOM/timeout/crash, store every result",
+        description="stx sweep SWEEP.yaml: expand the axes, list invalid members, run the rest one job "
+        "each, and record them in the results store; a restarted sweep skips finished members.",
+    )
+    p.add_argument("sweep", help="the sweep file (YAML)")
+    p.add_argument("--store", help="results store (default: the sweep's store:, or results.sqlite beside it)")
+    p.add_argument("--retry-failed", action="store_true", help="rerun members stored as oom/timeout/crashed")
+    p.add_argument("--dry-run", action="store_true", help="list the members and invalid ones; run nothing")
+    p.set_defaults(fn=run)
+
+
+def sweep_options(args: argparse.Namespace) -> SweepOptions:
+    from ..bench.sweep import SweepOptions
+
+    return SweepOptions(
+        sweep_file=Path(args.sweep),
+        store=Path(args.store).resolve() if args.store else None,
+        retry_failed=args.retry_failed,
+        dry_run=args.dry_run,
+    )
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.sweep import load_sweep, run_sweep
+
+    opts = sweep_options(args)
+    spec = load_sweep(opts.sweep_file)
+    # SIGTERM (a scheduler, `kill`) stops the sweep like Ctrl-C: the running member is killed, not recorded.
+    signal.signal(signal.SIGTERM, _interrupt)
+    # The members' processes inherit it: their output reaches the member's log as it is written.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return run_sweep(spec, opts).exit_code
