@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from ..config.load import load_config, preset_names, to_yaml
+from ..config.rules import layout_label
 from ..config.schema import Config
 from ..config.validate import resolve
 from ..errors import ConfigError, SweepError
@@ -91,24 +92,15 @@ class Member:
 
 
 def _label(base: str, point: dict[str, str], cfg: Config | None) -> str:
-    """The report row: 'tiny-gpt hidden_size=32 tp=2 zero3+offload'; dp and nproc are the columns."""
+    """The report row: 'tiny-gpt hidden_size=32 tp=2 pp=1 zero3+offload' (the other axes' values, then
+    the layout label without dp); dp and nproc are the columns."""
     name = Path(base).stem if base not in preset_names() else base
     parts = [name]
     parts += [f"{k.split('.')[-1]}={v}" for k, v in point.items() if k != "nproc" and "parallel" not in k]
     if cfg is None:
         parts += [f"{k.split('.')[-1]}={v}" for k, v in point.items() if "parallel" in k]
         return " ".join(parts)
-    p = cfg.parallel
-    parts += [
-        f"tp={p.tp}",
-        f"pp={p.pp}",
-        f"zero{p.zero_stage}" + ("+offload" if p.offload_optimizer or p.offload_param else ""),
-    ]
-    if p.sequence_parallel:
-        parts.append("sp")
-    if p.activation_checkpointing != "none":
-        parts.append(f"recompute={p.activation_checkpointing}")
-    return " ".join(parts)
+    return " ".join([*parts, layout_label(cfg, with_dp=False)])
 
 
 def config_hash(cfg: Config, nproc: int, steps: int) -> str:
@@ -229,7 +221,7 @@ def run_sweep(
     if options.dry_run:
         present.dry_run(members)
         return SweepOutcome()
-    from .environment import environment
+    from ..metrics.environment import environment
 
     env_json = json.dumps(environment())
     outcome = SweepOutcome()

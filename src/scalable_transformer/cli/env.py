@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.environment import environment
+    from ..metrics.environment import environment
 
     opts = EnvOptions(as_json=args.json)
     env = environment()

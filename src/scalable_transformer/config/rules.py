@@ -129,11 +129,13 @@ def stage_rank(stage: int, pp: int, virtual: int, schedule: str) -> int:
     raise ValueError(f"stage {stage} is not in a pipeline of {pp} x {virtual} stages")
 
 
-def layout_label(cfg: Config) -> str:
-    """'dp=2 tp=1 pp=1 zero3+offload recompute full': THE layout label of a run, sweep member and report
-    row (one function, so stored results and console lines always agree)."""
+def layout_label(cfg: Config, with_dp: bool = True) -> str:
+    """'dp=2 tp=1 pp=1 zero3+offload recompute full': THE layout label of a run, a checkpoint, a sweep
+    member and a report row (one function, so stored results and console lines always agree). A sweep
+    row leaves dp out (`with_dp=False`): there dp follows the process count, which is a column."""
     p = cfg.parallel
-    parts = [f"dp={p.dp}", f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
+    parts = [f"dp={p.dp}"] if with_dp else []
+    parts += [f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
     if p.offload_optimizer or p.offload_param:
         parts[-1] += "+offload"
     if p.sequence_parallel:

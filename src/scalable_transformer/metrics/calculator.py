@@ -65,11 +65,8 @@ def estimate_num_params(
 def _resolve_config(spec: str, overrides: list[str], devices: int) -> tuple[Any, int | None]:
     """(resolved config, global batch per step or None if the config cannot tell for `devices`)."""
     from scalable_transformer.config.load import load_config
+    from scalable_transformer.config.validate import resolve
 
-    try:
-        from scalable_transformer.config.validate import resolve
-    except ImportError:  # older layout: resolve lived next to load_config
-        from scalable_transformer.config.load import resolve  # type: ignore[attr-defined,no-redef]
     raw = load_config(spec, overrides)
     try:
         cfg = resolve(raw, world_size=devices)
