@@ -8,6 +8,7 @@ the top-level parser, and the error handling and exit codes common to every comm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -42,7 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our warnings as one `stx: warning:` line each (no source line quoted); others as Python shows them."""
+    from ..errors import StxWarning
+
+    ours = issubclass(category, StxWarning) or f"{os.sep}scalable_transformer{os.sep}" in str(filename)
+    if not ours:
+        _python_show_warning(message, category, filename, lineno, file, line)
+        return
+    with contextlib.suppress(OSError):  # a closed stderr must not turn a warning into a failure
+        print(f"stx: warning: {message}", file=sys.stderr if file is None else file)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():
+        # DeprecationWarnings come from inside torch (torch.jit on every checkpoint save): users can do
+        # nothing about them. Every warning of ours is shown, each time it is raised, as one line.
+        from ..errors import StxWarning
+
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("always", category=StxWarning)
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from ..errors import CheckpointError, ConfigError
 
     argv = sys.argv[1:] if argv is None else argv
@@ -51,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(fn=report.run, args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
-    warnings.simplefilter("default")
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -57,11 +57,7 @@ def parse_split(split: str) -> tuple[float, float, float]:
         weights = [float(w) for w in re.split(r"[,/]", split.strip()) if w.strip()]
     except ValueError:
         weights = []
-    if (
-        not 1 <= len(weights) <= 3
-        or any(not math.isfinite(w) or w < 0 for w in weights)
-        or sum(weights) <= 0
-    ):
+    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(
             f"data.split must be 1-3 non-negative weights like '949,50,1' with a positive sum, got {split!r}"
         )
