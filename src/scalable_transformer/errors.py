@@ -43,6 +43,10 @@ class SweepError(StxError):
     """A sweep file that cannot be run: names the file, the key and what is valid."""
 
 
+class UsageError(StxError):
+    """A command-line option with a value that is not valid; the message names the option."""
+
+
 class StxWarning(UserWarning):
     """Something the user should know that does not stop the command; `stx` prints it as one line."""
 

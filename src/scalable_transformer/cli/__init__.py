@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from ..errors import CheckpointError, ConfigError
+    from ..errors import CheckpointError, ConfigError, StxError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -86,6 +86,9 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except CheckpointError as e:
         print(f"stx: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except StxError as e:  # bad input with a message that says what to change: no traceback hint
+        print(f"stx: error: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:
         # Bad input (a dataset, a tokenizer file, a blend) is reported as a message, not a traceback;
