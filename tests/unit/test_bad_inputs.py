@@ -108,6 +108,36 @@ CASES = [
         r"data\.split must be",
     ),
     (
+        "yaml-error-one-line-naming-file-line-column",
+        {"cfg": "model:\n  num_layers: 2\n   hidden_size: 3\n"},
+        ["config", "validate", "{cfg}"],
+        r"c\.yaml:3:15: not valid YAML: mapping values are not allowed here$",
+    ),
+    (
+        "flops-names-the-option-not-the-dataclass-field",
+        {},
+        [
+            "flops",
+            "--num-layers",
+            "0",
+            "--hidden-size",
+            "8",
+            "--seq-length",
+            "8",
+            "--vocab-size",
+            "10",
+            "--samples-per-second",
+            "1",
+        ],
+        r"^stx flops: error: --num-layers must be an integer >= 1, got 0$",
+    ),
+    (
+        "checkpoint-info-names-the-argument-not-checkpoint-load",
+        {},
+        ["checkpoint", "info", "{dir}/missing"],
+        r"^stx: checkpoint error: '.*/d/missing': no such directory$",
+    ),
+    (
         "train-rejects-the-same",
         {},
         ["train", "tiny-gpt", "optim.lr=nan", "logging.run_dir={dir}"],
@@ -126,7 +156,7 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys, files, argv, message):
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
-    assert re.search(message, err), err
+    assert re.search(message, err.strip()), err
     assert sorted(os.listdir(tmp_path / "d")) == before  # nothing written (no run directory)
 
 

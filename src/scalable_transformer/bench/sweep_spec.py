@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from ..config.load import load_config, preset_names
+from ..config.load import load_config, preset_names, yaml_error_line
 from ..errors import ConfigError, SweepError
 
 KEYS = {
@@ -113,7 +113,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise SweepError(f"{path}: not valid YAML: {e}") from e
+        raise SweepError(yaml_error_line(e, str(path))) from None
     if not isinstance(data, dict):
         raise SweepError(f"{path}: a sweep file is a mapping with the keys {', '.join(KEYS)}")
     for key in data:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from . import checkpoint, config, env, export, flops, launch, preprocess, report, sweep, tokenizer, train
@@ -70,6 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`): unwinds like Ctrl-C (children stopped, files
+    closed), then stx says which signal stopped it."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def _main(argv: list[str] | None) -> int:
     from ..errors import CheckpointError, ConfigError, StxError
 
@@ -79,8 +90,14 @@ def _main(argv: list[str] | None) -> int:
         args = argparse.Namespace(fn=report.run, args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.fn(args)
+    except Terminated:
+        print("stx: terminated by SIGTERM (a scheduler's time limit or `kill`); stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ConfigError as e:
         print(f"stx: config error: {e}", file=sys.stderr)
         return 2
@@ -103,3 +120,6 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # `stx ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -418,13 +418,23 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 _StrictLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 
 
+def yaml_error_line(error: yaml.YAMLError, name: str) -> str:
+    """One line 'FILE:LINE:COLUMN: not valid YAML: problem (context)' instead of PyYAML's multi-line
+    text, which quotes the source and names '<unicode string>' for text it was given as a string."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def parse_yaml(text: str, name: str) -> Any:
     loader = _StrictLoader(text)
     loader.name = name  # marks in messages name the file, not "<unicode string>"
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:
-        raise ConfigError(f"{name}: not valid YAML: {e}") from None
+        raise ConfigError(yaml_error_line(e, name)) from None
     finally:
         loader.dispose()
 
