@@ -41,3 +41,19 @@ class LogFormatError(StxError):
 
 class SweepError(StxError):
     """A sweep file that cannot be run: names the file, the key and what is valid."""
+
+
+class UsageError(StxError):
+    """A command-line option with a value that is not valid; the message names the option."""
+
+
+class StxWarning(UserWarning):
+    """Something the user should know that does not stop the command; `stx` prints it as one line."""
+
+
+class ConfigWarning(StxWarning):
+    """A config key accepted and ignored (`key`, from `source`, for `reason`); grouped when many."""
+
+    def __init__(self, source: str, key: str, reason: str, message: str | None = None) -> None:
+        super().__init__(message or f"{source}: '{key}' {reason}; ignored")
+        self.source, self.key, self.reason = source, key, reason

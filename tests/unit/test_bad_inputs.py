@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scalable_transformer.cli import main
@@ -77,6 +78,66 @@ CASES = [
     ),
     ("world-size-0", {}, ["config", "validate", "tiny-gpt", "--world-size", "0"], r"world size must be >= 1"),
     (
+        "split-not-numbers",
+        {},
+        ["config", "validate", "tiny-gpt", "data.split=abc"],
+        r"data\.split must be 1-3 non-negative weights like '949,50,1'.*got 'abc'",
+    ),
+    (
+        "blend-malformed",
+        {"cfg": "base: tiny-gpt\ndata:\n  path: 0.3 A x B\n"},
+        ["config", "validate", "{cfg}"],
+        r"'x' in data\.path is not a positive number: a blend is 'WEIGHT PREFIX",
+    ),
+    (
+        "blend-weight-without-prefix",
+        {},
+        ["config", "validate", "tiny-gpt", "data.path=0.3 A 0.7"],
+        r"weight '0\.7' in data\.path has no dataset prefix",
+    ),
+    (
+        "micro-batch-too-large-for-the-sample-index",
+        {},
+        ["config", "validate", "tiny-gpt", "train.micro_batch_size=1000000000"],
+        r"whose sample index needs about .* GiB, more than this machine's .*lower train\.micro_batch",
+    ),
+    (
+        "train-rejects-a-bad-split",
+        {},
+        ["train", "tiny-gpt", "data.split=abc", "logging.run_dir={dir}"],
+        r"data\.split must be",
+    ),
+    (
+        "yaml-error-one-line-naming-file-line-column",
+        {"cfg": "model:\n  num_layers: 2\n   hidden_size: 3\n"},
+        ["config", "validate", "{cfg}"],
+        r"c\.yaml:3:15: not valid YAML: mapping values are not allowed here$",
+    ),
+    (
+        "flops-names-the-option-not-the-dataclass-field",
+        {},
+        [
+            "flops",
+            "--num-layers",
+            "0",
+            "--hidden-size",
+            "8",
+            "--seq-length",
+            "8",
+            "--vocab-size",
+            "10",
+            "--samples-per-second",
+            "1",
+        ],
+        r"^stx flops: error: --num-layers must be an integer >= 1, got 0$",
+    ),
+    (
+        "checkpoint-info-names-the-argument-not-checkpoint-load",
+        {},
+        ["checkpoint", "info", "{dir}/missing"],
+        r"^stx: checkpoint error: '.*/d/missing': no such directory$",
+    ),
+    (
         "train-rejects-the-same",
         {},
         ["train", "tiny-gpt", "optim.lr=nan", "logging.run_dir={dir}"],
@@ -95,5 +156,19 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys, files, argv, message):
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
-    assert re.search(message, err), err
+    assert re.search(message, err.strip()), err
     assert sorted(os.listdir(tmp_path / "d")) == before  # nothing written (no run directory)
+
+
+def test_gpt_index_out_of_memory_is_a_clear_error(monkeypatch):
+    """The config rule bounds the train samples; the data layer still turns numpy's MemoryError
+    (evaluation sets, many epochs of a tiny corpus) into what to change."""
+    from scalable_transformer.data import gpt_dataset
+    from scalable_transformer.errors import IndexedDatasetError
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 11.6 TiB")
+
+    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", no_memory)
+    with pytest.raises(IndexedDatasetError, match=r"does not fit in memory: lower train\.micro_batch_size"):
+        gpt_dataset._build_or_explain(np.ones(3, dtype=np.int32), 0, 8, 0, 10**9, 1)

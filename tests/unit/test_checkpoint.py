@@ -3,8 +3,10 @@ failing before any training step with nothing existing touched."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -175,8 +177,14 @@ def test_other_model_shape_names_the_tensors_and_touches_nothing(saved, tmp_path
         )
     assert "layers.0.mlp.up.weight: checkpoint (128, 32), model (256, 64)" in str(err.value)
     assert snapshot(ckpt) == before
-    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.up\.weight: not in the checkpoint"):
-        train(tmp_path, "deeper", "model.num_layers=3", f"checkpoint.load={ckpt}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.up\.weight: not in the checkpoint"):
+            train(tmp_path, "deeper", "model.num_layers=3", f"checkpoint.load={ckpt}")
+        gc.collect()  # an unclosed metrics file would warn when collected
+    # the run never started: no stub run directory, no file left open (issue 11)
+    assert not (tmp_path / "runs" / "wider").exists() and not (tmp_path / "runs" / "deeper").exists()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(saved, tmp_path):

@@ -272,8 +272,11 @@ def test_malformed_json_missing_key_and_non_text(tmp_path, tok):
 def test_corrupt_compressed_input(tmp_path, tok):
     data = gzip.compress(_jsonl(["alpha beta"] * 500).encode())
     (tmp_path / "in.jsonl.gz").write_bytes(data[: len(data) // 2])
-    with pytest.raises(PreprocessError, match=r"in\.jsonl\.gz: cannot read gzip data"):
-        preprocess([str(tmp_path / "in.jsonl.gz")], str(tmp_path / "out"), tok, progress=False)
+    # a truncated file is its own error (issue 11), never skippable
+    with pytest.raises(PreprocessError, match=r"in\.jsonl\.gz: truncated compressed stream"):
+        preprocess(
+            [str(tmp_path / "in.jsonl.gz")], str(tmp_path / "out"), tok, progress=False, skip_bad_lines=True
+        )
     (tmp_path / "in.jsonl.zst").write_bytes(b"not zstd at all")
     with pytest.raises(PreprocessError, match=r"in\.jsonl\.zst: cannot read zstd data"):
         preprocess([str(tmp_path / "in.jsonl.zst")], str(tmp_path / "out"), tok, progress=False)

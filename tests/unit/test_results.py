@@ -131,8 +131,9 @@ def test_sweep_expansion_filters_invalid_and_limits(tmp_path: Path) -> None:
         ("axes: {nproc: [0]}\n", "'axes.nproc': process counts are integers >= 1"),
         ("axes: {model.num_layerz: [1]}\n", "'axes.model.num_layerz'"),
         ("axes: {nproc: [1]}\nfilters: [{parallel.tp: 2}]\n", "not an axis; axes are: nproc"),
-        ("steps: 0\n", "'steps': must be training iterations per member"),
-        ("timeout_seconds: -1\n", "'timeout_seconds'"),
+        # axes are required (a sweep without them has nothing to compare, issue 11)
+        ("axes: {nproc: [1]}\nsteps: 0\n", "'steps': must be training iterations per member"),
+        ("axes: {nproc: [1]}\ntimeout_seconds: -1\n", "'timeout_seconds'"),
         ("base: nope\n", "'base': 'nope' is neither a preset"),
         ("axes: {nproc: 2}\n", "'axes.nproc': must be a non-empty list"),
     ],

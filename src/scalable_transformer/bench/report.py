@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .results import ResultsStore, loads
+from ..errors import UsageError
+from .results import COLUMN_NAMES, ResultsStore, loads
 
 # value key -> (column in the store, unit shown in a cell, scale applied to the stored value)
 VALUES: dict[str, tuple[str, str, float]] = {
@@ -64,6 +65,18 @@ def _key_value(row: dict[str, Any], key: str) -> str:
         return "" if value is None else str(value)
     overrides = loads(row.get("overrides_json")) or {}
     return str(overrides.get(key, ""))
+
+
+def check_keys(rows: list[dict[str, Any]], keys: list[str], option: str) -> None:
+    """Every row/column key is `devices`, a column of the store or a sweep axis of these rows: a typo
+    would otherwise print a table with one blank label."""
+    axes = sorted({k for r in rows for k in (loads(r.get("overrides_json")) or {})})
+    for key in keys:
+        if key != "devices" and key not in COLUMN_NAMES and key not in axes:
+            axes_text = f"; sweep axes in this store: {', '.join(axes)}" if axes else ""
+            raise UsageError(
+                f"{option}: unknown key {key!r}; valid: devices, {', '.join(COLUMN_NAMES)}{axes_text}"
+            )
 
 
 def parse_values(spec: str) -> list[str]:
@@ -366,6 +379,8 @@ def build_report(
         rows = store.rows(where)
     if not rows:
         raise ValueError(f"{store_path}: the store holds no results yet")
+    check_keys(rows, row_keys, "--rows")
+    check_keys(rows, col_keys, "--cols")
     header, body = grid(rows, row_keys, col_keys, values)
     wheader, wbody = wide(rows)
     note = conventions_note(rows)

@@ -86,18 +86,39 @@ class ResultsStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         elif self.path.is_dir():
             raise StoreError(f"{self.path}: is a directory, not a results store (an .sqlite file)")
+        elif not create and self.path.stat().st_size == 0:
+            raise StoreError(f"{self.path}: an empty file, not a results store (stx sweep writes one)")
         try:
-            self.conn = sqlite3.connect(str(self.path), timeout=30)
+            if create:
+                self.conn = sqlite3.connect(str(self.path), timeout=30)
+            else:
+                # Opening for reading must never modify the file: read-only at the SQLite level, and no
+                # journal-mode switch (WAL is persistent in the file header).
+                self.conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
             self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            if create:
+                self.conn.execute("PRAGMA journal_mode=WAL")
             self._init_schema()
         except sqlite3.DatabaseError as e:
+            self.close_quietly()
             raise StoreError(
                 f"{self.path}: not a results store of scalable-transformer (not an SQLite database: {e})"
             ) from e
+        except StoreError:
+            self.close_quietly()
+            raise
+
+    def close_quietly(self) -> None:
+        if hasattr(self, "conn"):
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.close()
 
     def _init_schema(self) -> None:
         tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables and not self.writable:
+            raise StoreError(
+                f"{self.path}: an empty SQLite database, not a results store (stx sweep writes one)"
+            )
         if not tables:
             with self.conn:
                 self.conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")

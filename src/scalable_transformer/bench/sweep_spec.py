@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from ..config.load import load_config, preset_names
+from ..config.load import load_config, preset_names, yaml_error_line
 from ..errors import ConfigError, SweepError
 
 KEYS = {
@@ -113,7 +113,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise SweepError(f"{path}: not valid YAML: {e}") from e
+        raise SweepError(yaml_error_line(e, str(path))) from None
     if not isinstance(data, dict):
         raise SweepError(f"{path}: a sweep file is a mapping with the keys {', '.join(KEYS)}")
     for key in data:
@@ -132,9 +132,12 @@ def load_sweep(path: str | Path) -> SweepSpec:
     overrides = data.get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
         raise _err(path, "overrides", f"must be {KEYS['overrides']}, got {overrides!r}")
-    axes_raw = data.get("axes") or {}
-    if not isinstance(axes_raw, dict):
-        raise _err(path, "axes", f"must be {KEYS['axes']}")
+    axes_raw = data.get("axes")
+    if not isinstance(axes_raw, dict) or not axes_raw:
+        # a sweep without axes has nothing to compare (use stx train for one run)
+        raise _err(
+            path, "axes", f"must be a non-empty {KEYS['axes']}, e.g. {{nproc: [1, 2]}}; got {axes_raw!r}"
+        )
     axes: dict[str, list[str]] = {}
     for k, v in axes_raw.items():
         if not isinstance(v, list) or not v:

@@ -38,7 +38,7 @@ def load_model(checkpoint: str) -> tuple[torch.nn.Module, ModelConfig, dict[str,
     """The plain model of a checkpoint (any layout it was written with), in this process."""
     import torch.distributed.checkpoint as dcp
 
-    path = find_checkpoint(checkpoint, None)
+    path = find_checkpoint(checkpoint, None, label=f"'{checkpoint}'")
     if path is None:
         raise CheckpointError(f"{checkpoint}: no checkpoint")
     meta = read_metadata(path)

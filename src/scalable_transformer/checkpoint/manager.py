@@ -130,29 +130,32 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     return Path(save_dir) / name
 
 
-def find_checkpoint(load: str, save: str | None) -> Path | None:
+def find_checkpoint(load: str, save: str | None, label: str | None = None) -> Path | None:
     """The checkpoint directory `checkpoint.load` means, None for `auto` without any checkpoint yet.
 
     load = auto: the latest complete checkpoint in checkpoint.save (none: start fresh);
     load = a save directory (holding `latest`): its latest checkpoint;
     load = one checkpoint directory (holding metadata.json): that one.
+    label: how messages name `load` (default "checkpoint.load = LOAD"; commands that take a directory
+    argument name it as given, since the user set no such key).
     """
+    label = label or f"checkpoint.load = {load}"
     if load == "auto":
         if not save:
             raise CheckpointError("checkpoint.load = auto resumes from checkpoint.save: set checkpoint.save")
         return latest_checkpoint(save) if Path(save).is_dir() else None
     path = Path(load)
     if not path.exists():
-        raise CheckpointError(f"checkpoint.load = {load}: no such directory")
+        raise CheckpointError(f"{label}: no such directory")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint.load = {load}: not a directory")
+        raise CheckpointError(f"{label}: not a directory")
     if (path / METADATA).is_file() or (path / ".metadata").is_file() or ITER_RE.match(path.name):
         return path  # one checkpoint (read_metadata says what is wrong with it, if anything)
     found = latest_checkpoint(path)
     if found is None:
         names = sorted(p.name for p in path.iterdir())[:10]
         raise CheckpointError(
-            f"checkpoint.load = {load}: no checkpoint there (neither a '{LATEST}' file nor {METADATA}); "
+            f"{label}: no checkpoint there (neither a '{LATEST}' file nor {METADATA}); "
             f"it holds {names or 'nothing'}"
         )
     return found
@@ -595,7 +598,7 @@ def describe_checkpoint(path: str) -> dict[str, Any]:
     how many saved tensors belong to the model, "size_bytes": the directory's size on disk,
     "metadata_file": {name of metadata.json: its size in bytes}} (metadata lists the other files).
     """
-    found = find_checkpoint(path, None)
+    found = find_checkpoint(path, None, label=f"'{path}'")
     if found is None:  # only for load = auto, which find_checkpoint rejects without a save dir
         raise CheckpointError(f"{path}: no checkpoint")
     meta = read_metadata(found)

@@ -8,8 +8,11 @@ the top-level parser, and the error handling and exit codes common to every comm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from . import checkpoint, config, env, export, flops, launch, preprocess, report, sweep, tokenizer, train
@@ -42,8 +45,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our warnings as one `stx: warning:` line each (no source line quoted); others as Python shows them."""
+    from ..errors import StxWarning
+
+    ours = issubclass(category, StxWarning) or f"{os.sep}scalable_transformer{os.sep}" in str(filename)
+    if not ours:
+        _python_show_warning(message, category, filename, lineno, file, line)
+        return
+    with contextlib.suppress(OSError):  # a closed stderr must not turn a warning into a failure
+        print(f"stx: warning: {message}", file=sys.stderr if file is None else file)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import CheckpointError, ConfigError
+    with warnings.catch_warnings():
+        # DeprecationWarnings come from inside torch (torch.jit on every checkpoint save): users can do
+        # nothing about them. Every warning of ours is shown, each time it is raised, as one line.
+        from ..errors import StxWarning
+
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("always", category=StxWarning)
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`): unwinds like Ctrl-C (children stopped, files
+    closed), then stx says which signal stopped it."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def _main(argv: list[str] | None) -> int:
+    from ..errors import CheckpointError, ConfigError, StxError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -51,14 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(fn=report.run, args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
-    warnings.simplefilter("default")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.fn(args)
+    except Terminated:
+        print("stx: terminated by SIGTERM (a scheduler's time limit or `kill`); stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ConfigError as e:
         print(f"stx: config error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:
         print(f"stx: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except StxError as e:  # bad input with a message that says what to change: no traceback hint
+        print(f"stx: error: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:
         # Bad input (a dataset, a tokenizer file, a blend) is reported as a message, not a traceback;
@@ -73,3 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `stx ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

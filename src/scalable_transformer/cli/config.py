@@ -1,4 +1,4 @@
-"""`stx config show|validate|docs|from-hf`."""
+"""`stx config show|validate|docs|from-hf|import`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ class ConfigOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ConfigOptions:
+        if args.action == "import" and args.items:
+            raise ValueError(
+                "stx config import takes its inputs as options (--deepspeed, --megatron-args, ...), "
+                f"not {args.items[0]!r}"
+            )
         if args.action == "from-hf":  # one directory, whatever it looks like
             if len(args.items) != 1:
                 raise ValueError("stx config from-hf takes one argument: a Hugging Face model directory")
@@ -32,9 +37,44 @@ class ConfigOptions:
         return cls(args.action, config, tuple(overrides), args.world_size, update)
 
 
+@dataclasses.dataclass(frozen=True)
+class ImportOptions:
+    """`stx config import`: the sources (config.importers.ImportSources), the file to write, and whether
+    an existing one may be replaced."""
+
+    sources: Any
+    output: Path
+    force: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ImportOptions:
+        from ..config.importers import ImportSources
+
+        if args.output is None:
+            raise ValueError("stx config import needs -o FILE: the config file to write")
+
+        def path(value: str | None) -> Path | None:
+            return None if value is None else Path(value)
+
+        sources = ImportSources(
+            deepspeed=path(args.deepspeed),
+            megatron_args=args.megatron_args,
+            megatron_args_file=path(args.megatron_args_file),
+            from_log=path(args.from_log),
+            neox=path(args.neox),
+            base=args.base,
+        )
+        return cls(sources, Path(args.output), args.force)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("config", help="show, validate or document configs")
-    p.add_argument("action", choices=("show", "validate", "docs", "from-hf"))
+    p = sub.add_parser(
+        "config",
+        help="show, validate, document or import configs",
+        epilog='import: stx config import --deepspeed ds_config.json --megatron-args "--num-layers 24 ..." '
+        "-o config.yaml",
+    )
+    p.add_argument("action", choices=("show", "validate", "docs", "from-hf", "import"))
     p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
     p.add_argument("--world-size", type=int, default=1, help="processes the job will run on (for dp)")
     p.add_argument(
@@ -43,10 +83,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="docs: rewrite the reference block in these files (README.md docs/CONFIG.md)",
     )
+    imp = p.add_argument_group("import (configs you already have -> one config file)")
+    imp.add_argument("--deepspeed", metavar="JSON", help="a DeepSpeed config (ds_config.json)")
+    megatron = imp.add_mutually_exclusive_group()
+    megatron.add_argument("--megatron-args", metavar="ARGS", help="a Megatron command line, quoted")
+    megatron.add_argument("--megatron-args-file", metavar="SCRIPT", help="a shell script running Megatron")
+    megatron.add_argument("--from-log", metavar="LOG", help="a Megatron log (its argument dump)")
+    imp.add_argument("--neox", metavar="YAML", help="a GPT-NeoX config")
+    imp.add_argument("--base", metavar="PRESET", help="a preset (or YAML) the written config extends")
+    imp.add_argument("-o", "--output", metavar="FILE", help="the config file to write")
+    imp.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "import":
+        return _import(ImportOptions.from_args(args))
     opts = ConfigOptions.from_args(args)
     if opts.action == "docs":
         from ..config.docs import reference_markdown, update_file
@@ -95,3 +147,16 @@ def _print_from_hf(hf_dir: Path) -> None:
     config = config_from_hf(hf_dir)
     print(f"# continue pretraining {hf_dir}; save as a file and run `stx train FILE`", flush=True)
     print(yaml.safe_dump(config, sort_keys=False), end="")
+
+
+def _import(opts: ImportOptions) -> int:
+    from ..config.importers import import_configs, render_yaml, write_config
+
+    imported = import_configs(opts.sources)
+    write_config(render_yaml(imported, opts.sources.base, str(opts.output)), opts.output, opts.force)
+    notes = len(imported.paths) + len(imported.ignored) + len(imported.skipped)
+    print(
+        f"wrote {opts.output}: {len(imported.values)} settings; {notes} not carried over, listed in its "
+        f"comments. Check it: stx config show {opts.output} --world-size N"
+    )
+    return 0

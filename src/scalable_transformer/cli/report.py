@@ -100,11 +100,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..bench.results import StoreError
+    from ..errors import UsageError
 
     parsers = _report_parsers()
     rest = list(args.args)
     action = rest.pop(0) if rest and rest[0] in ("export", "import-log") else "table"
     sub_args = parsers[action].parse_args(rest)
+    if action == "import-log":
+        for option in ("devices", "nnodes", "seq_length"):
+            value = getattr(sub_args, option)
+            if value is not None and value < 1:
+                flag = "--" + option.replace("_", "-")
+                raise UsageError(f"stx report import-log {flag} must be an integer >= 1, got {value}")
     try:
         if action == "export":
             return export(ExportOptions(Path(sub_args.store), sub_args.format, sub_args.output))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import re
+from collections.abc import Callable
 from pathlib import Path
 
 from .load import SPECIAL_KEYS, _hints
 from .schema import SECTIONS
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+NEOX_START, NEOX_END = "<!-- neox-classification:start -->", "<!-- neox-classification:end -->"
 
 
 def _type_name(hint) -> str:
@@ -49,17 +50,23 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def _blocks() -> list[tuple[str, str, Callable[[], str]]]:
+    from .importers import neox_classification_markdown
+
+    return [(START, END, reference_markdown), (NEOX_START, NEOX_END, neox_classification_markdown)]
+
+
 def update_file(path: Path) -> bool:
-    """Replace the block between the reference markers in `path`; True when the file changed."""
+    """Replace every generated block (between its markers) that `path` holds; True when it changed."""
     text = path.read_text(encoding="utf-8")
-    if START not in text or END not in text:
+    blocks = [b for b in _blocks() if b[0] in text and b[1] in text]
+    if not blocks:
         raise ValueError(f"{path}: no {START} ... {END} markers to fill")
-    new = re.sub(
-        re.escape(START) + r".*?" + re.escape(END),
-        lambda _: f"{START}\n{reference_markdown()}\n{END}",
-        text,
-        flags=re.S,
-    )
+    new = text
+    for start, end, generate in blocks:
+        filled = f"{start}\n{generate()}\n{end}"
+        first, rest = new.split(start, 1)
+        new = first + filled + rest.split(end, 1)[1]
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text

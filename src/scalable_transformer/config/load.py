@@ -17,6 +17,7 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigWarning
 from .schema import SECTIONS, Config, check_value, section_fields
 
 
@@ -115,7 +116,7 @@ def _precision_block(precision: str):
                 out.append(Assignment(target, v, source))
             else:
                 warnings.warn(
-                    f"{source}: '{key}.{sub}' is a DeepSpeed knob with no equivalent here; ignored",
+                    ConfigWarning(source, f"{key}.{sub}", "is a DeepSpeed fp16 knob with no equivalent here"),
                     stacklevel=2,
                 )
         return out
@@ -124,7 +125,9 @@ def _precision_block(precision: str):
 
 
 def _ds_optimizer(value: Any, source: str, key: str) -> list[Assignment]:
-    """DeepSpeed/NeoX `optimizer: {type: Adam, params: {lr, betas, eps, weight_decay}}`."""
+    """DeepSpeed/NeoX `optimizer: {type: Adam, params: {lr, betas, ...}}` or Megatron's `--optimizer adam`."""
+    if isinstance(value, str):
+        value = {"type": value}
     if not isinstance(value, dict):
         raise ConfigError(f"{source}: '{key}' must be a block {{type: ..., params: {{...}}}}, got {value!r}")
     extra = set(map(norm_key, value)) - {"type", "params"}
@@ -214,17 +217,27 @@ def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
             out.append(Assignment(f"parallel.{target}", bool(v), source))
         else:
             warnings.warn(
-                f"{source}: '{key}.{sub}' is a DeepSpeed tuning knob with no equivalent here; ignored",
+                ConfigWarning(source, f"{key}.{sub}", "is a DeepSpeed tuning knob with no equivalent here"),
                 stacklevel=2,
             )
     return out
 
 
-def _flag_value(path: str):
+def _initial_loss_scale(value: Any, source: str, key: str) -> list[Assignment]:
+    """Megatron's `--initial-loss-scale 2**k`: sets `train.initial_scale_power` to k."""
+    if value is None:
+        return []
+    power = math.log2(value) if isinstance(value, int | float) and value > 0 else math.nan
+    if not power.is_integer():
+        raise ConfigError(f"{source}: '{key}' must be a power of two (the scale is 2**power), got {value!r}")
+    return [Assignment("train.initial_scale_power", int(power), source)]
+
+
+def _flag_value(path: str, origin: str = "DeepSpeed"):
     def expand(value: Any, source: str, key: str) -> list[Assignment]:
         return [Assignment(path, value, source)]
 
-    expand.__doc__ = f"DeepSpeed key: sets `{path}`."
+    expand.__doc__ = f"{origin} key: sets `{path}`."
     return expand
 
 
@@ -241,7 +254,122 @@ SPECIAL_KEYS = {
     "scheduler": _ds_scheduler,
     "zero_optimization": _ds_zero,
     "gradient_clipping": _flag_value("optim.clip_grad"),
+    "min_scale": _flag_value("train.min_loss_scale", "Megatron/NeoX"),
+    "initial_loss_scale": _initial_loss_scale,
 }
+
+# Names from Megatron, GPT-NeoX and DeepSpeed that are accepted and ignored, with why: they choose a
+# kernel, a launcher or a debugging aid, not what is trained. A switch set to false (or null) asks for
+# nothing and is accepted silently; any other value prints one warning line.
+_LAUNCHER = "is a launcher setting (stx launch / torchrun decide the processes)"
+_FUSION = "is a CUDA kernel-fusion switch (same numerics unfused)"
+_ACT_CKPT = "places checkpointed activations (parallel.activation_checkpointing decides what is recomputed)"
+_RETRIEVAL = "belongs to Megatron's ICT/REALM retrieval pretraining (not pretraining BERT/GPT)"
+IGNORED_KEYS: dict[str, str] = {
+    **dict.fromkeys(
+        ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_port", "master_addr", "launcher"),
+        _LAUNCHER,
+    ),
+    **dict.fromkeys(("local_rank", "deepspeed_mpi", "world_size", "rank"), "is set by the launcher"),
+    **dict.fromkeys(
+        (
+            "scaled_upper_triang_masked_softmax_fusion",
+            "scaled_masked_softmax_fusion",
+            "masked_softmax_fusion",
+            "bias_gelu_fusion",
+            "bias_dropout_fusion",
+        ),
+        _FUSION,
+    ),
+    **dict.fromkeys(
+        (
+            "distribute_checkpointed_activations",
+            "deepspeed_activation_checkpointing",
+            "partition_activations",
+            "contigious_checkpointing",
+            "checkpoint_in_cpu",
+            "activation_checkpointing",
+        ),
+        _ACT_CKPT,
+    ),
+    **dict.fromkeys(
+        (
+            "ict_head_size",
+            "ict_load",
+            "bert_load",
+            "titles_data_path",
+            "query_in_block_prob",
+            "use_one_sent_docs",
+            "report_topk_accuracies",
+            "faiss_use_gpu",
+            "block_data_path",
+            "indexer_batch_size",
+            "indexer_log_interval",
+        ),
+        _RETRIEVAL,
+    ),
+    "onnx_safe": "is an ONNX-export workaround (stx export writes Hugging Face checkpoints)",
+    "distributed_backend": "picks the collective backend (gloo on CPU, nccl on GPU, chosen by the device)",
+    "ddp_impl": "picks Megatron's DDP implementation (parallel.zero_stage picks ours)",
+    "lazy_mpu_init": "is a Megatron initialisation-order switch",
+    "use_cpu_initialization": "places weight initialisation (weights are built on the CPU and moved)",
+    "mmap_warmup": "pre-reads the dataset (indexed datasets are memory-mapped on demand)",
+    "data_impl": "picks the dataset format (Megatron's mmap format is the one read here)",
+    "adlr_autoresume": "is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)",
+    "adlr_autoresume_interval": "is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)",
+    "synchronize_each_layer": "is a profiling switch (stx reports per-phase timers)",
+    "profile_backward": "is a profiling switch (stx reports per-phase timers)",
+    "override_lr_scheduler": "chooses where a resumed schedule comes from (the schedule is a function of "
+    "the config and the iteration, so both give the same)",
+    "use_checkpoint_lr_scheduler": "chooses where a resumed schedule comes from (the schedule is a function "
+    "of the config and the iteration, so both give the same)",
+    "attention_softmax_in_fp32": "is on anyway (autocast runs softmax in fp32)",
+    "apply_query_key_layer_scaling": "is an fp16 overflow workaround, needless with softmax in fp32",
+    "fp16_lm_cross_entropy": "would compute the loss in fp16 (the loss is computed in fp32)",
+    **dict.fromkeys(
+        ("fp32_allreduce", "accumulate_allreduce_grads_in_fp32", "communication_data_type"),
+        "chooses the gradient all-reduce dtype (not configurable here: FSDP2/DDP's own)",
+    ),
+    "prescale_gradients": "chooses when gradients are divided by dp (the mean is the same)",
+    "gradient_predivide_factor": "chooses when gradients are divided by dp (the mean is the same)",
+    "dump_state": "is a DeepSpeed debugging aid",
+    "flops_profiler": "is DeepSpeed's profiler (stx reports TFLOPs/MFU from the analytic count)",
+    "zero_allow_untested_optimizer": "is a DeepSpeed safety switch (every optimizer here works with every "
+    "ZeRO stage)",
+    "zero_force_ds_cpu_optimizer": "is a DeepSpeed safety switch",
+    "memory_breakdown": "is a DeepSpeed debugging aid (stx logs memory every log_interval)",
+    "comms_logger": "is a DeepSpeed debugging aid",
+    "cpu_torch_adam": "chooses the CPU Adam kernel (torch's AdamW runs on the CPU here)",
+}
+
+# Names that ask for something this tool does not do: an error saying so, unless set to false/null.
+UNSUPPORTED_KEYS: dict[str, str] = {
+    "num_unique_layers": "layers sharing weights are not supported; every layer has its own",
+    "param_sharing_style": "layers sharing weights are not supported; every layer has its own",
+    "onebitadam": "1-bit Adam (DeepSpeed's compressed communication) is not supported; use "
+    "optim.optimizer adam or adamw",
+    "rpe": "relative position embeddings are not supported; model.position_embedding_type: learned, "
+    "sinusoidal or rotary",
+    "rpe_causal": "relative position embeddings are not supported; model.position_embedding_type: learned, "
+    "sinusoidal or rotary",
+    "rpe_num_buckets": "relative position embeddings are not supported; model.position_embedding_type: "
+    "learned, sinusoidal or rotary",
+    "rpe_max_distance": "relative position embeddings are not supported; model.position_embedding_type: "
+    "learned, sinusoidal or rotary",
+    "sparsity": "sparse attention is not supported; attention is dense",
+    "sparse_attention": "sparse attention is not supported; attention is dense",
+    "sparse_gradients": "sparse embedding gradients are not supported",
+    "amp": "Apex AMP is not supported; use train.precision (or a DeepSpeed fp16/bf16 block)",
+    "reset_position_ids": "resetting positions at document ends is not supported (samples span documents)",
+    "reset_attention_mask": "masking attention at document ends is not supported (samples span documents)",
+    "eod_mask_loss": "masking the loss on end-of-document tokens is not supported",
+    "cpu_optimizer": "set parallel.offload_optimizer: true (with parallel.zero_stage 2 or 3) to step the "
+    "optimizer on the CPU",
+}
+
+
+def _asks_for_nothing(value: Any) -> bool:
+    return value is None or value is False
 
 
 def valid_flat_keys() -> list[str]:
@@ -290,13 +418,23 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 _StrictLoader.add_constructor("tag:yaml.org,2002:str", _construct_str)
 
 
+def yaml_error_line(error: yaml.YAMLError, name: str) -> str:
+    """One line 'FILE:LINE:COLUMN: not valid YAML: problem (context)' instead of PyYAML's multi-line
+    text, which quotes the source and names '<unicode string>' for text it was given as a string."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def parse_yaml(text: str, name: str) -> Any:
     loader = _StrictLoader(text)
     loader.name = name  # marks in messages name the file, not "<unicode string>"
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:
-        raise ConfigError(f"{name}: not valid YAML: {e}") from None
+        raise ConfigError(yaml_error_line(e, name)) from None
     finally:
         loader.dispose()
 
@@ -372,6 +510,12 @@ def assignments_from_mapping(data: Any, source: str) -> list[Assignment]:
             out.append(Assignment(field_index()[key], value, source))
         elif key == "base":
             continue  # handled by load_config
+        elif key.lower() in UNSUPPORTED_KEYS:
+            if not _asks_for_nothing(value):
+                raise ConfigError(f"{source}: '{raw_key}' = {value!r}: {UNSUPPORTED_KEYS[key.lower()]}")
+        elif key.lower() in IGNORED_KEYS:
+            if not _asks_for_nothing(value):
+                warnings.warn(ConfigWarning(source, str(raw_key), IGNORED_KEYS[key.lower()]), stacklevel=2)
         else:
             raise ConfigError(_unknown(source, str(raw_key), key, valid_flat_keys()))
     return out
@@ -461,11 +605,50 @@ def apply(cfg: Config, assignments: list[Assignment]) -> Config:
     return cfg
 
 
+# More ignored keys than this from one file for one reason print as a single line listing them.
+GROUP_WARNINGS_ABOVE = 2
+
+
+@contextlib.contextmanager
+def grouped_config_warnings(emit: bool = True) -> Iterator[list[ConfigWarning]]:
+    """Collect the ConfigWarnings raised inside; on exit re-emit them grouped by (source, reason), so a
+    DeepSpeed file with ten tuning knobs prints one line, not ten. The yielded list holds them all
+    (emit=False: only collect, for `stx config import`, which lists them in the file it writes)."""
+    collected: list[ConfigWarning] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield collected
+    for w in caught:
+        if isinstance(w.message, ConfigWarning):
+            collected.append(w.message)
+        else:  # not ours to group: pass it on as it came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not emit:
+        return
+    groups: dict[tuple[str, str], list[ConfigWarning]] = {}
+    for c in collected:
+        groups.setdefault((c.source, c.reason), []).append(c)
+    for (source, reason), group in groups.items():
+        if len(group) > GROUP_WARNINGS_ABOVE:
+            keys = ", ".join(c.key for c in group)
+            line = f"{source}: {len(group)} keys ignored, each {reason}: {keys}"
+            warnings.warn(ConfigWarning(source, keys, reason, line), stacklevel=3)
+        else:
+            for c in group:
+                warnings.warn(c, stacklevel=3)
+
+
 def load_config(spec: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a Config from a preset name or YAML path (None = the embedded default) plus overrides.
 
     The result is not yet resolved: call `config.validate.resolve` for derived values and checks.
+    Keys accepted and ignored print one warning line each (grouped when many).
     """
+    with grouped_config_warnings():
+        return _load_config(spec, overrides)
+
+
+def _load_config(spec: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     chain: list[tuple[Any, str]] = []
     seen: set[str] = set()
     current: str | None = spec or "tiny-bert"

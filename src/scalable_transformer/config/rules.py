@@ -10,8 +10,12 @@ Every error names the keys involved and what would be valid.
 
 from __future__ import annotations
 
+import math
+import os
+import re
+
 from ..errors import ConfigError
-from .schema import CheckpointConfig, Config, ModelConfig, OptimConfig
+from .schema import CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig
 
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
 V_SHAPED_SCHEDULES = ("zbv",)
@@ -42,6 +46,89 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.seq_length ({m.seq_length}) is too short for BERT samples ([CLS] A [SEP] B "
             "[SEP] needs at least 8)"
+        )
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Normalised train/valid/test weights from Megatron's split string ("949,50,1", "98/2", "1,0,0");
+    missing trailing weights are 0. Here (pure string parsing) so that `stx config validate` rejects
+    a bad split as `stx train` does; data/ uses the same function."""
+    try:
+        weights = [float(w) for w in re.split(r"[,/]", split.strip()) if w.strip()]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(
+            f"data.split must be 1-3 non-negative weights like '949,50,1' with a positive sum, got {split!r}"
+        )
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
+
+
+def parse_blend(text: str, key: str = "data.path") -> list[tuple[float, str]]:
+    """(weight, prefix) pairs of a single prefix ("PREFIX", weight 1) or a Megatron blend
+    ("W1 PREFIX1 W2 PREFIX2 ..."), weights normalised to sum to 1. Raises ConfigError naming the bad
+    token otherwise; `key` names the setting in messages."""
+    tokens = text.split()
+    if not tokens:
+        raise ConfigError(f"{key} is empty: expected a dataset prefix or 'WEIGHT PREFIX WEIGHT PREFIX ...'")
+    if len(tokens) == 1:
+        return [(1.0, tokens[0])]
+    pairs: list[tuple[float, str]] = []
+    for i in range(0, len(tokens), 2):
+        word = tokens[i]
+        try:
+            weight = float(word)
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(
+                f"{word!r} in {key} is not a positive number: a blend is 'WEIGHT PREFIX WEIGHT PREFIX ...' "
+                f"(got {text!r})"
+            )
+        if i + 1 == len(tokens):
+            raise ConfigError(f"weight {word!r} in {key} has no dataset prefix after it (got {text!r})")
+        pairs.append((weight, tokens[i + 1]))
+    total = sum(w for w, _ in pairs)
+    return [(w / total, prefix) for w, prefix in pairs]
+
+
+def check_data(d: DataConfig) -> None:
+    """The data strings parse (the files themselves are checked when the run opens them)."""
+    parse_split(d.split)
+    if d.path is not None:
+        parse_blend(d.path)
+
+
+# Bytes of sample index per training sample: a BERT samples-mapping row is 4 x int64; GPT's sample_idx
+# (2 x int64) and shuffle_idx (up to int64) take 24. The data layer builds it in memory at startup.
+INDEX_BYTES_PER_SAMPLE = 32
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM, or None where the OS does not say (then the check below is skipped)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_sample_index(cfg: Config, memory_bytes: int | None = None) -> None:
+    """The run's sample index (train_iters x global batch samples) fits in this machine's memory.
+    Without this, an absurd micro-batch dies in numpy with a memory traceback minutes into startup."""
+    memory_bytes = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    t = cfg.train
+    if memory_bytes is None or t.global_batch_size is None:
+        return
+    samples = t.train_iters * t.global_batch_size
+    need = samples * INDEX_BYTES_PER_SAMPLE
+    if need > memory_bytes:
+        raise ConfigError(
+            f"train.train_iters ({t.train_iters}) x global batch ({t.global_batch_size}: micro_batch_size "
+            f"{t.micro_batch_size} x accumulation x dp) = {samples:,} samples, whose sample index needs "
+            f"about {need / 2**30:,.0f} GiB, more than this machine's {memory_bytes / 2**30:.0f} GiB; "
+            "lower train.micro_batch_size, train.global_batch_size or train.train_iters"
         )
 
 

@@ -16,35 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from scalable_transformer.config.rules import parse_blend
 from scalable_transformer.data.gpt_dataset import CachedIndexMixin, load_or_build_index
 
-
-def parse_blend(text: str, key: str = "data.path") -> list[tuple[float, str]]:
-    """(weight, prefix) pairs of a single prefix ("PREFIX", weight 1) or a Megatron blend
-    ("W1 PREFIX1 W2 PREFIX2 ..."), weights normalised to sum to 1. Raises ValueError naming the bad
-    token otherwise; `key` names the setting in messages."""
-    tokens = text.split()
-    if not tokens:
-        raise ValueError(f"{key} is empty: expected a dataset prefix or 'WEIGHT PREFIX WEIGHT PREFIX ...'")
-    if len(tokens) == 1:
-        return [(1.0, tokens[0])]
-    pairs: list[tuple[float, str]] = []
-    for i in range(0, len(tokens), 2):
-        word = tokens[i]
-        try:
-            weight = float(word)
-        except ValueError:
-            weight = math.nan
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError(
-                f"{word!r} in {key} is not a positive number: a blend is 'WEIGHT PREFIX WEIGHT PREFIX ...' "
-                f"(got {text!r})"
-            )
-        if i + 1 == len(tokens):
-            raise ValueError(f"weight {word!r} in {key} has no dataset prefix after it (got {text!r})")
-        pairs.append((weight, tokens[i + 1]))
-    total = sum(w for w, _ in pairs)
-    return [(w / total, prefix) for w, prefix in pairs]
+__all__ = ["BlendedDataset", "blend_sizes", "build_blending_indices", "parse_blend"]
 
 
 def blend_sizes(weights: Sequence[float], size: int, surplus: float = 0.005) -> tuple[list[int], list[int]]:

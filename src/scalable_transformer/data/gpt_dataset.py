@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from scalable_transformer.cache import cache_dir
+from scalable_transformer.errors import IndexedDatasetError
 
 if TYPE_CHECKING:
     from scalable_transformer.data.indexed import IndexedDataset
@@ -256,6 +257,19 @@ def build_gpt_indices(
     return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
 
+def _build_or_explain(
+    lengths: np.ndarray, first_doc: int, seq_length: int, seed: int, num_epochs: int, first_group: int
+) -> dict[str, np.ndarray]:
+    """build_gpt_indices, with numpy's out-of-memory traceback turned into what to change."""
+    try:
+        return build_gpt_indices(lengths, first_doc, seq_length, seed, num_epochs, first_group)
+    except MemoryError:
+        raise IndexedDatasetError(
+            f"the GPT sample index ({num_epochs:,} epochs of {len(lengths):,} documents) does not fit in "
+            "memory: lower train.micro_batch_size, train.global_batch_size or train.train_iters"
+        ) from None
+
+
 class GPTDataset(CachedIndexMixin, Dataset):
     """Map-style GPT dataset over documents [begin, end) of an indexed dataset (s = seq_length).
 
@@ -302,7 +316,7 @@ class GPTDataset(CachedIndexMixin, Dataset):
             "gpt",
             self.description,
             self.INDEX_NAMES,
-            lambda: build_gpt_indices(lengths, begin, seq_length, seed, num_epochs, first_group),
+            lambda: _build_or_explain(lengths, begin, seq_length, seed, num_epochs, first_group),
         )
         self.doc_idx, self.sample_idx = arrays["doc_idx"], arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]

@@ -15,7 +15,6 @@ run resumed at consumed_samples yields exactly what the uninterrupted run would 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from scalable_transformer.cache import cache_dir
+from scalable_transformer.config.rules import parse_split
 from scalable_transformer.data.bert_dataset import BertDataset
 from scalable_transformer.data.blend import BlendedDataset, blend_sizes, parse_blend
 from scalable_transformer.data.corpus import _atomic_write, corpus_fingerprint, embedded_corpus
@@ -45,22 +45,6 @@ EMBEDDED_DATA_VERSION = 1
 # makes valid/test a random sample of the corpus and keeps them fixed whatever the training seed.
 _EMBEDDED_ORDER_SEED = 0
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def parse_split(split: str) -> tuple[float, float, float]:
-    """Normalised train/valid/test weights from Megatron's split string ("949,50,1", "98/2", "1,0,0");
-    missing trailing weights are 0."""
-    try:
-        weights = [float(w) for w in re.split(r"[,/]", split.strip()) if w.strip()]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(
-            f"data.split must be 1-3 non-negative weights like '949,50,1' with a positive sum, got {split!r}"
-        )
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return weights[0] / total, weights[1] / total, weights[2] / total
 
 
 def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:

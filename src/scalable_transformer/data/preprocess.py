@@ -159,12 +159,76 @@ def _open_stream(path: Path, compression: str | None) -> Iterator[tuple[Any, IO[
                 raise PreprocessError(
                     f"{path}: reading .zst files needs the zstandard package (pip install zstandard)"
                 ) from e
-            # read_across_frames: multi-frame files (e.g. written by pzstd) are read to the end.
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            with io.BufferedReader(reader, BLOCK_BYTES) as stream:
+            with io.BufferedReader(
+                _ZstdFrames(raw, zstandard.ZstdDecompressor(), path), BLOCK_BYTES
+            ) as stream:
                 yield stream, raw
         else:
             yield raw, raw
+
+
+class TruncatedStreamError(PreprocessError):
+    """A compressed input that ends inside a frame: the file is incomplete. Never skippable: the lines
+    it would have held are unknown, so --skip-bad-lines cannot count them."""
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every frame of a .zst file, raising TruncatedStreamError when the file
+    ends inside a frame (zstandard's stream_reader returns the partial data as if it were complete)."""
+
+    def __init__(self, raw: IO[bytes], decompressor: Any, path: Path) -> None:
+        self._raw, self._d, self._path = raw, decompressor, path
+        self._obj = decompressor.decompressobj()
+        self._out = bytearray()
+        self._in_frame = False
+        self._produced = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._out:
+            chunk = self._raw.read(BLOCK_BYTES)
+            if not chunk:
+                if self._in_frame:
+                    raise TruncatedStreamError(
+                        f"{self._path}: truncated compressed stream: the file ends inside a zstd frame, "
+                        f"after {self._produced} decompressed bytes; the file is incomplete (copy or "
+                        "compress it again). --skip-bad-lines does not skip this"
+                    )
+                return 0
+            self._feed(chunk)
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        del self._out[:n]
+        self._produced += n
+        return n
+
+    def _feed(self, chunk: bytes) -> None:
+        while chunk:
+            self._in_frame = True
+            self._out += self._obj.decompress(chunk)
+            if not self._obj.eof:
+                return
+            chunk = self._obj.unused_data  # the next frame (pzstd writes several)
+            self._obj = self._d.decompressobj()
+            self._in_frame = False
+
+
+def _check_output_prefix(prefix: str) -> None:
+    """PREFIX's folder can be made: no part of it is an existing file (else a raw [Errno 17/20])."""
+    for parent in Path(prefix).absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise PreprocessError(
+                    f"output prefix {prefix!r}: '{parent}' is a file, not a folder; give a prefix in a "
+                    "folder, e.g. data/corpus (PREFIX.bin and PREFIX.idx are written)"
+                )
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise PreprocessError(
+                    f"output prefix {prefix!r}: cannot write in '{parent}' (permission denied)"
+                )
+            return
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -189,6 +253,11 @@ def _iter_blocks(file_index: int, path: Path, block_bytes: int | None = None) ->
         def read() -> bytes:
             try:
                 return stream.read(block_bytes)
+            except EOFError:  # gzip's "ended before the end-of-stream marker": never skippable
+                raise TruncatedStreamError(
+                    f"{path}: truncated compressed stream: the file ends before its end-of-stream marker; "
+                    "the file is incomplete (copy or compress it again). --skip-bad-lines does not skip this"
+                ) from None
             except errors as e:
                 raise PreprocessError(
                     f"{path}: cannot read {compression or 'file'} data after byte {offset}"
@@ -608,6 +677,40 @@ def preprocess(
             f"output prefix {output_prefix!r} ends with .bin/.idx: give the prefix, PREFIX.bin and "
             "PREFIX.idx are written"
         )
+    _check_output_prefix(os.fspath(output_prefix))
+    made = [d for d in Path(output_prefix).absolute().parents if not d.exists()]  # deepest first
+    try:
+        return _preprocess(
+            inputs,
+            output_prefix,
+            tokenizer,
+            json_key,
+            split_sentences,
+            append_eod,
+            workers,
+            skip_bad_lines,
+            progress,
+        )
+    except BaseException:
+        for folder in made:  # a failed run leaves no folders it made (the builder removed its files)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _preprocess(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer: Tokenizer,
+    json_key: str,
+    split_sentences: bool,
+    append_eod: bool,
+    workers: int,
+    skip_bad_lines: bool,
+    progress: bool,
+) -> PreprocessSummary:
     start = time.perf_counter()
     files = expand_inputs(inputs)
     eod_id = None

@@ -109,6 +109,11 @@ def calculate(opts: FlopsOptions) -> dict[str, Any]:
             raise ValueError(f"give --config, or an explicit shape: missing {', '.join(missing)}")
         if opts.override:
             raise ValueError("--override needs --config")
+        # checked here, with the option names users typed (ModelShape's own check names its fields)
+        for name in (*_SHAPE_FLAGS[:4], "ffn_hidden_size", "params", "make_vocab_size_divisible_by"):
+            value = getattr(opts, name, None)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
         from scalable_transformer.models import padded_vocab_size
 
         vocab = padded_vocab_size(raw_vocab, opts.make_vocab_size_divisible_by)

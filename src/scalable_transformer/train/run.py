@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -176,7 +177,13 @@ def _run(
         pipeline=pipeline,
         callbacks=callbacks,
     )
-    attach_checkpoints(cfg, trainer, resume, console if dims.is_main else None, dims.is_main)
+    try:
+        attach_checkpoints(cfg, trainer, resume, console if dims.is_main else None, dims.is_main)
+    except BaseException:  # e.g. a checkpoint of another shape: the run never started, so no directory
+        trainer.sinks.close()
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     if trainer.iteration >= cfg.train.train_iters:
         if dims.is_main:
             console.print(

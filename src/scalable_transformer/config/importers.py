@@ -1,0 +1,574 @@
+"""`stx config import`: the configs users already have (a DeepSpeed JSON, a Megatron command line or the
+argument dump a Megatron log prints, a GPT-NeoX YAML) become one config file of ours.
+
+No second mapping: every name goes through the loader's (`load.assignments_from_mapping`: schema
+aliases, SPECIAL_KEYS, IGNORED_KEYS, UNSUPPORTED_KEYS). What this module adds is reading the foreign
+formats, deciding what is carried over, and writing one YAML that lists, in comments, what was not:
+paths of the machine the run came from, knobs with no equivalent, values Megatron derives.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError, ConfigWarning
+from .load import (
+    IGNORED_KEYS,
+    SPECIAL_KEYS,
+    UNSUPPORTED_KEYS,
+    Assignment,
+    _hints,
+    assignments_from_mapping,
+    coerce,
+    field_index,
+    grouped_config_warnings,
+    load_config,
+    norm_key,
+    parse_yaml,
+)
+from .schema import SECTIONS, check_value, section_fields
+
+# Settings that name files on the machine the imported run came from: written as comments to fill in,
+# so that the imported config does not point at paths that do not exist here.
+PATH_FIELDS = (
+    "data.path",
+    "data.vocab_file",
+    "data.merge_file",
+    "data.tokenizer_type",  # goes with vocab_file
+    "checkpoint.save",
+    "checkpoint.load",
+    "checkpoint.save_interval",  # needs checkpoint.save
+    "logging.tensorboard_dir",
+)
+
+# Values a Megatron log prints that Megatron derived (from the world size, or the run's progress):
+# carrying them over would pin the layout of the original machine.
+DERIVED_IN_DUMP = {
+    "data_parallel_size": "derived from the world size (stx config show --world-size N derives it)",
+    "world_size": "the original run's world size (give it as --world-size)",
+    "rank": "the printing process's rank",
+    "consumed_train_samples": "progress of the original run",
+    "consumed_valid_samples": "progress of the original run",
+    "params_dtype": "derived from fp16/bf16",
+    "padded_vocab_size": "derived from the tokenizer",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportSources:
+    """What to import: any of a DeepSpeed JSON, one Megatron source (a command line, a script holding
+    one, or a log with Megatron's argument dump), a NeoX YAML; base: a preset or YAML the result extends."""
+
+    deepspeed: Path | None = None
+    megatron_args: str | None = None
+    megatron_args_file: Path | None = None
+    from_log: Path | None = None
+    neox: Path | None = None
+    base: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A setting not carried over: the original key, its value, where from and why."""
+
+    key: str
+    value: Any
+    source: str
+    why: str
+
+
+@dataclasses.dataclass
+class Imported:
+    """The settings carried over (path -> (value, source)), the ones written as comments, the model
+    family if a Megatron entry script named it, and the original world size if a log printed it."""
+
+    values: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    paths: list[Assignment] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    ignored: list[ConfigWarning] = dataclasses.field(default_factory=list)
+    model_type: str | None = None
+    world_size: int | None = None
+    sources: list[str] = dataclasses.field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- reading the formats
+
+
+def read_deepspeed_json(path: Path) -> dict[str, Any]:
+    """A DeepSpeed config as a dict; errors name the file (and the line of a JSON error)."""
+    text = _read_text(path, "DeepSpeed config")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f"{path}: duplicate key '{key}'")
+            seen[key] = value
+        return seen
+
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {type(data).__name__}")
+    return data
+
+
+def read_neox_yaml(path: Path) -> dict[str, Any]:
+    data = parse_yaml(_read_text(path, "NeoX config"), str(path))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a NeoX config is a YAML mapping of names to values")
+    return data
+
+
+def megatron_args_from_command(text: str, source: str) -> tuple[dict[str, Any], str | None]:
+    """(flags -> values, model family or None) of a Megatron command line or a shell script running one.
+
+    Simple `NAME=value` / `NAME="..."` assignments of the script are expanded (scripts usually build the
+    command from them); flags before the entry script (`torchrun --nproc_per_node 8 pretrain_bert.py`)
+    belong to the launcher and are not Megatron's. A flag with no value is a switch (true); a flag with
+    several values (`--data-path 0.3 A 0.7 B`) keeps them joined by spaces, as Megatron's nargs do.
+    """
+    text = re.sub(r"\\\r?\n", " ", text)  # line continuations
+    variables: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)$", line)
+        if m:
+            with contextlib.suppress(ValueError):
+                words = shlex.split(_expand(m.group(2), variables), comments=True)
+                variables[m.group(1)] = " ".join(words)
+    try:
+        tokens = shlex.split(_expand(text, variables), comments=True)
+    except ValueError as e:
+        raise ConfigError(f"{source}: cannot split the command line: {e}") from None
+    scripts = [i for i, t in enumerate(tokens) if t.endswith(".py")]
+    family = None
+    if scripts:
+        name = Path(tokens[scripts[0]]).name
+        family = "bert" if "bert" in name else "gpt" if "gpt" in name else None
+        tokens = tokens[scripts[0] + 1 :]
+    flags: dict[str, Any] = {}
+    current: str | None = None
+    for token in tokens:
+        if token.startswith("--"):
+            name, eq, value = token[2:].partition("=")
+            current = None if eq else name
+            flags[name] = _scalar(value) if eq else True
+        elif current is not None:
+            previous = flags[current]
+            flags[current] = _scalar(token) if previous is True else f"{previous} {token}"
+    if not flags:
+        raise ConfigError(f"{source}: no Megatron arguments (--name value ...) found")
+    return flags, family
+
+
+_DUMP_START = re.compile(r"-+ arguments -+")
+_DUMP_END = re.compile(r"-+ end of arguments -+")
+_DUMP_LINE = re.compile(r"^\s*(\S+) \.+ ?(.*?)\s*$")
+
+
+def megatron_args_from_log(text: str, source: str) -> tuple[dict[str, Any], str | None]:
+    """(argument -> value, model family or None) of the argument dump a Megatron log prints
+    ('---- arguments ----' ... '---- end of arguments ----'); the first dump if the log holds several.
+    `None` values (Megatron's "unset") are left out."""
+    start = _DUMP_START.search(text)
+    end = _DUMP_END.search(text, start.end()) if start else None
+    if start is None or end is None:
+        raise ConfigError(
+            f"{source}: no Megatron argument dump ('---- arguments ----' ... '---- end of arguments ----') "
+            "in this log; give the command line with --megatron-args instead"
+        )
+    args: dict[str, Any] = {}
+    for line in text[start.end() : end.start()].splitlines():
+        m = _DUMP_LINE.match(line)
+        if m is None or m.group(2) == "None":
+            continue
+        raw = m.group(2)
+        value: Any = _scalar(raw)
+        if raw.startswith("["):  # data_path ['0.3', 'A', ...]: Megatron's nargs list
+            with contextlib.suppress(ValueError, SyntaxError):
+                value = " ".join(str(v) for v in ast.literal_eval(raw))
+            if value == "":
+                continue
+        args[m.group(1)] = value
+    head = text[: start.start()]
+    family = "bert" if "pretrain_bert" in head else "gpt" if "pretrain_gpt" in head else None
+    return args, family
+
+
+def _expand(text: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+
+
+def _scalar(text: str) -> Any:
+    """A command-line or dump value as the YAML loader would read it (numbers, true/false), else text."""
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        value = parse_yaml(text, "value")
+    except ConfigError:
+        return text
+    return value if isinstance(value, int | float | bool) else text
+
+
+def _read_text(path: Path, what: str) -> str:
+    if path.is_dir():
+        raise ConfigError(f"{what} '{path}' is a directory; give a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} '{path}' does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{what} '{path}' cannot be read: {e.strerror}") from None
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+def _known(key: str) -> bool:
+    k = norm_key(key)
+    return (
+        k in SECTIONS
+        or k in field_index()
+        or k in SPECIAL_KEYS
+        or k.lower() in IGNORED_KEYS
+        or (k.lower() in UNSUPPORTED_KEYS)
+    )
+
+
+def _add(result: Imported, mapping: dict[str, Any], source: str, dump: bool = False) -> None:
+    """Carry the settings of one source over; dump: a log's argument dump, which prints every argument
+    (defaults included), so an unsupported feature's default there is skipped, not an error."""
+    result.sources.append(source)
+    for key, value in mapping.items():
+        k = norm_key(key)
+        if dump and k in DERIVED_IN_DUMP:
+            result.skipped.append(Skipped(key, value, source, DERIVED_IN_DUMP[k]))
+            if k == "world_size" and isinstance(value, int):
+                result.world_size = value
+            continue
+        if dump and k.lower() in UNSUPPORTED_KEYS and (value is None or value is False):
+            continue  # the dump prints every switch; false asks for nothing
+        if not _known(key) or (dump and k.lower() in UNSUPPORTED_KEYS):
+            why = UNSUPPORTED_KEYS.get(k.lower(), "no equivalent here")
+            result.skipped.append(Skipped(key, value, source, why))
+            continue
+        if isinstance(value, str) and value == "auto":  # HF Trainer's DeepSpeed placeholder
+            result.skipped.append(Skipped(key, value, source, "'auto' is filled in by the HF Trainer"))
+            continue
+        with grouped_config_warnings(emit=False) as ignored:
+            assignments = assignments_from_mapping({key: value}, source)
+        result.ignored += ignored
+        for a in assignments:
+            if a.path in PATH_FIELDS:
+                result.paths.append(a)
+                continue
+            section, name = a.path.split(".")
+            f = section_fields(section)[name]
+            where = f"{source}: '{a.path}'"
+            new = coerce(a.value, _hints(section)[name], where, f.metadata.get("choices", ()))
+            check_value(f, new, where)  # here, so the error names the file the value came from
+            old = result.values.get(a.path)
+            if old is not None and old[1] != source and old[0] != new:
+                raise ConfigError(
+                    f"{a.path} is {old[0]!r} in {old[1]} but {new!r} in {source}: make them agree (or leave "
+                    "it out of one)"
+                )
+            result.values[a.path] = (new, source)
+
+
+def import_configs(sources: ImportSources) -> Imported:
+    """Read every given source and map it; raises ConfigError naming the file and key on bad input."""
+    megatron = [s for s in (sources.megatron_args, sources.megatron_args_file, sources.from_log) if s]
+    if len(megatron) > 1:
+        raise ConfigError("give one Megatron source: --megatron-args, --megatron-args-file or --from-log")
+    if not (megatron or sources.deepspeed or sources.neox):
+        raise ConfigError(
+            "nothing to import: give --deepspeed, --neox and/or one of --megatron-args, "
+            "--megatron-args-file, --from-log"
+        )
+    result = Imported()
+    if sources.deepspeed is not None:
+        _add(result, read_deepspeed_json(sources.deepspeed), str(sources.deepspeed))
+    if sources.neox is not None:
+        _add(result, read_neox_yaml(sources.neox), str(sources.neox))
+    family: str | None = None
+    if sources.megatron_args is not None:
+        args, family = megatron_args_from_command(sources.megatron_args, "the Megatron command line")
+        _add(result, args, "the Megatron command line")
+    elif sources.megatron_args_file is not None:
+        name = str(sources.megatron_args_file)
+        args, family = megatron_args_from_command(_read_text(sources.megatron_args_file, "script"), name)
+        _add(result, args, name)
+    elif sources.from_log is not None:
+        name = str(sources.from_log)
+        args, family = megatron_args_from_log(_read_text(sources.from_log, "Megatron log"), name)
+        _add(result, args, name, dump=True)
+    if family is not None and "model.type" not in result.values:
+        result.values["model.type"] = (family, "the Megatron entry script")
+    result.model_type = family
+    return result
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def render_yaml(imported: Imported, base: str | None = None, name: str = "THIS_FILE") -> str:
+    """The config file: header, settings by section, then what was not carried over as comments."""
+    lines = ["# Imported by `stx config import` from:"]
+    lines += [f"#   {s}" for s in imported.sources]
+    check = f"stx config show {name} --world-size N"
+    if imported.world_size:
+        check += f"  (the original run: world size {imported.world_size})"
+    lines += [f"# Check the layout with: {check}", ""]
+    data: dict[str, Any] = {"base": base} if base else {}
+    for section in SECTIONS:
+        fields = [name for name in section_fields(section) if f"{section}.{name}" in imported.values]
+        if fields:
+            data[section] = {name: imported.values[f"{section}.{name}"][0] for name in fields}
+    lines.append(yaml.safe_dump(data, sort_keys=False).rstrip())
+    if imported.paths:
+        lines += ["", "# Paths on the machine the imported run came from; set them for this one:"]
+        for a in imported.paths:
+            lines.append(f"#   {a.path}: {a.value}    ({a.source})")
+    if imported.ignored:
+        lines += ["", "# Accepted and ignored (no equivalent here):"]
+        lines += [f"#   {w.key} ({w.source}): {w.reason}" for w in imported.ignored]
+    if imported.skipped:
+        lines += ["", "# Not imported:"]
+        lines += [f"#   {s.key} = {s.value!r} ({s.source}): {s.why}" for s in imported.skipped]
+    return "\n".join(lines) + "\n"
+
+
+def write_config(text: str, output: Path, force: bool = False) -> None:
+    """Write `text` to `output` atomically after checking that it loads; never replaces an existing file
+    unless force. A failure leaves no file behind (no half-written config, no temporary file)."""
+    if output.is_dir():
+        raise ConfigError(f"output '{output}' is a directory; give a file name like config.yaml")
+    if output.exists() and not force:
+        raise ConfigError(f"output '{output}' exists; give --force to replace it")
+    if not output.parent.is_dir():
+        raise ConfigError(f"the folder of output '{output}' does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".yaml", dir=output.parent)
+    except OSError as e:
+        raise ConfigError(f"cannot write '{output}': {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        try:
+            with grouped_config_warnings(emit=False):  # the file lists them; the command prints a count
+                load_config(tmp)  # field-level checks with the loader itself, before it is published
+        except ConfigError as e:  # name the file the user asked for, not our hidden temporary one
+            raise ConfigError(str(e).replace(tmp, str(output))) from None
+        if not force and output.exists():
+            raise ConfigError(f"output '{output}' appeared while importing; give --force to replace it")
+        os.replace(tmp, output)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------- the GPT-NeoX reference
+
+# Every parameter of GPT-NeoX's configuration reference (neox-config-parameters.md, by origin: the
+# DeepSpeed launcher, Megatron's command line, NeoX's own, the DeepSpeed config file). Each must be
+# classified by `classify`; a test parses the reference and fails on any name missing here or unclassified.
+NEOX_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "DSL": (
+        "hostfile",
+        "include",
+        "exclude",
+        "num_nodes",
+        "num_gpus",
+        "master_port",
+        "master_addr",
+        "launcher",
+    ),
+    "Meg": (
+        "num-layers",
+        "num-unique-layers",
+        "param-sharing-style",
+        "hidden-size",
+        "num-attention-heads",
+        "max-position-embeddings",
+        "make-vocab-size-divisible-by",
+        "layernorm-epsilon",
+        "apply-residual-connection-post-layernorm",
+        "openai-gelu",
+        "onnx-safe",
+        "attention-dropout",
+        "hidden-dropout",
+        "weight-decay",
+        "adam-beta1",
+        "adam-beta2",
+        "adam-eps",
+        "batch-size",
+        "checkpoint-activations",
+        "distribute-checkpointed-activations",
+        "checkpoint-num-layers",
+        "train-iters",
+        "log-interval",
+        "exit-interval",
+        "tensorboard-dir",
+        "scaled-upper-triang-masked-softmax-fusion",
+        "scaled-masked-softmax-fusion",
+        "bias-gelu-fusion",
+        "bias-dropout-fusion",
+        "cpu-optimizer",
+        "cpu_torch_adam",
+        "seed",
+        "init-method-std",
+        "lr",
+        "lr-decay-style",
+        "lr-decay-iters",
+        "min-lr",
+        "warmup",
+        "override-lr-scheduler",
+        "use-checkpoint-lr-scheduler",
+        "save",
+        "save-interval",
+        "no-save-optim",
+        "no-save-rng",
+        "load",
+        "no-load-optim",
+        "no-load-rng",
+        "finetune",
+        "apply-query-key-layer-scaling",
+        "attention-softmax-in-fp32",
+        "fp32-allreduce",
+        "hysteresis",
+        "loss-scale",
+        "loss-scale-window",
+        "min-scale",
+        "fp16-lm-cross-entropy",
+        "model-parallel-size",
+        "pipe-parallel-size",
+        "distributed-backend",
+        "DDP-impl",
+        "local_rank",
+        "lazy-mpu-init",
+        "use-cpu-initialization",
+        "eval-iters",
+        "eval-interval",
+        "data-path",
+        "split",
+        "vocab-file",
+        "merge-file",
+        "seq-length",
+        "mask-prob",
+        "short-seq-prob",
+        "mmap-warmup",
+        "num-workers",
+        "tokenizer-type",
+        "data-impl",
+        "reset-position-ids",
+        "reset-attention-mask",
+        "eod-mask-loss",
+        "adlr-autoresume",
+        "adlr-autoresume-interval",
+        "ict-head-size",
+        "ict-load",
+        "bert-load",
+        "titles-data-path",
+        "query-in-block-prob",
+        "use-one-sent-docs",
+        "report-topk-accuracies",
+        "faiss-use-gpu",
+        "block-data-path",
+        "indexer-batch-size",
+        "indexer-log-interval",
+        "deepspeed-activation-checkpointing",
+        "partition-activations",
+        "contigious-checkpointing",
+        "checkpoint-in-cpu",
+        "synchronize-each-layer",
+        "profile-backward",
+        "deepspeed_mpi",
+    ),
+    "NeoX": (
+        "onebitadam",
+        "geglu",
+        "no-weight-tying",
+        "sinusoidal-pos-emb",
+        "rpe",
+        "rpe-causal",
+        "rpe-num-buckets",
+        "rpe-max-distance",
+        "sparsity",
+        "rms-norm",
+        "rms-norm-epsilon",
+    ),
+    "DSC": (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp32_allreduce",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "fp16",
+        "amp",
+        "gradient_clipping",
+        "zero_optimization",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "flops_profiler",
+        "activation_checkpointing",
+        "sparse_attention",
+        "zero_allow_untested_optimizer",
+    ),
+}
+
+ORIGINS = {"DSL": "DeepSpeed launcher", "Meg": "Megatron", "NeoX": "GPT-NeoX", "DSC": "DeepSpeed config"}
+
+
+def classify(name: str) -> tuple[str, str] | None:
+    """(mapped | ignored | rejected, to which key / why / the message) for a Megatron, NeoX or DeepSpeed
+    name, as the loader treats it; None if the loader does not know it (an unknown-key error)."""
+    k = norm_key(name)
+    if k in SPECIAL_KEYS:  # before field names, as the loader looks them up
+        return "mapped", (SPECIAL_KEYS[k].__doc__ or "").strip().splitlines()[0]
+    if k in field_index():
+        return "mapped", f"`{field_index()[k]}`"
+    if k.lower() in IGNORED_KEYS:
+        return "ignored", IGNORED_KEYS[k.lower()]
+    if k.lower() in UNSUPPORTED_KEYS:
+        return "rejected", UNSUPPORTED_KEYS[k.lower()]
+    return None
+
+
+def neox_classification_markdown() -> str:
+    """The table docs/CONFIG.md holds: every GPT-NeoX reference parameter and what the loader does."""
+    lines = [
+        "Every parameter of the GPT-NeoX configuration reference, as `stx` treats it in a config file "
+        "(kebab or snake case) and in `stx config import`: **mapped** to a key, **ignored** (accepted with "
+        "a one-line warning; a switch set to false asks for nothing and is silent) or **rejected** "
+        "(an error with this message, unless set to false).",
+        "",
+        "| origin | parameter | status | key, reason or message |",
+        "|---|---|---|---|",
+    ]
+    for origin, names in NEOX_PARAMETERS.items():
+        for name in names:
+            status, detail = classify(name) or ("UNCLASSIFIED", "")
+            lines.append(f"| {ORIGINS[origin]} | `{name}` | {status} | {detail.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
