@@ -186,6 +186,7 @@ def _run(
     per_rank_peak = gather_per_rank(history.peak_memory_bytes, dims)
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
+    summary["run_peak_memory_bytes_per_rank"] = gather_per_rank(history.run_peak_memory_bytes, dims)
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
