@@ -130,5 +130,7 @@ class MemoryTracker:
         if self.device.type == "cuda":
             method = "cuda: torch.cuda.max_memory_allocated over the whole run"
         else:
-            method = "cpu: process RSS high-water mark over the whole run (VmHWM), includes the Python runtime"
+            method = (
+                "cpu: process RSS high-water mark over the whole run (VmHWM), includes the Python runtime"
+            )
         return MemoryStats(peak_allocated_bytes=value, peak_reserved_bytes=reserved, method=method)

@@ -133,8 +133,10 @@ def parallelize(
 ) -> nn.Module:
     """Apply the configured parallelism and memory options to `model`, in the order above.
 
-    `mesh`: the ("pp", "dp", "tp") DeviceMesh, or None for a plain single-process run. Returns the
-    module to train (a DDP wrapper for ZeRO-0/1 with dp > 1; the same module otherwise).
+    `mesh`: the ("pp", "dp", "tp") DeviceMesh, or None for a plain single-process run. A model built on
+    the meta device is materialized here (parallel/init.py): only this rank's shards, name-seeded
+    values. Returns the module to train (a DDP wrapper for ZeRO-0/1 with dp > 1; the same module
+    otherwise).
     """
     p = cfg.parallel
     device = device or torch.device("cpu")
@@ -145,12 +147,20 @@ def parallelize(
     apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers)
     if p.compile:
         apply_compile(model)
-    if mesh is None:
-        return model
-    if p.zero_stage >= 2:
+    if mesh is not None and p.zero_stage >= 2:
         apply_fsdp(model, cfg, mesh["dp"], device)
-    elif p.dp > 1 and p.tp > 1:
+    elif mesh is not None and p.dp > 1 and p.tp > 1:
         apply_replicate(model, cfg, mesh["dp"])
-    elif p.dp > 1:
+    # A meta-device model gets its local shards now: after FSDP2/replicate sharded it, before DDP,
+    # which broadcasts real parameters when it is constructed.
+    _materialize_if_meta(model, cfg, device)
+    if mesh is not None and p.zero_stage < 2 and p.dp > 1 and p.tp == 1:
         model = apply_ddp(model, cfg, mesh["dp"].get_group(), device)
     return model
+
+
+def _materialize_if_meta(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    from .init import is_meta, materialize
+
+    if is_meta(model):
+        materialize(model, cfg.model, device, cfg.train.seed)
