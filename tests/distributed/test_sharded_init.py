@@ -153,13 +153,9 @@ def _init_peak(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("layout", [["parallel.zero_stage=3"], ["parallel.tp=2"]], ids=["dp2-zero3", "tp2"])
-def test_initialization_never_materializes_the_whole_model(layout, tmp_path, monkeypatch):
+def test_initialization_never_materializes_the_whole_model(layout, tmp_path):
     """Fails if a rank builds the whole model before sharding (the old behaviour): its RSS would grow
     by at least the full fp32 size, as the eager build measured in the same process shows."""
-    # glibc serves large blocks from mmap and unmaps them on free, so freed full parameters leave RSS
-    # (by default its threshold creeps up to 32 MB and freed blocks linger in the heap); the children
-    # inherit the setting
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     results = run_distributed(_init_peak, 2, [*MID, *layout], tmp_dir=tmp_path, timeout=300)
     for rank, r in enumerate(results):
         assert r["eager"] >= 0.9 * r["full"], f"rank {rank}: the RSS measurement misses allocations: {r}"
@@ -210,3 +206,45 @@ def test_hf_import_into_shards_matches_one_process(layout, tmp_path):
         for key, value in reference.items():
             assert torch.equal(r["weights"][key], value), f"rank {rank}: {key}"
         torch.testing.assert_close(r["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- half-precision FSDP gathers
+
+
+def _gathered_dtypes(rank: int, world: int, overrides: list[str]) -> dict[str, str]:
+    from scalable_transformer.train.trainer import autocast_context
+
+    model = _build(rank, world, overrides)
+    block = model.layers[0]
+    seen: dict[str, str] = {}
+
+    def record(module, args):  # runs after FSDP2's own pre-forward hook: the parameters are gathered
+        weight = module.attention.qkv.weight
+        seen["gathered"] = str(weight.dtype)
+        seen["gathered_is_dtensor"] = str(isinstance(weight, DTensor))
+
+    block.register_forward_pre_hook(record)
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    with autocast_context("bf16", torch.device("cpu")):
+        model(ids).float().sum().backward()
+    sharded = block.attention.qkv.weight
+    seen["sharded"] = str(sharded.to_local().dtype)
+    seen["grad"] = str(sharded.grad.to_local().dtype)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "key, gathered", [("auto", "torch.bfloat16"), ("fp32", "torch.float32")], ids=["auto", "fp32"]
+)
+def test_fsdp_gathers_in_the_compute_dtype(key, gathered, tmp_path):
+    overrides = [
+        *MODEL,
+        "model.type=gpt",
+        "parallel.zero_stage=3",
+        "train.precision=bf16",
+        f"parallel.fsdp_param_dtype={key}",
+    ]
+    for seen in run_distributed(_gathered_dtypes, 2, overrides, tmp_dir=tmp_path, timeout=300):
+        assert seen["gathered"] == gathered and seen["gathered_is_dtensor"] == "False", seen
+        # master weights and their gradients stay fp32 shards (the optimizer steps those)
+        assert seen["sharded"] == seen["grad"] == "torch.float32", seen

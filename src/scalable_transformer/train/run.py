@@ -216,6 +216,10 @@ def build_parallel_model(
     shapes only, then `parallelize` materializes this rank's shards (parallel/init.py, values a
     function of train.seed and the parameter name) and `init_from_hf` streams into them. No rank holds
     the whole model unless its layout keeps whole replicas (ZeRO-0/1 without tp/pp)."""
+    if device.type == "cpu":  # host memory: freed full parameters and FSDP2 buffers must leave the RSS
+        from ..parallel.init import return_large_frees_to_the_os
+
+        return_large_frees_to_the_os()
     with torch.device("meta"):
         model = build_model(cfg.model)
     if dims.mesh is None or dims.pp == 1:
