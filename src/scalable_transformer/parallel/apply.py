@@ -154,9 +154,11 @@ def parallelize(
     p = cfg.parallel
     device = device or torch.device("cpu")
     if mesh is not None and p.tp > 1:
+        from .rng import apply_dropout_streams
         from .tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+        apply_dropout_streams(model, mesh["tp"].get_local_rank(), p.sequence_parallel, device)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers)
     if p.compile:
         apply_compile(model)

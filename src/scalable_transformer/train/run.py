@@ -240,6 +240,10 @@ def build_parallel_model(
             cfg.train.gradient_accumulation_steps,
         )
     del model  # the meta-device whole: only the parallelized modules hold storage
+    if dims.pp > 1:  # dropout: pipeline stages must not repeat each other's masks (parallel/rng.py)
+        from ..parallel.rng import stage_seed
+
+        torch.manual_seed(stage_seed(cfg.train.seed, dims.pp_rank))
     if cfg.checkpoint.init_from_hf:
         from ..checkpoint.hf_import import load_hf_weights
 
