@@ -68,7 +68,13 @@ TWO = {
         "parallel.activation_checkpointing=full",
         "parallel.checkpoint_num_layers=2",
     ],
-    "dp2-zero3-bf16": ["parallel.zero_stage=3", "train.precision=bf16"],
+    "dp2-zero3-bf16": ["parallel.zero_stage=3", "train.precision=bf16"],  # bf16 gathers
+    "dp2-zero3-bf16-fp32-gathers": [
+        "parallel.zero_stage=3",
+        "train.precision=bf16",
+        "parallel.fsdp_param_dtype=fp32",
+    ],
+    "dp2-zero2-fp16": ["parallel.zero_stage=2", "train.precision=fp16"],  # fp16 gathers + loss scaling
     "dp2-zero3-offload": [
         "parallel.zero_stage=3",
         "parallel.offload_param=true",

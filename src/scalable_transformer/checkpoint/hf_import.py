@@ -12,6 +12,8 @@ first rows of our padded embedding; the padding rows keep their initialisation.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,20 +81,42 @@ def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
         )
 
 
-def _index_maps(cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, torch.Size]]]:
-    """Hugging Face key -> int64 tensor of our flat element indices; our key -> (offset, shape)."""
+@dataclass(frozen=True)
+class _Source:
+    """Where a Hugging Face tensor's elements go: `ours` (our key) at local flat indices `index`
+    (shape of the HF tensor) for layer 0 / the proxy's vocabulary; `layered`: the keys name layer 0 and
+    the map holds for every layer; `vocab_row`: the map is row-periodic in the vocabulary (row r of
+    the HF tensor goes to row r of ours), so it extends to any vocabulary size."""
+
+    ours: str
+    index: torch.Tensor
+    layered: bool
+    vocab_row: int  # elements per vocabulary row of ours (0: not a vocabulary key)
+
+
+def _proxy_config(cfg: ModelConfig) -> ModelConfig:
+    """cfg with one layer and the smallest padded vocabulary: the element maps of the export mapping
+    are the same for every layer and row-periodic over the vocabulary, so this proxy (one block and the
+    non-vocabulary tensors: bounded by the widest parameter, not the model) gives them all."""
+    return dataclasses.replace(cfg, num_layers=1, vocab_size=cfg.make_vocab_size_divisible_by)
+
+
+def _sources(cfg: ModelConfig) -> dict[str, _Source]:
+    """Hugging Face key -> `_Source`, found by running the family's export mapping on an index-valued
+    float64 proxy model (see the module docstring)."""
     from ..models import build_model
     from .export import hf_mapping
 
     mapping = hf_mapping(cfg)
+    proxy = _proxy_config(cfg)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # indices up to 2**53 stay exact, in our model and in HF's
     try:
-        model = build_model(cfg)
-        layout: dict[str, tuple[int, torch.Size]] = {}
+        model = build_model(proxy)
+        layout: dict[str, tuple[int, int]] = {}  # our key -> (offset, numel)
         offset = 0
         for key, tensor in model.state_dict().items():
-            layout[key] = (offset, tensor.shape)
+            layout[key] = (offset, tensor.numel())
             offset += tensor.numel()
         exported = []
         for shift in (0.0, _SHIFT):
@@ -103,56 +127,148 @@ def _index_maps(cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, tu
                         torch.arange(start, start + tensor.numel(), dtype=torch.float64).view_as(tensor)
                         + shift
                     )
-            hf = mapping.to_hf(model, cfg)
+            hf = mapping.to_hf(model, proxy)
             exported.append({k: v.detach().clone() for k, v in hf.state_dict().items()})
+            del hf
     finally:
         torch.set_default_dtype(previous)
-    maps = {
-        key: first.long()
-        for key, first in exported[0].items()
-        if first.is_floating_point() and torch.equal(exported[1][key] - first, torch.full_like(first, _SHIFT))
-    }
-    return maps, layout
+    starts = sorted((start, key) for key, (start, _) in layout.items())
+    sources: dict[str, _Source] = {}
+    for hf_key, first in exported[0].items():
+        if not first.is_floating_point() or not torch.equal(
+            exported[1][hf_key] - first, torch.full_like(first, _SHIFT)
+        ):
+            continue  # a value Hugging Face keeps (no weight of ours maps to it)
+        index = first.long()
+        lo = int(index.min())
+        ours = max((s, k) for s, k in starts if s <= lo)[1]
+        start, numel = layout[ours]
+        if int(index.max()) >= start + numel:
+            raise CheckpointError(f"{hf_key} draws on more than one of our tensors ({ours} and others)")
+        vocab_row = 0
+        if ours in mapping.vocab_keys:
+            shape = model.state_dict()[ours].shape
+            vocab_row = shape[1:].numel()
+            rows = torch.arange(index.shape[0]).view(-1, *([1] * (index.dim() - 1)))
+            if index.shape[0] != shape[0] or not torch.equal(
+                index - rows * vocab_row, index[:1].expand_as(index)
+            ):
+                raise CheckpointError(f"{hf_key} is not row-for-row our {ours}: cannot stream its vocabulary")
+        sources[hf_key] = _Source(ours, index - start, ours.startswith("layers.0."), vocab_row)
+    return sources
+
+
+def _layer_key(key: str, i: int, layer_part: str) -> str:
+    """`key` of layer 0 renamed to layer i: the first `.0.` after `layer_part` (e.g. `.h`, `.layer`)."""
+    head, sep, tail = key.partition(f"{layer_part}.0.")
+    return f"{head}{layer_part}.{i}.{tail}" if sep else key
+
+
+class _HFTensors:
+    """The tensors of a Hugging Face model directory, read one at a time (safetensors `safe_open`;
+    a PyTorch .bin is memory-mapped). Keys with or without the base-model prefix are accepted."""
+
+    def __init__(self, hf_dir: Path, prefix: str) -> None:
+        self.prefix = prefix
+        self.where: dict[str, Any] = {}
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if files:
+            from safetensors import safe_open
+
+            for file in files:
+                handle = safe_open(str(file), framework="pt")
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    self.where[key] = handle
+            return
+        bins = sorted(hf_dir.glob("pytorch_model*.bin"))
+        if not bins:
+            raise CheckpointError(f"{hf_dir}: no *.safetensors or pytorch_model*.bin weights")
+        for file in bins:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            for key in state:
+                self.where[key] = state
+
+    def get(self, key: str) -> torch.Tensor | None:
+        for name in (key, key.removeprefix(self.prefix), self.prefix + key):
+            source = self.where.get(name)
+            if source is not None:
+                return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]
+        return None
 
 
 def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path) -> None:
-    """Fill the plain (not yet parallelized) `model` with the weights of the Hugging Face model in
-    `hf_dir`."""
-    import transformers
+    """Overwrite `model`'s weights (a whole model, or this rank's parallelized stage: plain tensors or
+    DTensor shards of any layout) with those of the Hugging Face model in `hf_dir`.
 
+    Streams: for each of our parameters, the Hugging Face tensors it draws on are read one at a time
+    from the files, its full value is assembled, and only this rank's shard is kept
+    (`parallel.init.copy_full_into`). A vocabulary padded beyond Hugging Face's keeps its padding rows.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..parallel.init import canonical_name, copy_full_into
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
     path = Path(hf_dir)
     hf_cfg = _hf_config(path)
     _check_shape(cfg, path)
-    hf_model = getattr(transformers, _hf_classes()[hf_cfg.model_type]).from_pretrained(path)
-    hf_sd = hf_model.state_dict()
-    maps, layout = _index_maps(cfg)
-    ours = model.state_dict()
-    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in ours.values()])
-    assigned = torch.zeros(flat.numel(), dtype=torch.bool)
-    for key, index in maps.items():
-        if key not in hf_sd:
-            continue
-        value = hf_sd[key]
-        if index.shape != value.shape:
-            # a vocabulary padded here beyond the Hugging Face one: its first rows
-            if index.shape[1:] != value.shape[1:] or index.shape[0] < value.shape[0]:
-                raise CheckpointError(
-                    f"{hf_dir}: {key} has shape {tuple(value.shape)}, expected {tuple(index.shape)}"
-                )
-            index = index[: value.shape[0]]
-        flat[index.reshape(-1)] = value.detach().reshape(-1).float()
-        assigned[index.reshape(-1)] = True
+    assert cfg.vocab_size is not None
+    sources = _sources(cfg)
+    layer_part = _layer_part(sources)
+    by_ours: dict[str, list[tuple[str, _Source]]] = {}
+    for hf_key, source in sources.items():
+        for i in range(cfg.num_layers) if source.layered else [None]:
+            ours = source.ours if i is None else source.ours.replace("layers.0.", f"layers.{i}.", 1)
+            hf_name = hf_key if i is None else _layer_key(hf_key, i, layer_part)
+            by_ours.setdefault(ours, []).append((hf_name, source))
+    import transformers
+
+    prefix = getattr(transformers, _hf_classes()[hf_cfg.model_type]).base_model_prefix + "."
+    files = _HFTensors(path, prefix)
     missing = []
-    for key, (start, shape) in layout.items():
-        done = assigned[start : start + shape.numel()].view(shape)
-        if not bool(done.all()) and not _only_padding_rows(key, done, cfg):
+    for name, param in model.named_parameters():
+        key = canonical_name(name)
+        full = torch.empty(param.shape, dtype=torch.float32)
+        assigned = torch.zeros(param.shape, dtype=torch.bool)
+        flat, done = full.view(-1), assigned.view(-1)
+        for hf_name, source in by_ours.get(key, []):
+            value = files.get(hf_name)
+            if value is None:
+                continue
+            index = source.index
+            if source.vocab_row:
+                rows = value.shape[0]
+                if rows > param.shape[0]:
+                    raise CheckpointError(
+                        f"{hf_dir}: {hf_name} has {rows} vocabulary rows, more than our {param.shape[0]}"
+                    )
+                step = torch.arange(rows).view(-1, *([1] * (index.dim() - 1))) * source.vocab_row
+                index = index[:1] + step
+            if tuple(index.shape) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{hf_dir}: {hf_name} has shape {tuple(value.shape)}, expected {tuple(index.shape)}"
+                )
+            flat[index.reshape(-1)] = value.reshape(-1).float()
+            done[index.reshape(-1)] = True
+            del value, index
+        if not bool(assigned.all()) and not _only_padding_rows(key, assigned, cfg):
             missing.append(key)
+            continue
+        copy_full_into(param, full.to(param.dtype), assigned)
+        del full, assigned
     if missing:
         raise CheckpointError(f"{hf_dir}: no Hugging Face weights for {', '.join(missing)}")
-    with torch.no_grad():
-        for key, tensor in ours.items():
-            start, shape = layout[key]
-            tensor.copy_(flat[start : start + shape.numel()].view(shape).to(tensor.dtype))
+
+
+def _layer_part(sources: dict[str, _Source]) -> str:
+    """The HF key part that precedes the layer index (`transformer.h` -> `.h`), from a layer-0 key."""
+    for hf_key, source in sources.items():
+        if source.layered:
+            head, sep, _ = hf_key.partition(".0.")
+            if sep:
+                return "." + head.rsplit(".", 1)[-1] if "." in head else head
+    return ".0"
 
 
 def _only_padding_rows(key: str, done: torch.Tensor, cfg: ModelConfig) -> bool:

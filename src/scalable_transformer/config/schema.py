@@ -157,6 +157,13 @@ class ParallelConfig:
         "--accumulate-allreduce-grads-in-fp32 = fp32); bf16/fp16 halve the traffic.",
         choices=("fp32", "bf16", "fp16"),
     )
+    fsdp_param_dtype: str = opt(
+        "auto",
+        "ZeRO-2/3 under train.precision = bf16/fp16: dtype FSDP2 all-gathers parameters in. auto = the "
+        "compute dtype (half the gather bytes; sharded fp32 master weights and optimizer state stay "
+        "fp32, gradients are reduced in grad_reduce_dtype), fp32 = gather fp32 and let autocast cast.",
+        choices=("auto", "fp32"),
+    )
     sequence_parallel: bool = opt(
         False,
         "Tensor parallel: also split norms and dropout along the sequence (Megatron --sequence-parallel).",

@@ -27,15 +27,35 @@ class MemoryStats:
     method: str
 
 
-def _vm_hwm_bytes() -> int | None:
+def _status_bytes(field: str) -> int | None:
     try:
         with open(_STATUS) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024  # reported in kB
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _vm_hwm_bytes() -> int | None:
+    return _status_bytes("VmHWM")
+
+
+def process_rss_bytes() -> int:
+    """This process's resident set size now, in bytes (VmRSS; 0 where /proc is unavailable)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark in bytes since start or the last `reset_peak_rss`."""
+    hwm = _vm_hwm_bytes()
+    return hwm if hwm is not None else _ru_maxrss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark to its current RSS; False if the kernel refuses."""
+    return _reset_hwm()
 
 
 def _ru_maxrss_bytes() -> int:
@@ -64,9 +84,11 @@ class MemoryTracker:
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"MemoryTracker supports cuda and cpu devices, not {self.device.type!r}")
         self._hwm_reset: bool | None = None  # None: never reset; False: the kernel refused the reset
+        self._run_peak = 0  # the largest interval peak folded in before a reset discarded it
 
     def reset_peak(self) -> None:
-        """Start a new peak interval."""
+        """Start a new peak interval. The interval's peak is kept for `run_peak` first."""
+        self._run_peak = max(self._run_peak, self.peak().peak_allocated_bytes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
@@ -97,3 +119,18 @@ class MemoryTracker:
         # On CPU every resident byte is both "allocated" and "reserved": there is no caching allocator
         # between tensors and the OS that could hold memory back.
         return MemoryStats(peak_allocated_bytes=value, peak_reserved_bytes=value, method=method)
+
+    def run_peak(self) -> MemoryStats:
+        """Peak bytes over the whole run: since process start (CPU; CUDA: since the first use of the
+        device), including model construction and initialization before the first interval, however
+        often `reset_peak` was called."""
+        current = self.peak()
+        value = max(self._run_peak, current.peak_allocated_bytes)
+        reserved = value if self.device.type == "cpu" else max(value, current.peak_reserved_bytes)
+        if self.device.type == "cuda":
+            method = "cuda: torch.cuda.max_memory_allocated over the whole run"
+        else:
+            method = (
+                "cpu: process RSS high-water mark over the whole run (VmHWM), includes the Python runtime"
+            )
+        return MemoryStats(peak_allocated_bytes=value, peak_reserved_bytes=reserved, method=method)

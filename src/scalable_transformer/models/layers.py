@@ -12,8 +12,10 @@ checkpointing can recompute just it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -315,24 +317,76 @@ def _run_chunk(chunk, x_bsh, mask_b11s, rotary):
     return x_bsh
 
 
-def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """Megatron init: N(0, std) weights, N(0, std / sqrt(2 L)) for the two residual output
-    projections of every block (keeps the residual stream's variance independent of depth),
-    zero biases, unit norm weights. Also recomputes derived buffers (after meta-device build)."""
+@dataclass(frozen=True)
+class InitRule:
+    """How one parameter starts: `normal` N(0, std), `zeros` or `ones`."""
+
+    kind: str
+    std: float = 0.0
+
+
+def init_rules(model: nn.Module, cfg: ModelConfig) -> dict[str, InitRule]:
+    """Parameter name (as `model.named_parameters()` gives it) -> its Megatron init rule: N(0, std)
+    for Linear and Embedding weights, N(0, std / sqrt(2 L)) for the two residual output projections
+    of every block (keeps the residual stream's variance independent of depth), unit norm weights,
+    zero biases. Reads module types only, so it works on meta-device and parallelized models (the
+    wrappers of parallel/ keep the wrapped modules' types)."""
     std = cfg.init_method_std
     out_std = std / math.sqrt(2.0 * cfg.num_layers)
     scaled: set[int] = set()  # ids: tensors compare elementwise, so they cannot be set members
     for module in model.modules():
         if isinstance(module, TransformerBlock):
             scaled.update({id(module.attention.proj.weight), id(module.mlp.down.weight)})
+    rules: dict[str, InitRule] = {}
+    for module_name, module in model.named_modules():
+        for local, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{local}" if module_name else local
+            if local == "weight" and isinstance(module, nn.Linear | nn.Embedding):
+                rules[name] = InitRule("normal", out_std if id(param) in scaled else std)
+            elif local == "weight" and isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                rules[name] = InitRule("ones")
+            elif local == "bias":  # Linear, norm and per-token output biases (BERT's lm_head.bias)
+                rules[name] = InitRule("zeros")
+            else:
+                raise ValueError(f"no init rule for parameter {name} of {type(module).__name__}")
+    return rules
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter `name`: a hash of (seed, name), so a parameter's initial value
+    does not depend on which other parameters a process builds, or in which order."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def initial_value(rule: InitRule, shape: torch.Size | tuple[int, ...], seed: int, name: str) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name` (canonical, unwrapped name) on the CPU: a
+    function of (seed, name, shape, rule) only, the same in every parallel layout."""
+    if rule.kind == "zeros":
+        return torch.zeros(shape)
+    if rule.kind == "ones":
+        return torch.ones(shape)
+    generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, rule.std, generator=generator)
+
+
+def reset_derived_buffers(model: nn.Module) -> None:
+    """Recompute the non-persistent tables (sinusoid, rotary cos/sin) in place on their device: after
+    `to_empty` they hold garbage."""
     for module in model.modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, out_std if id(module.weight) in scaled else std)
-            if isinstance(bias := getattr(module, "bias", None), torch.Tensor):
-                nn.init.zeros_(bias)
-        elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-            nn.init.ones_(module.weight)
-            if isinstance(bias := getattr(module, "bias", None), torch.Tensor):
-                nn.init.zeros_(bias)
-        elif isinstance(module, Embedding | RotaryEmbedding):
+        if isinstance(module, Embedding | RotaryEmbedding):
             module.reset_buffers()
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) -> None:
+    """Initialise a whole (unsharded) model by `init_rules`, each parameter from its own generator
+    (`initial_value`; seed None: the default generator's seed, `torch.initial_seed()`), and recompute
+    the derived buffers. Parameters on the meta device are left alone (nothing to fill yet); sharded
+    models are filled by parallel/init.py with the same values."""
+    seed = torch.initial_seed() if seed is None else seed
+    rules = init_rules(model, cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_meta:
+                param.copy_(initial_value(rules[name], param.shape, seed, name))
+    reset_derived_buffers(model)

@@ -27,6 +27,14 @@ from ..errors import ConfigError
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def fsdp_param_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in: the compute dtype of a bf16/fp16 run unless
+    parallel.fsdp_param_dtype = fp32; None (the sharded parameters' fp32) otherwise."""
+    if cfg.train.precision == "fp32" or cfg.parallel.fsdp_param_dtype == "fp32":
+        return None
+    return REDUCE_DTYPES[cfg.train.precision]
+
+
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, block) of the model's transformer blocks, in order; `layers` is an nn.ModuleList (full
     model) or an nn.ModuleDict keyed by the global layer index (pipeline stage)."""
@@ -86,7 +94,12 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
     offload = p.offload_optimizer or p.offload_param
     # pin_memory needs an accelerator; on a CPU-only host the default (True) raises
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype])
+    # Gathers in the compute dtype (half the bytes under bf16/fp16) while the shards, and so the
+    # optimizer's master weights and state, stay fp32. Floating inputs of every FSDP module are cast
+    # to it as well: CPU layer_norm rejects an fp32 input with bf16 weights, which autocast leaves be.
+    mixed = MixedPrecisionPolicy(
+        param_dtype=fsdp_param_dtype(cfg), reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype]
+    )
     kwargs = {
         "mesh": dp_mesh,
         "reshard_after_forward": p.zero_stage == 3,
@@ -133,24 +146,36 @@ def parallelize(
 ) -> nn.Module:
     """Apply the configured parallelism and memory options to `model`, in the order above.
 
-    `mesh`: the ("pp", "dp", "tp") DeviceMesh, or None for a plain single-process run. Returns the
-    module to train (a DDP wrapper for ZeRO-0/1 with dp > 1; the same module otherwise).
+    `mesh`: the ("pp", "dp", "tp") DeviceMesh, or None for a plain single-process run. A model built on
+    the meta device is materialized here (parallel/init.py): only this rank's shards, name-seeded
+    values. Returns the module to train (a DDP wrapper for ZeRO-0/1 with dp > 1; the same module
+    otherwise).
     """
     p = cfg.parallel
     device = device or torch.device("cpu")
     if mesh is not None and p.tp > 1:
+        from .rng import apply_dropout_streams
         from .tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+        apply_dropout_streams(model, mesh["tp"].get_local_rank(), p.sequence_parallel, device)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers)
     if p.compile:
         apply_compile(model)
-    if mesh is None:
-        return model
-    if p.zero_stage >= 2:
+    if mesh is not None and p.zero_stage >= 2:
         apply_fsdp(model, cfg, mesh["dp"], device)
-    elif p.dp > 1 and p.tp > 1:
+    elif mesh is not None and p.dp > 1 and p.tp > 1:
         apply_replicate(model, cfg, mesh["dp"])
-    elif p.dp > 1:
+    # A meta-device model gets its local shards now: after FSDP2/replicate sharded it, before DDP,
+    # which broadcasts real parameters when it is constructed.
+    _materialize_if_meta(model, cfg, device)
+    if mesh is not None and p.zero_stage < 2 and p.dp > 1 and p.tp == 1:
         model = apply_ddp(model, cfg, mesh["dp"].get_group(), device)
     return model
+
+
+def _materialize_if_meta(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    from .init import is_meta, materialize
+
+    if is_meta(model):
+        materialize(model, cfg.model, device, cfg.train.seed)

@@ -133,6 +133,7 @@ def summarize(
         "phase_time_ms_median": phases,
         "peak_memory_bytes": history.peak_memory_bytes,
         "peak_memory_method": history.peak_memory_method,
+        "run_peak_memory_bytes": history.run_peak_memory_bytes,
         "first_logged_train_loss": history.first_logged_loss,
         "final_train_loss": history.last_logged_loss,
         "final_valid": history.last_valid,
@@ -144,6 +145,7 @@ def summarize(
 def print_done(console: Console, summary: dict, run_dir: Path, memory_method: str) -> None:
     """The closing line: throughput, TFLOPs/MFU/HFU with their convention, losses, memory per rank."""
     per_rank = summary["peak_memory_bytes_per_rank"]
+    run_peak = summary.get("run_peak_memory_bytes_per_rank", [])
     console.print(
         f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
         f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
@@ -152,6 +154,7 @@ def print_done(console: Console, summary: dict, run_dir: Path, memory_method: st
         f"{summary['world_size']} device(s)) over iterations "
         f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
         f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "
-        f"rank {', '.join(f'{b / 2**20:.0f}' for b in per_rank)} MiB ({memory_method}); "
+        f"rank {', '.join(f'{b / 2**20:.0f}' for b in per_rank)} MiB ({memory_method}), whole run "
+        f"(initialization included) {', '.join(f'{b / 2**20:.0f}' for b in run_peak)} MiB; "
         f"summary: {run_dir / 'summary.json'}"
     )

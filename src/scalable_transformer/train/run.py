@@ -198,6 +198,7 @@ def _run(
     per_rank_peak = gather_per_rank(history.peak_memory_bytes, dims)
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
+    summary["run_peak_memory_bytes_per_rank"] = gather_per_rank(history.run_peak_memory_bytes, dims)
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
@@ -220,27 +221,46 @@ def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:
 def build_parallel_model(
     cfg: ResolvedConfig, dims: ParallelDims, device: torch.device
 ) -> tuple[torch.nn.Module, Any]:
-    """The plain model, split into this rank's pipeline stages when pp > 1, each parallelized.
-    Returns (the module to train, the PipelineRunner or None)."""
-    model = build_model(cfg.model)
+    """The model, split into this rank's pipeline stages when pp > 1, each parallelized.
+    Returns (the module to train, the PipelineRunner or None).
+
+    Built on the meta device: pruning to stages, tensor parallelism and FSDP2 / replicate happen on
+    shapes only, then `parallelize` materializes this rank's shards (parallel/init.py, values a
+    function of train.seed and the parameter name) and `init_from_hf` streams into them. No rank holds
+    the whole model unless its layout keeps whole replicas (ZeRO-0/1 without tp/pp)."""
+    if device.type == "cpu":  # host memory: freed full parameters and FSDP2 buffers must leave the RSS
+        from ..parallel.init import return_large_frees_to_the_os
+
+        return_large_frees_to_the_os()
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if dims.mesh is None or dims.pp == 1:
+        modules = [parallelize(model, cfg, dims.mesh, device)]
+        runner = None
+    else:
+        from ..parallel.pipeline import PipelineRunner, split_model
+
+        modules = [
+            parallelize(stage, cfg, dims.mesh, device) for stage in split_model(model, cfg, dims.pp_rank)
+        ]
+        runner = PipelineRunner(
+            modules,
+            dims.stage_ids,
+            cfg,
+            dims.pp_group,
+            device,
+            cfg.train.gradient_accumulation_steps,
+        )
+    del model  # the meta-device whole: only the parallelized modules hold storage
+    if dims.pp > 1:  # dropout: pipeline stages must not repeat each other's masks (parallel/rng.py)
+        from ..parallel.rng import stage_seed
+
+        torch.manual_seed(stage_seed(cfg.train.seed, dims.pp_rank))
     if cfg.checkpoint.init_from_hf:
         from ..checkpoint.hf_import import load_hf_weights
 
-        load_hf_weights(model, cfg.model, cfg.checkpoint.init_from_hf)
-    model = model.to(device)
-    if dims.mesh is None:
-        return parallelize(model, cfg), None
-    if dims.pp == 1:
-        return parallelize(model, cfg, dims.mesh, device), None
-    from ..parallel.pipeline import PipelineRunner, split_model
-
-    stages = [parallelize(stage, cfg, dims.mesh, device) for stage in split_model(model, cfg, dims.pp_rank)]
-    runner = PipelineRunner(
-        stages,
-        dims.stage_ids,
-        cfg,
-        dims.pp_group,
-        device,
-        cfg.train.gradient_accumulation_steps,
-    )
-    return torch.nn.ModuleList(stages), runner
+        for module in modules:
+            load_hf_weights(module, cfg.model, cfg.checkpoint.init_from_hf)
+    if runner is None:
+        return modules[0], None
+    return torch.nn.ModuleList(modules), runner

@@ -53,6 +53,8 @@ class History:
     last_valid: dict[str, float] | None = None
     peak_memory_bytes: int = 0
     peak_memory_method: str = ""
+    # whole-run high-water mark (bytes), initialization included: interval peaks are reset at each log
+    run_peak_memory_bytes: int = 0
     skipped_iterations: int = 0
 
 
@@ -265,6 +267,7 @@ class Trainer:
             interval.start += time.perf_counter() - outside
             if cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0:
                 break
+        h.run_peak_memory_bytes = self.memory.run_peak().peak_allocated_bytes
         for callback in self.callbacks:
             callback.on_fit_end(self, h)
         return h

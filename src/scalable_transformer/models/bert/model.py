@@ -72,10 +72,9 @@ class BertModel(nn.Module):
         self.has_embedding = self.has_head = True
         self.init_weights()
 
-    def init_weights(self) -> None:
-        init_weights(self, self.cfg)
-        if self.lm_head is not None:
-            nn.init.zeros_(self.lm_head.bias)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Name-seeded Megatron init (models.layers.init_weights); seed None: torch.initial_seed()."""
+        init_weights(self, self.cfg, seed)
 
     def forward(
         self,

@@ -52,8 +52,9 @@ class GPTModel(nn.Module):
         self.has_embedding = self.has_head = True
         self.init_weights()
 
-    def init_weights(self) -> None:
-        init_weights(self, self.cfg)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Name-seeded Megatron init (models.layers.init_weights); seed None: torch.initial_seed()."""
+        init_weights(self, self.cfg, seed)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Token ids [b, s] (or, without the embedding, hidden states x [b, s, h]) -> next-token
