@@ -32,6 +32,7 @@ integers and must agree within 1 (an argmax tie flipped by an ulp).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -231,7 +232,9 @@ def pipelined_run(cfg: Config, wrappers: tuple[str, ...]) -> dict:
     """One case on this rank: build, split, wrap, train STEPS steps and evaluate once."""
     start = time.perf_counter()
     p, model_type = cfg.parallel, cfg.model.type
-    mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh("cpu")
+    dims = ParallelDims.from_config(cfg, rank=dist.get_rank())
+    mesh = dims.build_mesh("cpu")
+    dims = dataclasses.replace(dims, mesh=mesh)
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     torch.manual_seed(SEED)
@@ -258,7 +261,8 @@ def pipelined_run(cfg: Config, wrappers: tuple[str, ...]) -> dict:
         from torch.nn.parallel import DistributedDataParallel
 
         stages = [DistributedDataParallel(stage, process_group=dp_group) for stage in stages]
-    runner = PipelineRunner(stages, ids, cfg, pp_group, torch.device("cpu"), MICRO)
+    assert dims.stage_ids == ids
+    runner = PipelineRunner(stages, dims, cfg, torch.device("cpu"), MICRO)
     params = [param for stage in stages for param in stage.parameters()]
     opt = optimizer(params)
     excluded = runner.grad_norm_excluded()

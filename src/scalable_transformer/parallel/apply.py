@@ -23,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from ..config.schema import Config
 from ..errors import ConfigError
+from .dims import ParallelDims
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,17 +143,18 @@ def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device
 
 
 def parallelize(
-    model: nn.Module, cfg: Config, mesh: Any = None, device: torch.device | None = None
+    model: nn.Module, cfg: Config, dims: ParallelDims | None = None, device: torch.device | None = None
 ) -> nn.Module:
     """Apply the configured parallelism and memory options to `model`, in the order above.
 
-    `mesh`: the ("pp", "dp", "tp") DeviceMesh, or None for a plain single-process run. A model built on
+    `dims`: the run's topology; without a mesh (or dims) a plain single-process run. A model built on
     the meta device is materialized here (parallel/init.py): only this rank's shards, name-seeded
     values. Returns the module to train (a DDP wrapper for ZeRO-0/1 with dp > 1; the same module
     otherwise).
     """
     p = cfg.parallel
     device = device or torch.device("cpu")
+    mesh = None if dims is None else dims.mesh
     if mesh is not None and p.tp > 1:
         from .rng import apply_dropout_streams
         from .tensor import apply_tensor_parallel

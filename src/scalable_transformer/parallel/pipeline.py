@@ -63,6 +63,7 @@ from ..config.rules import (
 )
 from ..config.schema import Config
 from ..models import spec_for
+from .dims import ParallelDims
 from .distributed import all_reduce_floats, collective_device
 from .grads import local
 from .tensor import loss_ops, loss_parallel_context
@@ -158,13 +159,15 @@ class PipelineRunner:
     def __init__(
         self,
         stages: list[nn.Module],
-        ids: list[int],
+        dims: ParallelDims,
         cfg: Config,
-        pp_group: Any,
         device: torch.device,
         num_microbatches: int,
     ) -> None:
+        """`stages`: this rank's stage modules (for `dims.stage_ids`, in that order); `dims` gives the
+        stage ids and the pipeline process group."""
         p, m = cfg.parallel, cfg.model
+        ids, pp_group = dims.stage_ids, dims.pp_group
         if len(stages) != len(ids) or not stages:
             raise ValueError(f"PipelineRunner: {len(stages)} stage modules for stage ids {ids}")
         if p.pipeline_schedule not in SCHEDULES:

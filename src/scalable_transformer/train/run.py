@@ -235,22 +235,13 @@ def build_parallel_model(
     with torch.device("meta"):
         model = build_model(cfg.model)
     if dims.mesh is None or dims.pp == 1:
-        modules = [parallelize(model, cfg, dims.mesh, device)]
+        modules = [parallelize(model, cfg, dims, device)]
         runner = None
     else:
         from ..parallel.pipeline import PipelineRunner, split_model
 
-        modules = [
-            parallelize(stage, cfg, dims.mesh, device) for stage in split_model(model, cfg, dims.pp_rank)
-        ]
-        runner = PipelineRunner(
-            modules,
-            dims.stage_ids,
-            cfg,
-            dims.pp_group,
-            device,
-            cfg.train.gradient_accumulation_steps,
-        )
+        modules = [parallelize(stage, cfg, dims, device) for stage in split_model(model, cfg, dims.pp_rank)]
+        runner = PipelineRunner(modules, dims, cfg, device, cfg.train.gradient_accumulation_steps)
     del model  # the meta-device whole: only the parallelized modules hold storage
     if dims.pp > 1:  # dropout: pipeline stages must not repeat each other's masks (parallel/rng.py)
         from ..parallel.rng import stage_seed
