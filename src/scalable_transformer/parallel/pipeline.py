@@ -3,7 +3,7 @@
 Shape legend: b micro-batch, s sequence (local: sequence parallel splits it over tp), h hidden,
 v padded vocabulary, n micro-batches of a step.
 
-Stages. `split_model` prunes a full model (built on every rank from the same seed) down to this
+Stages. `split_model` prunes a full model (built on the meta device; parallel/init.py fills it) down to this
 rank's stages: each is the model itself with the parts it does not hold removed (the family's
 `ModelSpec.stage`, models/stage.py). Stage i holds transformer layers [start_i, start_i + count_i) in
 an nn.ModuleDict keyed by the global layer index, so parameter names (checkpoint keys) are the full
@@ -105,9 +105,9 @@ def _tensors_only(module: nn.Module, args: Any, output: Any) -> Any:
 def split_model(model: nn.Module, cfg: Config, pp_rank: int) -> list[nn.Module]:
     """This rank's stage modules (the model's own class with parts removed, in model order).
 
-    Every rank must build `model` identically (same seed), so the stages' weights are exactly the
-    single-process model's; the stages share the model's submodules (no copy) except the tied
-    output copy of the word embedding on the last stage.
+    `model` is normally on the meta device: the stages share its submodules (no copy) except the tied
+    output copy of the word embedding on the last stage, and `parallelize` materializes them with
+    values that depend on the seed and parameter name only, so they are the single-process model's.
     """
     p, m = cfg.parallel, cfg.model
     spec = spec_for(m)

@@ -39,12 +39,11 @@ block for post-LN models) before the heads, which also lets BERT's pooler read x
 
 Requirements the caller (config validation, parallel/dims.py) guarantees: heads, ffn_hidden_size and
 the padded vocabulary divisible by t; with SP, the sequence length divisible by t (DTensor.from_local
-assumes even shards). Parameters left plain or Replicate (norms, position embeddings, heads) must be
-identical on the tp ranks before this runs (build the model with the same seed everywhere); sharded
-ones are scattered from tp rank 0. Dropout runs on plain tensors with the local RNG, so the tp ranks
-must share a seed: replicated activations then get the same mask on every rank (as they must); the
-head shards (attention dropout) and, with SP, the sequence shards draw the same masks as each other,
-a correlation Megatron avoids with a separate tensor-parallel RNG stream.
+assumes even shards). The plan is applied to a meta-device model as to a materialized one: on meta,
+parallel/init.py fills each rank's shards afterwards with values that depend only on the seed and the
+parameter name (identical replicas, the single-process values). Dropout: replicated activations draw
+the same mask on every tp rank; the head shards (attention dropout) and, with SP, the sequence shards
+draw from per-tp-rank streams (parallel/rng.py), as Megatron's tensor-parallel RNG tracker does.
 """
 
 from __future__ import annotations
