@@ -136,3 +136,37 @@ def test_run_peak_keeps_what_interval_resets_discard():
     run = tracker.run_peak()
     # the kernel's RSS counters lag by a few pages (per-thread caches), hence the small margin
     assert run.peak_allocated_bytes >= during - 0.05 * size and "whole run" in run.method
+
+
+def test_model_state_bytes_counts_each_storage_once():
+    """Parameters, gradients, Adam's two moments; a tied weight counts once, Adam's step counter not."""
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=True)
+    head.weight = emb.weight  # tied: one storage of 40 floats
+    model = torch.nn.Sequential(emb, head)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert memory.model_state_bytes(model, opt)["optimizer"] == 0  # no state before the first step
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    sizes = memory.model_state_bytes(model, opt)
+    params = (40 + 10) * 4
+    assert sizes == {"parameters": params, "gradients": params, "optimizer": 2 * params}
+
+
+def test_model_state_bytes_sees_zero_redundancy_shards():
+    """ZeroRedundancyOptimizer keeps its shard's state in `.optim`; without a group it holds everything."""
+    pytest.importorskip("torch.distributed.optim")
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if dist.is_initialized():
+        pytest.skip("needs its own process group")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(8, 8)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+        model(torch.ones(1, 8)).sum().backward()
+        opt.step()
+        assert memory.model_state_bytes(model, opt)["optimizer"] == 2 * (64 + 8) * 4
+    finally:
+        dist.destroy_process_group()

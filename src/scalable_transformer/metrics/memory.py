@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -134,3 +135,43 @@ class MemoryTracker:
                 "cpu: process RSS high-water mark over the whole run (VmHWM), includes the Python runtime"
             )
         return MemoryStats(peak_allocated_bytes=value, peak_reserved_bytes=reserved, method=method)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's model states as they are now: parameters, gradients, optimizer state.
+
+    Counted by storage, each storage once (tied weights, views into one flat buffer), so a gradient
+    that is a view into DDP's bucket counts the bucket. What Python cannot reach is not counted: DDP's
+    own gradient buckets when gradients are separate tensors, FSDP2's unsharded parameters between
+    gathers, allocator slack. `torch.distributed.optim.ZeroRedundancyOptimizer` keeps its shard's
+    state in its `optim`.
+    """
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[torch.Tensor]) -> int:
+        n = 0
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            n += storage.nbytes()
+        return n
+
+    params = list(model.parameters())
+    inner = getattr(optimizer, "optim", optimizer)
+    # Adam's per-parameter step counter is a one-element tensor, not optimizer state in the ZeRO sense
+    state = [
+        v for s in inner.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"
+    ]
+    return {
+        "parameters": total(params),
+        "gradients": total([p.grad for p in params if p.grad is not None]),
+        "optimizer": total(state),
+    }

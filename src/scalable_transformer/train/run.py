@@ -199,6 +199,10 @@ def _run(
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
     summary["run_peak_memory_bytes_per_rank"] = gather_per_rank(history.run_peak_memory_bytes, dims)
+    summary["model_state_bytes_per_rank"] = {
+        part: gather_per_rank(history.model_state_bytes.get(part, 0), dims)
+        for part in ("parameters", "gradients", "optimizer")
+    }
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)

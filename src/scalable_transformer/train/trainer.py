@@ -19,7 +19,7 @@ import torch
 
 from ..config.schema import ResolvedConfig
 from ..metrics.flops import FlopsCount, throughput_metrics
-from ..metrics.memory import MemoryTracker
+from ..metrics.memory import MemoryTracker, model_state_bytes
 from ..metrics.sinks import Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
 from ..models import spec_for
@@ -55,6 +55,8 @@ class History:
     peak_memory_method: str = ""
     # whole-run high-water mark (bytes), initialization included: interval peaks are reset at each log
     run_peak_memory_bytes: int = 0
+    # this rank's parameters / gradients / optimizer state after the first optimizer step (bytes)
+    model_state_bytes: dict[str, int] = field(default_factory=dict)
     skipped_iterations: int = 0
 
 
@@ -243,6 +245,8 @@ class Trainer:
             self.consumed_samples += self.global_batch
             self.last_lr = result.lr
             h.skipped_iterations += result.skipped
+            if not h.model_state_bytes:  # the optimizer state exists from the first step on
+                h.model_state_bytes = model_state_bytes(self.model, self.optimizer)
             interval.add(result)
 
             if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters:
