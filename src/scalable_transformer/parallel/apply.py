@@ -134,6 +134,9 @@ def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device
         process_group=dp_group,
         device_ids=[device.index] if device.type == "cuda" else None,
         forward_sync_buffers=False,  # the models' buffers are derived tables, equal on every rank
+        # gradients live in the all-reduce buckets instead of beside them: one copy of the gradients
+        # (4 bytes/parameter fewer per rank, measured in benchmarks/zero_memory.py) and no bucket copy
+        gradient_as_bucket_view=True,
     )
     if cfg.parallel.grad_reduce_dtype == "bf16":
         ddp.register_comm_hook(dp_group, default_hooks.bf16_compress_hook)
