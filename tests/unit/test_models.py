@@ -404,3 +404,16 @@ def test_dataclass_config_is_not_mutated():
     build_model(cfg)
     count_parameters(cfg)
     assert dataclasses.asdict(cfg) == snapshot
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_dropout_streams_only_where_dropout_draws(sequence_parallel):
+    """Tensor-parallel dropout regions get a stream only when their dropout probability is above 0."""
+    from scalable_transformer.parallel.rng import tensor_parallel_regions
+
+    off = build_model(tiny("gpt", hidden_dropout=0.0, attention_dropout=0.0))
+    assert tensor_parallel_regions(off, sequence_parallel) == []
+    on = build_model(tiny("gpt", hidden_dropout=0.1, attention_dropout=0.1))
+    assert len(tensor_parallel_regions(on, sequence_parallel)) == 2 * (2 if sequence_parallel else 1)
+    attention_only = build_model(tiny("gpt", hidden_dropout=0.0, attention_dropout=0.1))
+    assert len(tensor_parallel_regions(attention_only, sequence_parallel)) == 2

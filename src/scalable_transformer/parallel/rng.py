@@ -75,10 +75,11 @@ class TensorParallelStream:
 
 
 def tensor_parallel_regions(model: nn.Module, sequence_parallel: bool) -> list[nn.Module]:
-    """The modules whose dropout runs on tp-sharded activations (rule 2)."""
-    regions: list[nn.Module] = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    """The modules whose dropout runs on tp-sharded activations (rule 2); those with a dropout
+    probability of 0 draw nothing, so they need no stream (and the hooks' cost is saved)."""
+    regions: list[nn.Module] = [m for m in model.modules() if isinstance(m, CoreAttention) and m.dropout > 0]
     if sequence_parallel:
-        regions += [m.dropout for m in model.modules() if isinstance(m, TransformerBlock)]
+        regions += [m.dropout for m in model.modules() if isinstance(m, TransformerBlock) and m.dropout.p > 0]
     return regions
 
 
