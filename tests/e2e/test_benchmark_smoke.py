@@ -56,3 +56,32 @@ def test_step_vs_bare_writes_a_complete_report_for_both_models(tmp_path):
         assert "## Environment" in text and '"torch_threads"' in text and '"cpu_model"' in text
         assert "FLOPs convention for MFU/HFU: `megatron`" in text and "measured CPU fp32 GEMM peak" in text
         assert f"{model}: A " in proc.stdout
+
+
+@pytest.mark.slow
+def test_zero_memory_measures_the_zero_formulas(tmp_path):
+    """benchmarks/zero_memory.py at toy size: each rank's measured model states are the ZeRO formula's."""
+    out = tmp_path / "zm.md"
+    script = SCRIPT.with_name("zero_memory.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--config", "tiny-gpt", "--dps", "2", "--stages", "1", "3"]
+        + ["--seq-length", "32", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+        for line in out.read_text().splitlines()
+        if line.startswith("| 1 | 2 |") or line.startswith("| 3 | 2 |")
+    }
+    assert set(rows) == {"1", "3"}, out.read_text()
+    # ZeRO-3 shards everything evenly (FSDP2 pads dim 0, a few bytes): measured / formula is 1.000
+    assert rows["3"][5] == "1.000", rows["3"]
+    # ZeRO-1 (ZeroRedundancyOptimizer) gives each rank whole parameters' state, so the two ranks differ,
+    # but between them they hold it once: on 2 ranks their mean is the formula's value
+    low, _, high = rows["1"][5].partition("-")
+    assert abs((float(low) + float(high or low)) / 2 - 1) < 0.005, rows["1"]
+    assert "## Environment" in out.read_text() and "stx launch" in out.read_text()
