@@ -23,9 +23,7 @@ the whole model's random numbers, which is cheap next to training.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -85,49 +83,27 @@ def fill_parameters(model: nn.Module, value: Callable[[str, torch.Size], torch.T
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
 LARGE_BLOCK_BYTES = 64 * 1024
-# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): where its default
-# settles once a program has freed a few large blocks
-SETTLED_THRESHOLD_BYTES = 32 * 1024 * 1024
 
 
-def _libc() -> Any:
+def return_large_frees_to_the_os() -> bool:
+    """Make glibc serve every block of LARGE_BLOCK_BYTES or more from mmap, so freeing it unmaps it.
+
+    By default glibc raises its mmap threshold up to 32 MB after each free of a mapped block, and then
+    serves such blocks from the heap, where freed memory stays resident: materializing one full
+    parameter after another, and FSDP2's per-block gathers and gradients, then ratchet the RSS up.
+    Measured on gpt-1b ZeRO-3 over 4 CPU ranks: 5.07-5.17 GiB peak per rank by default, 4.47 GiB with
+    this. Returns False where there is no glibc (nothing changes)."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    return None if name is None else ctypes.CDLL(name)
-
-
-def set_mmap_threshold(nbytes: int) -> bool:
-    """glibc `mallopt(M_MMAP_THRESHOLD, nbytes)`: blocks of `nbytes` or more come from mmap, so freeing
-    them unmaps them. False where there is no glibc (nothing changes)."""
+    if name is None:
+        return False
     try:
-        libc = _libc()
-        return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
     except (OSError, AttributeError):
         return False
-
-
-@contextlib.contextmanager
-def large_frees_returned() -> Iterator[bool]:
-    """While building and materializing a model on CPU, return every freed block of 64 KiB or more
-    to the OS; afterwards serve blocks below 32 MiB from the heap again and trim it.
-
-    By default glibc raises its mmap threshold up to 32 MB after each free of a mapped block, and then
-    serves such blocks from the heap, where freed memory stays resident: materializing one full
-    parameter after another ratchets the RSS up (gpt-1b ZeRO-3 over 4 CPU ranks peaked at 5.07-5.17 GiB
-    per rank by default, 4.47 GiB with a 64 KiB threshold). During training the low threshold costs a
-    system call and fresh zeroed pages for every large activation (benchmarks/mmap_threshold.py: a
-    gpt-125m step's CPU time 1.03x glibc's default) and buys nothing the 32 MiB threshold does not,
-    so it is scoped to construction. Yields whether glibc took the setting."""
-    applied = set_mmap_threshold(LARGE_BLOCK_BYTES)
-    try:
-        yield applied
-    finally:
-        if applied:
-            set_mmap_threshold(SETTLED_THRESHOLD_BYTES)
-            with contextlib.suppress(OSError, AttributeError):
-                _libc().malloc_trim(0)
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, device: torch.device, seed: int) -> nn.Module:

@@ -232,17 +232,10 @@ def build_parallel_model(
     shapes only, then `parallelize` materializes this rank's shards (parallel/init.py, values a
     function of train.seed and the parameter name) and `init_from_hf` streams into them. No rank holds
     the whole model unless its layout keeps whole replicas (ZeRO-0/1 without tp/pp)."""
-    if device.type != "cpu":
-        return _build_parallel_model(cfg, dims, device)
-    from ..parallel.init import large_frees_returned
+    if device.type == "cpu":  # host memory: freed full parameters and FSDP2 buffers must leave the RSS
+        from ..parallel.init import return_large_frees_to_the_os
 
-    with large_frees_returned():  # host memory: freed full parameters must leave the RSS
-        return _build_parallel_model(cfg, dims, device)
-
-
-def _build_parallel_model(
-    cfg: ResolvedConfig, dims: ParallelDims, device: torch.device
-) -> tuple[torch.nn.Module, Any]:
+        return_large_frees_to_the_os()
     with torch.device("meta"):
         model = build_model(cfg.model)
     if dims.mesh is None or dims.pp == 1:
