@@ -1,14 +1,15 @@
-"""What glibc's 64 KiB mmap threshold costs a CPU training step, scoped to model construction or not.
+"""What glibc's 64 KiB mmap threshold costs a CPU training step, kept for the run or only while building.
 
-Every CPU rank builds its model inside `parallel.init.large_frees_returned()`: while it is built and
-materialized, blocks of 64 KiB or more come from mmap, so freeing them returns them to the OS (issue
-12: gpt-1b ZeRO-3 peaked 5.07-5.17 -> 4.47 GiB per rank); afterwards the threshold is glibc's settled
-32 MiB and the heap is trimmed. The low threshold costs a system call and fresh zeroed pages for every
-large allocation, so it is measured three ways, each in fresh processes doing the same steps
-(step_vs_bare.py's bare loop: forward, backward, clip, AdamW; fp32, dropout 0):
+Every CPU rank calls `parallel.init.return_large_frees_to_the_os()` before building its model: blocks
+of 64 KiB or more come from mmap, so freeing them returns them to the OS (issue 12: gpt-1b ZeRO-3
+peaked 5.07-5.17 -> 4.47 GiB per rank). The low threshold costs a system call and fresh zeroed pages
+for every large allocation, so it is measured three ways, each in fresh processes doing the same
+steps (step_vs_bare.py's bare loop: forward, backward, clip, AdamW; fp32, dropout 0):
 
-  scoped  the engine's default: the model built inside `large_frees_returned()`, steps after it
-  always  the 64 KiB threshold kept through the steps (the engine before this benchmark)
+  always  the engine's setting: the threshold set before the model is built, kept through the steps
+  scoped  the threshold only while the model is built, then glibc's settled 32 MiB and a heap trim
+          (tried for the engine and rejected: gpt-1b ZeRO-3's steps then peaked at 5.10 GiB per rank,
+          FSDP2's unsharded gradients below 32 MiB fragmenting the heap)
   off     glibc's default dynamic threshold throughout
 
 Within each repeat the three run in a rotating order, so load that comes and goes hits all alike;
@@ -18,7 +19,7 @@ process): what a step costs, including the mmap/munmap calls and page faults a l
 without the waits for a core that other processes on a shared machine put into wall time; the
 wall-clock medians are in the table beside them.
 
-    python benchmarks/mmap_threshold.py                                  # gpt-125m, 2 layers, ~5 min
+    python benchmarks/mmap_threshold.py                                  # gpt-125m, 2 layers, ~15 min
     python benchmarks/mmap_threshold.py --repeats 2 --steps 3 model.num_layers=1 --output /tmp/mm.md
 """
 
@@ -37,31 +38,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 KINDS = ("scoped", "always", "off")
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): where its default settles
+SETTLED_THRESHOLD_BYTES = 32 * 1024 * 1024
 
 
 def worker(args: argparse.Namespace) -> None:
     """One process: the model built as `args.worker` says, then warm-up and timed steps; prints JSON."""
-    import contextlib
+    import ctypes
+    import ctypes.util
 
     import torch
 
     from scalable_transformer.metrics.memory import peak_rss_bytes
     from scalable_transformer.models import build_model
-    from scalable_transformer.parallel.init import (
-        LARGE_BLOCK_BYTES,
-        large_frees_returned,
-        set_mmap_threshold,
-    )
+    from scalable_transformer.parallel.init import return_large_frees_to_the_os
     from step_vs_bare import adamw, bare_step, benchmark_config, synthetic_batches
 
     torch.set_num_threads(args.threads)
     cfg = benchmark_config("gpt", args.config, args.overrides, args.micro_batch_size)
     torch.manual_seed(cfg.train.seed)
     # "applied": glibc took the setting the kind asks for (off asks for nothing)
-    applied = set_mmap_threshold(LARGE_BLOCK_BYTES) if args.worker == "always" else True
-    with large_frees_returned() if args.worker == "scoped" else contextlib.nullcontext(applied) as took:
-        model = build_model(cfg.model)
-    applied = bool(took)
+    applied = return_large_frees_to_the_os() if args.worker != "off" else True
+    model = build_model(cfg.model)
+    if args.worker == "scoped" and applied:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(M_MMAP_THRESHOLD, SETTLED_THRESHOLD_BYTES)
+        libc.malloc_trim(0)
     opt = adamw(model, cfg)
     micro = synthetic_batches(cfg, cfg.train.seed)
     times, cpu_times = [], []

@@ -92,7 +92,10 @@ def return_large_frees_to_the_os() -> bool:
     serves such blocks from the heap, where freed memory stays resident: materializing one full
     parameter after another, and FSDP2's per-block gathers and gradients, then ratchet the RSS up.
     Measured on gpt-1b ZeRO-3 over 4 CPU ranks: 5.07-5.17 GiB peak per rank by default, 4.47 GiB with
-    this. Returns False where there is no glibc (nothing changes)."""
+    this, 5.10 GiB with it only during construction (FSDP2's unsharded gradients below 32 MiB then
+    fragment the heap in the steps), so it stays for the run. Its price is a system call and fresh
+    zeroed pages per large allocation: a gpt-125m step's CPU time 1.03x glibc's default
+    (benchmarks/mmap_threshold.py). Returns False where there is no glibc (nothing changes)."""
     import ctypes
     import ctypes.util
 
