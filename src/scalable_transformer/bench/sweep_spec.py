@@ -155,7 +155,8 @@ def load_sweep(path: str | Path) -> SweepSpec:
     for axis in JOB_AXES:
         for n in axes.get(axis, []):
             if not n.isdigit() or int(n) < 1:
-                raise _err(path, f"axes.{axis}", f"{axis} values are integers >= 1, got {n!r}")
+                what = "process" if axis == "nproc" else "node"
+                raise _err(path, f"axes.{axis}", f"{what} counts are integers >= 1, got {n!r}")
     executor = data.get("executor", "local")
     if executor not in EXECUTORS:
         raise _err(path, "executor", f"must be one of {', '.join(EXECUTORS)}, got {executor!r}")
