@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     while run_dir.exists() and not (run_dir / MARKER_NAME).is_file():
         n += 1
         run_dir = parent / f"{name}-{n}"
-    train_args = [*([config] if config else []), *overrides]
+    # Where the run goes is decided here (the script lives there): the user's own values are replaced.
+    ours = ("logging.run_dir=", "logging.run_name=")
+    train_args = [*([config] if config else []), *(o for o in overrides if not o.startswith(ours))]
     train_args += [f"logging.run_dir={parent}", f"logging.run_name={run_dir.name}"]
     job = JobSpec("train", tuple(train_args), nproc=opts.gpus_per_node, nnodes=opts.nodes)
     log_path = run_dir / LOG_NAME

@@ -145,8 +145,8 @@ def slurm_script(job: JobSpec, opts: BatchOptions, name: str, log_path: Path, wo
             "MASTER_ADDR=$(scontrol show node \"$head_node\" -o | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
             'export MASTER_ADDR="${MASTER_ADDR:-$head_node}"',
             "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-            'echo "stx submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST,"'
-            ' "rank 0 at $MASTER_ADDR:$MASTER_PORT"',
+            'echo "stx submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST,'
+            ' rank 0 at $MASTER_ADDR:$MASTER_PORT"',
             "# --kill-on-bad-exit: the first rank to fail stops all; srun names its task and node.",
             f"srun --kill-on-bad-exit=1 {cmd}",
             "",
