@@ -158,6 +158,13 @@ def test_batch_scripts(tmp_path):
     assert 'mpiexec -n $((nnodes * 4)) --ppn 4 --hostfile "$PBS_NODEFILE"' in pbs
     with pytest.raises(UsageError, match="--scheduler must be one of slurm, pbs"):
         BatchOptions("lsf")
+    per_node = slurm_script(
+        job, BatchOptions("slurm", nodes=2, gpus_per_node=4, launcher="torchrun"), "n", tmp_path, tmp_path
+    )
+    assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'exec " in per_node
+    assert 'launch -n 4 --nnodes 2 --node-rank "$SLURM_NODEID" --master-addr "$MASTER_ADDR"' in per_node
+    with pytest.raises(UsageError, match="--launcher torchrun is for Slurm"):
+        BatchOptions("pbs", launcher="torchrun")
 
 
 def _sweep(tmp_path: Path, body: str) -> Path:

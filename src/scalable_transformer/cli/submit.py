@@ -39,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-gpu-request", action="store_true", help="leave the GPU request out (CPU-only partitions)"
     )
+    p.add_argument(
+        "--launcher",
+        choices=("srun", "torchrun"),
+        default="srun",
+        help="Slurm: srun starts every rank (default), or torchrun: one stx launch per node starts them",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
     p.add_argument("subcommand", choices=("train",), metavar="train", help="the stx command to run")
     p.add_argument("items", nargs=argparse.REMAINDER, metavar="CONFIG|key=value")
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         env_file=args.env_file,
         env=environment_exports(args.export),
         request_gpus=not args.no_gpu_request,
+        launcher=args.launcher,
     )
     config, overrides = split_config_args(args.items)
     cfg = load_config(config, overrides)

@@ -32,6 +32,7 @@ from ..errors import LaunchError, UsageError
 from .launcher import JobSpec, JobState
 
 SCHEDULERS = ("slurm", "pbs")
+LAUNCHERS = ("srun", "torchrun")
 SCRIPT_NAME = "job.sh"
 MARKER_NAME = ".stx-submit"  # a run directory prepared by stx submit (train/outputs.py reuses it)
 LOG_NAME = "job.log"
@@ -55,6 +56,9 @@ class BatchOptions:
     env: tuple[tuple[str, str], ...] = ()
     request_gpus: bool = True
     memory_limit_mb: int | None = None  # ulimit -v of every rank
+    # Slurm: "srun" starts every rank itself (one task per GPU); "torchrun" starts one
+    # `stx launch` per node (torchrun's agent, static rendezvous at rank 0's node) that starts them.
+    launcher: str = "srun"
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -67,6 +71,10 @@ class BatchOptions:
             )
         if self.time_seconds is not None and self.time_seconds <= 0:
             raise UsageError(f"--time must be > 0, got {self.time_seconds} s")
+        if self.launcher not in LAUNCHERS:
+            raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.launcher == "torchrun" and self.scheduler != "slurm":
+            raise UsageError("--launcher torchrun is for Slurm (srun starts one stx launch per node)")
         if self.env_file is not None and not Path(self.env_file).is_file():
             raise UsageError(f"--env-file {self.env_file}: no such file")
 
@@ -101,6 +109,17 @@ def rank_command(job: JobSpec, container: str | None) -> list[str]:
     image's python3, which must have scalable-transformer installed)."""
     python = [*shlex.split(container), "python3"] if container else [sys.executable]
     return [*python, "-u", "-m", "scalable_transformer.cli", job.subcommand, *job.args]
+
+
+def node_launch_command(job: JobSpec, opts: BatchOptions) -> str:
+    """--launcher torchrun: what srun runs once per node, `stx launch` with this node's rank."""
+    python = [*shlex.split(opts.container), "python3"] if opts.container else [sys.executable]
+    head = shlex.join(
+        [*python, "-u", "-m", "scalable_transformer.cli", "launch", "-n", str(opts.gpus_per_node)]
+    )
+    head += f" --nnodes {opts.nodes}" + ' --node-rank "$SLURM_NODEID" --master-addr "$MASTER_ADDR"'
+    head += ' --master-port "$MASTER_PORT" '
+    return head + shlex.join([job.subcommand, *job.args])
 
 
 def _exports(opts: BatchOptions, workdir: Path) -> list[str]:
@@ -147,8 +166,19 @@ def slurm_script(job: JobSpec, opts: BatchOptions, name: str, log_path: Path, wo
             "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
             'echo "stx submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST,'
             ' rank 0 at $MASTER_ADDR:$MASTER_PORT"',
-            "# --kill-on-bad-exit: the first rank to fail stops all; srun names its task and node.",
-            f"srun --kill-on-bad-exit=1 {cmd}",
+            *(
+                [
+                    "# --kill-on-bad-exit: the first rank to fail stops all; srun names its task and node.",
+                    f"srun --kill-on-bad-exit=1 {cmd}",
+                ]
+                if opts.launcher == "srun"
+                else [
+                    "# One `stx launch` per node (torchrun's agent starts the node's ranks and names a",
+                    "# failing one); --kill-on-bad-exit: the first node to fail stops the others.",
+                    "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "
+                    + shlex.quote("exec " + node_launch_command(job, opts)),
+                ]
+            ),
             "",
         ]
     )
