@@ -13,7 +13,7 @@ from scalable_transformer.bench.sweep_batch import Submitted, outcome_of
 from scalable_transformer.bench.sweep_spec import load_sweep
 from scalable_transformer.errors import LaunchError, SweepError, UsageError
 from scalable_transformer.launch.batch import BatchOptions, parse_time, pbs_script, slurm_script
-from scalable_transformer.launch.hostfile import node_command, parse_hostfile, select_hosts
+from scalable_transformer.launch.hostfile import node_command, parse_hostfile, root_cause, select_hosts
 from scalable_transformer.launch.launcher import JobSpec, JobState
 from scalable_transformer.parallel.cluster_env import apply, discover, read_node_file
 
@@ -213,3 +213,13 @@ def test_scheduler_states_map_to_sweep_statuses(tmp_path, state, log, summary, s
     assert outcome["status"] == status
     if status != "ok":
         assert f"slurm job 42 ended {state}" in outcome["error"] or "no longer knows" in outcome["error"]
+
+
+def test_the_host_whose_rank_failed_on_its_own_is_named():
+    tails = [
+        ["RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."],
+        ["stx launch: rank 1 was killed by signal SIGKILL (exit code -9)"],
+    ]
+    assert root_cause({0: 1, 1: 1}, tails) == 1  # host 0 was seen first, but only lost its peer
+    assert root_cause({1: 1}, tails) == 1
+    assert root_cause({0: 1}, [tails[0], []]) == 0

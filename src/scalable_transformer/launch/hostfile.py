@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -38,6 +39,10 @@ from ..errors import LaunchError
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "STX_", "TORCH_", "OMP_", "UCX_", "FI_", "CUDA_", "HF_", "GLOO_")
 DEFAULT_MASTER_PORT = 29500
+# What a rank says when another rank (elsewhere) died under it: gloo / NCCL / the TCP store.
+PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")
+GRACE_SECONDS = 3.0  # after a first failure: how long to wait for the others' before naming one
+TAIL_LINES = 400  # per host, for root_cause
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +189,22 @@ def ssh_command(host: str, remote: str, ssh_config: str | None) -> list[str]:
     return ["ssh", *(["-F", ssh_config] if ssh_config else []), "-T", host, remote]
 
 
-def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock, tail: deque[str]) -> None:
     for line in stream:
+        tail.append(line)
         with lock:
             out.write(f"{prefix}: {line}")
             out.flush()
+
+
+def root_cause(failed: dict[int, int], tails: Sequence[Sequence[str]]) -> int:
+    """The host that failed on its own: one whose ranks did not just lose a peer (when a rank dies,
+    the ranks on the other hosts fail too, in a collective, often as fast); else the first seen."""
+    order = list(failed)  # in the order the failures were seen
+    for index in order:
+        if not any(phrase in line for line in tails[index] for phrase in PEER_LOSS):
+            return index
+    return order[0]
 
 
 def launch_hosts(
@@ -214,6 +230,7 @@ def launch_hosts(
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    tails: list[deque[str]] = [deque(maxlen=TAIL_LINES) for _ in hosts]
     try:
         for rank, host in enumerate(hosts):
             remote = node_command(host, rank, len(hosts), master_addr, port, env, launch_args, command)
@@ -227,29 +244,39 @@ def launch_hosts(
             )
             procs.append(proc)
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, host.name, out, lock), daemon=True)
+                t = threading.Thread(
+                    target=_pump, args=(stream, host.name, out, lock, tails[rank]), daemon=True
+                )
                 t.start()
                 pumps.append(t)
-        failed: tuple[int, int] | None = None
-        while failed is None and any(p.poll() is None for p in procs):
+        failed: dict[int, int] = {}  # host index -> exit status, in the order seen
+        first_seen: float | None = None
+        while any(p.poll() is None for p in procs):
             for i, p in enumerate(procs):
-                if p.poll() is not None and p.returncode != 0:
-                    failed = (i, p.returncode)
-                    break
+                if p.poll() is not None and p.returncode != 0 and i not in failed:
+                    failed[i] = p.returncode
+            if failed and first_seen is None:
+                first_seen = time.monotonic()
+            if first_seen is not None and time.monotonic() - first_seen > GRACE_SECONDS:
+                break
             time.sleep(poll_seconds)
-        if failed is None:
-            failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
+        for i, p in enumerate(procs):
+            if p.poll() is not None and p.returncode != 0 and i not in failed:
+                failed[i] = p.returncode
     finally:
         _close_all(procs)
         for t in pumps:
             t.join(timeout=5)
-    if failed is None:
+    if not failed:
         return 0
-    index, code = failed
+    index = root_cause(failed, tails)
+    code = failed[index]
     how = f"exit code {code}" if code > 0 else f"signal {-code}"
+    others = [hosts[i].name for i in failed if i != index]
     print(
-        f"stx launch: host {hosts[index].name} (node {index}) failed first ({how}); "
-        "the other hosts were stopped",
+        f"stx launch: host {hosts[index].name} (node {index}) failed first ({how}; its report above "
+        "names the rank); the other hosts were stopped"
+        + (f" (failed after it: {', '.join(others)})" if others else ""),
         file=sys.stderr,
         flush=True,
     )
