@@ -15,7 +15,7 @@ from scalable_transformer.errors import LaunchError, SweepError, UsageError
 from scalable_transformer.launch.batch import BatchOptions, parse_time, pbs_script, slurm_script
 from scalable_transformer.launch.hostfile import node_command, parse_hostfile, root_cause, select_hosts
 from scalable_transformer.launch.launcher import JobSpec, JobState
-from scalable_transformer.parallel.cluster_env import apply, discover, read_node_file
+from scalable_transformer.parallel.cluster_env import apply, discover, read_node_file, slurm_node_layout
 
 
 def test_torchrun_variables_are_left_alone():
@@ -223,3 +223,18 @@ def test_the_host_whose_rank_failed_on_its_own_is_named():
     assert root_cause({0: 1, 1: 1}, tails) == 1  # host 0 was seen first, but only lost its peer
     assert root_cause({1: 1}, tails) == 1
     assert root_cause({0: 1}, [tails[0], []]) == 0
+
+
+def test_one_launcher_per_node_under_srun():
+    step = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost,other",
+        "SLURM_JOB_ID": "7",
+    }
+    assert slurm_node_layout(step) == (2, 1, "localhost", 20007)
+    assert slurm_node_layout({**step, "SLURM_STEP_NUM_TASKS": "16"}) is None  # one task per GPU: ranks
+    assert slurm_node_layout({**step, "RANK": "0"}) is None
+    assert slurm_node_layout({k: v for k, v in step.items() if k != "SLURM_STEP_ID"}) is None

@@ -99,6 +99,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("SUBCOMMAND cannot be launch itself")
         if args.nproc_per_node is None:
             raise ValueError("-n/--nproc-per-node is required (or --hostfile)")
+        if args.nnodes == 1 and not args.master_addr:
+            # Under `srun --ntasks-per-node=1` on several nodes: one launcher per node, placed by Slurm.
+            from ..parallel.cluster_env import slurm_node_layout
+
+            layout = slurm_node_layout()
+            if layout is not None:
+                args.nnodes, args.node_rank, args.master_addr, port = layout
+                args.master_port = args.master_port or port
         opts = LaunchOptions(
             nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,

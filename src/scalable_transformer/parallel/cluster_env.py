@@ -201,3 +201,17 @@ def resolvable_address(node: str) -> str:
         return node
     found = re.search(r"\bNodeAddr=(\S+)", out)
     return found.group(1) if found else node
+
+
+def slurm_node_layout(env: Mapping[str, str] | None = None) -> tuple[int, int, str, int] | None:
+    """For `srun --ntasks-per-node=1 stx launch -n G ...` (one launcher per node, torchtitan's
+    way): (nodes, this node's rank, rank 0's address, port) of a Slurm job step with one task on
+    each of several nodes; None anywhere else (and when RANK is set: a rank, not a launcher)."""
+    env = os.environ if env is None else env
+    if "RANK" in env or env.get("SLURM_STEP_ID", "") == "" or env.get("SLURM_NODEID", "") == "":
+        return None
+    nodes = _first_int(env, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"), "slurm", 1)
+    tasks = _first_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), "slurm", 1)
+    if nodes < 2 or tasks != nodes:
+        return None
+    return nodes, _int(env, "SLURM_NODEID"), master_addr(env, "slurm"), master_port(env)
