@@ -28,6 +28,7 @@ def cluster(tmp_path_factory):
         pytest.skip(f"no cluster tools: {install.stderr.strip()}")
     assert install.returncode == 0, install.stderr[-3000:]
     directory = tmp_path_factory.mktemp("cluster")
+    saved: dict[str, str | None] = {}
     up = subprocess.run([str(SCRIPTS / "up.sh"), str(directory)], capture_output=True, text=True, timeout=180)
     try:
         assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
@@ -37,12 +38,12 @@ def cluster(tmp_path_factory):
             "HYDRA_LAUNCHER": "ssh",
             "HYDRA_LAUNCHER_EXEC": str(directory / "ssh"),
         }
-        saved = {k: os.environ.get(k) for k in exports}
+        saved.update({k: os.environ.get(k) for k in exports})
         os.environ.update(exports)
         yield directory
     finally:
         subprocess.run([str(SCRIPTS / "down.sh"), str(directory)], timeout=60, check=False)
-        for k, v in locals().get("saved", {}).items():
+        for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:

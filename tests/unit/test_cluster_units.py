@@ -12,7 +12,13 @@ from scalable_transformer.bench.sweep import Member
 from scalable_transformer.bench.sweep_batch import Submitted, outcome_of
 from scalable_transformer.bench.sweep_spec import load_sweep
 from scalable_transformer.errors import LaunchError, SweepError, UsageError
-from scalable_transformer.launch.batch import BatchOptions, parse_time, pbs_script, slurm_script
+from scalable_transformer.launch.batch import (
+    BatchOptions,
+    environment_exports,
+    parse_time,
+    pbs_script,
+    slurm_script,
+)
 from scalable_transformer.launch.hostfile import node_command, parse_hostfile, root_cause, select_hosts
 from scalable_transformer.launch.launcher import JobSpec, JobState
 from scalable_transformer.parallel.cluster_env import apply, discover, read_node_file, slurm_node_layout
@@ -238,3 +244,11 @@ def test_one_launcher_per_node_under_srun():
     assert slurm_node_layout({**step, "SLURM_STEP_NUM_TASKS": "16"}) is None  # one task per GPU: ranks
     assert slurm_node_layout({**step, "RANK": "0"}) is None
     assert slurm_node_layout({k: v for k, v in step.items() if k != "SLURM_STEP_ID"}) is None
+
+
+def test_export_of_an_unset_variable_is_an_error(monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    monkeypatch.delenv("NCCL_IB_HCA", raising=False)
+    assert environment_exports(["NCCL_SOCKET_IFNAME"]) == (("NCCL_SOCKET_IFNAME", "ib0"),)
+    with pytest.raises(UsageError, match="--export NCCL_IB_HCA: not set"):
+        environment_exports(["NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"])

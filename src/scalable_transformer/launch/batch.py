@@ -378,5 +378,9 @@ def _opt_str(value: object) -> str | None:
 
 
 def environment_exports(names: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """(name, value) of the listed variables that are set here (what `--export NAME` passes on)."""
-    return tuple((n, os.environ[n]) for n in names if n in os.environ)
+    """(name, value) of the listed variables (what `--export NAME` passes on); UsageError naming
+    one that is not set here."""
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise UsageError(f"--export {missing[0]}: not set in this shell (export it, or use --env-file)")
+    return tuple((n, os.environ[n]) for n in names)
