@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Start a private two-node cluster on this machine, everything under DIR (default: a new temp dir):
-#   munged (own key and socket), slurmctld + two slurmd ("nodes" n1 on 127.0.0.1 and n2 on 127.0.0.2,
-#   one CPU and one GRES "gpu" each: File=/dev/null, so --gpus-per-node=1 is
-#   allocated as on a GPU cluster; without a File slurmd reports 0 gpus and the node goes INVAL), and sshd listening on 127.0.0.1 and 127.0.0.2 (two ssh "hosts").
+#   munged (own key and socket); slurmctld + two slurmd ("nodes" n1 on 127.0.0.1 and n2 on
+#   127.0.0.2, one CPU and one GRES "gpu" each: File=/dev/null, so --gpus-per-node=1 is allocated
+#   as on a GPU cluster; without a File slurmd reports 0 gpus and the node goes INVAL); and sshd
+#   listening on 127.0.0.1 and 127.0.0.2 (two ssh "hosts", root by key only).
 # Ports are free ones picked now. Prints DIR; DIR/env.sh exports what clients need (SLURM_CONF,
 # STX_SSH_CONFIG, HYDRA_LAUNCHER_EXEC). Stop with down.sh DIR (by the pids in DIR/*.pid).
 # Settings: ../../../shared/CLUSTER-ON-CPU.md (verified on Debian 12, Slurm 22.05, MPICH 4.0).
