@@ -6,7 +6,7 @@
 #   listening on 127.0.0.1 and 127.0.0.2 (two ssh "hosts", root by key only).
 # Ports are free ones picked now. Prints DIR; DIR/env.sh exports what clients need (SLURM_CONF,
 # STX_SSH_CONFIG, HYDRA_LAUNCHER_EXEC). Stop with down.sh DIR (by the pids in DIR/*.pid).
-# Settings: ../../../shared/CLUSTER-ON-CPU.md (verified on Debian 12, Slurm 22.05, MPICH 4.0).
+# Settings verified on Debian 12 (Slurm 22.05, OpenSSH 9.2, MPICH 4.0); README.md, "Running on a cluster".
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 "$here/install.sh"

@@ -128,7 +128,7 @@ def test_hostfile_launcher_over_ssh_trains_like_the_local_run(tmp_path, cluster,
     hosts = tmp_path / "hosts"
     hosts.write_text("# two ssh 'hosts' on loopback\n127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     env_file = tmp_path / "job.env"
-    env_file.write_text("STX_TEST_FROM_ENV_FILE=yes\n")
+    env_file.write_text("# every host sets these\nOMP_NUM_THREADS=1\n")
     proc = run(
         [
             STX,
@@ -147,6 +147,8 @@ def test_hostfile_launcher_over_ssh_trains_like_the_local_run(tmp_path, cluster,
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "127.0.0.2: " in proc.stderr + proc.stdout  # output of the second host, prefixed
     assert losses(tmp_path / "runs" / "ssh") == pytest.approx(reference, rel=1e-6)
+    env = json.loads((tmp_path / "runs" / "ssh" / "env.json").read_text())["env"]
+    assert env["OMP_NUM_THREADS"] == "1"  # from the env file (stx launch would set cores / 1)
 
 
 def test_mpiexec_with_a_pbs_nodefile_trains_like_the_local_run(tmp_path, cluster, reference):
