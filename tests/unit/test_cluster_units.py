@@ -252,3 +252,66 @@ def test_export_of_an_unset_variable_is_an_error(monkeypatch):
     assert environment_exports(["NCCL_SOCKET_IFNAME"]) == (("NCCL_SOCKET_IFNAME", "ib0"),)
     with pytest.raises(UsageError, match="--export NCCL_IB_HCA: not set"):
         environment_exports(["NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"])
+
+
+class FakeScheduler:
+    """A `BatchLauncher` that runs nothing: submit writes the member's summary.json at once; the
+    states come from a script (job id -> states, one per poll, the last repeated)."""
+
+    scheduler = "slurm"
+
+    def __init__(self, states: dict[str, list[str]]) -> None:
+        self.states = states
+        self.submitted: list[str] = []
+        self.polls = 0
+
+    def submit(self, job: JobSpec, run_dir: Path, log_path: Path, time_limit_seconds: float) -> str:
+        job_id = str(100 + len(self.submitted))
+        self.submitted.append(job_id)
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text('{"samples_per_second": 1.0}')
+        log_path.write_text("")
+        return job_id
+
+    def state(self, job_id: str) -> JobState:
+        self.polls += 1
+        queue = self.states[job_id]
+        return JobState(queue.pop(0) if len(queue) > 1 else queue[0], 0, 1.0)
+
+    def cancel(self, job_id: str) -> None:
+        pass
+
+
+class Interrupting(FakeScheduler):
+    def state(self, job_id: str) -> JobState:
+        raise KeyboardInterrupt  # the sweep is stopped while its jobs are queued
+
+
+def test_a_restarted_batch_sweep_reattaches_instead_of_resubmitting(tmp_path):
+    from scalable_transformer.bench.results import ResultsStore
+    from scalable_transformer.bench.sweep import SweepOptions
+    from scalable_transformer.bench.sweep_batch import run_batch_sweep, sweep_status
+
+    spec = load_sweep(
+        _sweep(
+            tmp_path,
+            "axes: {nodes: [1, 2]}\nsteps: 2\nexecutor: slurm\nexecutor_options: {poll_seconds: 0}\n",
+        )
+    )
+    first = Interrupting({})
+    outcome = run_batch_sweep(spec, SweepOptions(spec.path), launcher=first)
+    assert outcome.interrupted and first.submitted == ["100", "101"]
+    second = FakeScheduler({"100": ["PENDING", "RUNNING", "COMPLETED"], "101": ["RUNNING", "TIMEOUT"]})
+    outcome = run_batch_sweep(spec, SweepOptions(spec.path), launcher=second)
+    assert second.submitted == []  # re-attached to 100 and 101
+    assert outcome.counts == {"ok": 1, "timeout": 1}
+    with ResultsStore(spec.store) as store:
+        rows = {(r["nnodes"], r["nproc"]): (r["status"], r["job_id"], r["scheduler"]) for r in store.rows()}
+    assert rows == {(1, 1): ("ok", "100", "slurm"), (2, 2): ("timeout", "101", "slurm")}
+    assert [(r["job_id"], r["state"]) for r in sweep_status(spec.store)] == [
+        ("100", "COMPLETED -> ok"),
+        ("101", "TIMEOUT -> timeout"),
+    ]
+    third = FakeScheduler({})
+    run_batch_sweep(spec, SweepOptions(spec.path), launcher=third)
+    assert third.submitted == [] and third.polls == 0  # everything stored: nothing to do
