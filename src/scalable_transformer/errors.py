@@ -57,3 +57,8 @@ class ConfigWarning(StxWarning):
     def __init__(self, source: str, key: str, reason: str, message: str | None = None) -> None:
         super().__init__(message or f"{source}: '{key}' {reason}; ignored")
         self.source, self.key, self.reason = source, key, reason
+
+
+class LaunchError(StxError):
+    """A job that cannot be started as asked: a scheduler environment with a variable missing, a bad
+    hostfile, a scheduler command that refused the job; the message says what to set or change."""

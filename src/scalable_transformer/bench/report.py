@@ -45,12 +45,13 @@ FAILED = {"oom": "OOM", "timeout": "timeout", "crashed": "crashed", "invalid": "
 
 
 def devices(row: dict[str, Any]) -> str:
-    """The users' column: '1*8' (nodes * processes per node) for several nodes, else the process count."""
+    """The users' column: '1*8' (nodes * processes per node) for several nodes or a batch job (a
+    scheduler's job is counted in nodes even when it has one), else the process count."""
     nnodes = row.get("nnodes") or 1
     nproc = row.get("nproc")
     if nproc is None:
         return "?"
-    return f"{nnodes}*{nproc // nnodes}" if nnodes > 1 else str(nproc)
+    return f"{nnodes}*{nproc // nnodes}" if nnodes > 1 or row.get("scheduler") else str(nproc)
 
 
 def total_devices(row: dict[str, Any]) -> int:

@@ -70,6 +70,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("run_dir", "TEXT"),
     ("started_at", "TEXT"),
     ("finished_at", "TEXT"),
+    ("scheduler", "TEXT"),  # slurm | pbs for a member run as a batch job (NULL: stx launch here)
+    ("job_id", "TEXT"),  # its job id
 ]
 COLUMN_NAMES = [c for c, _ in COLUMNS]
 

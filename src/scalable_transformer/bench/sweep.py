@@ -47,7 +47,7 @@ from .results import STATUSES, ResultsStore
 from .sweep_execute import OOM_PATTERNS, classify, run_member
 from .sweep_present import SweepConsole
 from .sweep_record import base_record, config_columns, invalid_record, record_from_summary, result_record
-from .sweep_spec import KEYS, Condition, Limit, SweepSpec, common_overrides, fmt_value, load_sweep
+from .sweep_spec import JOB_AXES, KEYS, Condition, Limit, SweepSpec, common_overrides, fmt_value, load_sweep
 
 __all__ = [
     "KEYS",
@@ -84,11 +84,13 @@ class Member:
     invalid_reason: str | None
     timeout_seconds: float
     memory_limit_mb: int | None
+    nodes: int = 1  # the nodes axis (a scheduler's job); nproc is then processes per node
 
     @property
     def run_name(self) -> str:
         slug = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", self.label)[:60]
-        return f"{slug}-n{self.nproc}-{self.config_hash[:10]}-r{self.repeat}"
+        shape = f"n{self.nproc}" if self.nodes == 1 else f"N{self.nodes}n{self.nproc}"
+        return f"{slug}-{shape}-{self.config_hash[:10]}-r{self.repeat}"
 
 
 def _label(base: str, point: dict[str, str], cfg: Config | None) -> str:
@@ -96,27 +98,39 @@ def _label(base: str, point: dict[str, str], cfg: Config | None) -> str:
     the layout label without dp); dp and nproc are the columns."""
     name = Path(base).stem if base not in preset_names() else base
     parts = [name]
-    parts += [f"{k.split('.')[-1]}={v}" for k, v in point.items() if k != "nproc" and "parallel" not in k]
+    parts += [
+        f"{k.split('.')[-1]}={v}" for k, v in point.items() if k not in JOB_AXES and "parallel" not in k
+    ]
     if cfg is None:
         parts += [f"{k.split('.')[-1]}={v}" for k, v in point.items() if "parallel" in k]
         return " ".join(parts)
     return " ".join([*parts, layout_label(cfg, with_dp=False)])
 
 
-def config_hash(cfg: Config, nproc: int, steps: int) -> str:
-    """Identity of a member: the resolved config without where its run directory goes, plus nproc and
-    steps. Stable across processes and machines (a sha256 of sorted YAML)."""
+def config_hash(cfg: Config, nproc: int, steps: int, nodes: int = 1) -> str:
+    """Identity of a member: the resolved config without where its run directory goes, plus nproc
+    (per node), nodes and steps. Stable across processes and machines (a sha256 of sorted YAML);
+    one node hashes as before nodes existed, so older stores still match."""
     neutral = dataclasses.replace(
         cfg, logging=dataclasses.replace(cfg.logging, run_dir="", run_name=None, tensorboard_dir=None)
     )
-    text = json.dumps({"config": to_yaml(neutral), "nproc": nproc, "steps": steps}, sort_keys=True)
+    identity: dict[str, object] = {"config": to_yaml(neutral), "nproc": nproc, "steps": steps}
+    if nodes != 1:
+        identity["nodes"] = nodes
+    text = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def _invalid_hash(spec: SweepSpec, overrides: list[str], nproc: int) -> str:
-    text = json.dumps(
-        {"base": spec.base, "overrides": sorted(overrides), "nproc": nproc, "steps": spec.steps}
-    )
+def _invalid_hash(spec: SweepSpec, overrides: list[str], nproc: int, nodes: int = 1) -> str:
+    identity: dict[str, object] = {
+        "base": spec.base,
+        "overrides": sorted(overrides),
+        "nproc": nproc,
+        "steps": spec.steps,
+    }
+    if nodes != 1:
+        identity["nodes"] = nodes
+    text = json.dumps(identity)
     return "invalid-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -130,7 +144,8 @@ def expand(spec: SweepSpec) -> tuple[list[Member], int]:
             filtered += 1
             continue
         nproc = int(point.get("nproc", "1"))
-        overrides = [f"{k}={v}" for k, v in point.items() if k != "nproc"]
+        nodes = int(point.get("nodes", "1"))
+        overrides = [f"{k}={v}" for k, v in point.items() if k not in JOB_AXES]
         cfg: Config | None = None
         reason = None
         try:
@@ -139,10 +154,14 @@ def expand(spec: SweepSpec) -> tuple[list[Member], int]:
             loaded, reason = None, str(e)
         if loaded is not None:
             try:
-                cfg = resolve(loaded, world_size=nproc)
+                cfg = resolve(loaded, world_size=nproc * nodes)
             except ConfigError as e:
                 reason = str(e)
-        digest = config_hash(cfg, nproc, spec.steps) if cfg else _invalid_hash(spec, overrides, nproc)
+        digest = (
+            config_hash(cfg, nproc, spec.steps, nodes)
+            if cfg
+            else _invalid_hash(spec, overrides, nproc, nodes)
+        )
         timeout, memory = spec.timeout_seconds, spec.memory_limit_mb
         for rule in spec.limits:
             if rule.when.matches(point):
@@ -162,6 +181,7 @@ def expand(spec: SweepSpec) -> tuple[list[Member], int]:
                     invalid_reason=reason,
                     timeout_seconds=timeout,
                     memory_limit_mb=memory,
+                    nodes=nodes,
                 )
             )
     return members, filtered
@@ -209,7 +229,12 @@ def run_sweep(
     present: SweepConsole | None = None,
 ) -> SweepOutcome:
     """Plan, skip what the store already holds, run the rest one member at a time (each through
-    launcher, default: `stx launch` on this node) and store every outcome as soon as it is known."""
+    launcher, default: `stx launch` on this node) and store every outcome as soon as it is known.
+    With `executor: slurm|pbs` each member is a batch job instead (`sweep_batch.run_batch`)."""
+    if spec.executor != "local" and not options.dry_run:
+        from .sweep_batch import run_batch_sweep
+
+        return run_batch_sweep(spec, options, present=present)
     if launcher is None:
         from ..launch.local_jobs import LocalLauncher
 

@@ -75,6 +75,7 @@ def member_job(spec: SweepSpec, member: Member) -> JobSpec:
         ),
         nproc=member.nproc,
         memory_limit_mb=member.memory_limit_mb,
+        nnodes=member.nodes,
     )
 
 

@@ -45,6 +45,10 @@ class SweepConsole:
                     f"{m.timeout_seconds:g} s, memory limit {m.memory_limit_mb or '-'} MiB) [{m.config_hash}]"
                 )
 
+    def note(self, text: str) -> None:
+        """One line of news (a batch job submitted, re-attached to, ended)."""
+        self.console.print(text)
+
     def to_run(self, todo: int, skipped: int) -> None:
         self.console.print(f"to run: {todo}; already in the store: {skipped}")
 

@@ -93,8 +93,8 @@ def base_record(spec: SweepSpec, m: Member) -> dict[str, Any]:
         "source": "stx",
         "sweep": spec.name,
         "label": m.label,
-        "nproc": m.nproc,
-        "nnodes": 1,
+        "nproc": m.nproc * m.nodes,  # processes of the job; the report shows nodes*per-node
+        "nnodes": m.nodes,
         "steps": spec.steps,
         "overrides_json": json.dumps(dict(kv.split("=", 1) for kv in m.overrides)),
     }

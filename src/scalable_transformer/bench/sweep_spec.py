@@ -17,7 +17,7 @@ from ..errors import ConfigError, SweepError
 KEYS = {
     "base": "preset name or config path",
     "overrides": "list of key=value strings applied to every member",
-    "axes": "mapping of config key (or nproc) to a list of values",
+    "axes": "mapping of config key (or nproc, nodes) to a list of values",
     "steps": "training iterations per member (int >= 1)",
     "warmup_steps": "iterations excluded from the throughput median (int >= 0)",
     "timeout_seconds": "seconds per member (number > 0)",
@@ -27,7 +27,14 @@ KEYS = {
     "limits": "list of {when: condition, timeout_seconds: N, memory_limit_mb: M}",
     "store": "path of the results store (SQLite)",
     "name": "name of the sweep in the store (default: the file's stem)",
+    "executor": "where members run: local (stx launch on this node), slurm or pbs (one batch job each)",
+    "executor_options": "mapping for slurm/pbs: partition (or queue), account, container, env_file, "
+    "env (mapping), gpus (request one GPU per process; default true), poll_seconds",
 }
+EXECUTORS = ("local", "slurm", "pbs")
+EXECUTOR_OPTIONS = ("partition", "queue", "account", "container", "env_file", "env", "gpus", "poll_seconds")
+# Axes that are not config keys: processes per node, and nodes (a scheduler's job only).
+JOB_AXES = ("nproc", "nodes")
 
 
 @dataclasses.dataclass
@@ -60,6 +67,8 @@ class SweepSpec:
     filters: list[Condition]
     limits: list[Limit]
     store: Path
+    executor: str = "local"
+    executor_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def directory(self) -> Path:
@@ -143,12 +152,35 @@ def load_sweep(path: str | Path) -> SweepSpec:
         if not isinstance(v, list) or not v:
             raise _err(path, f"axes.{k}", f"must be a non-empty list of values, got {v!r}")
         axes[str(k)] = [fmt_value(x) for x in v]
-    for n in axes.get("nproc", []):
-        if not n.isdigit() or int(n) < 1:
-            raise _err(path, "axes.nproc", f"process counts are integers >= 1, got {n!r}")
+    for axis in JOB_AXES:
+        for n in axes.get(axis, []):
+            if not n.isdigit() or int(n) < 1:
+                what = "process" if axis == "nproc" else "node"
+                raise _err(path, f"axes.{axis}", f"{what} counts are integers >= 1, got {n!r}")
+    executor = data.get("executor", "local")
+    if executor not in EXECUTORS:
+        raise _err(path, "executor", f"must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "local" and any(n != "1" for n in axes.get("nodes", [])):
+        raise _err(
+            path, "axes.nodes", "more than one node needs a scheduler: set executor: slurm or executor: pbs"
+        )
+    executor_options = data.get("executor_options") or {}
+    if not isinstance(executor_options, dict):
+        raise _err(path, "executor_options", f"must be a {KEYS['executor_options']}")
+    for k in executor_options:
+        if k not in EXECUTOR_OPTIONS:
+            raise _err(path, f"executor_options.{k}", f"unknown option; valid: {', '.join(EXECUTOR_OPTIONS)}")
+    if executor_options and executor == "local":
+        raise _err(path, "executor_options", "only for executor: slurm or pbs")
+    env_file = executor_options.get("env_file")
+    if env_file is not None:
+        resolved_env_file = (path.parent / str(env_file)).resolve()
+        if not resolved_env_file.is_file():
+            raise _err(path, "executor_options.env_file", f"{env_file}: no such file")
+        executor_options = {**executor_options, "env_file": str(resolved_env_file)}
     # Unknown config keys fail here, before anything runs (load_config names the nearest valid key).
     for k, vs in axes.items():
-        if k != "nproc":
+        if k not in JOB_AXES:
             try:
                 load_config(base, [*overrides, f"{k}={vs[0]}"])
             except ConfigError as e:
@@ -194,6 +226,8 @@ def load_sweep(path: str | Path) -> SweepSpec:
         filters=[_condition(path, f"filters[{i}]", f, keys) for i, f in enumerate(filters)],
         limits=limits,
         store=(path.parent / store).resolve(),
+        executor=executor,
+        executor_options=dict(executor_options),
     )
 
 

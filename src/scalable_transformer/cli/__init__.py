@@ -15,12 +15,27 @@ import sys
 import threading
 import warnings
 
-from . import checkpoint, config, env, export, flops, launch, preprocess, report, sweep, tokenizer, train
+from . import (
+    checkpoint,
+    config,
+    env,
+    export,
+    flops,
+    launch,
+    preprocess,
+    report,
+    submit,
+    sweep,
+    tokenizer,
+    train,
+)
 
 EPILOG = """Examples:
   stx train
   stx train tiny-gpt model.num_layers=4 optim.lr=3e-4
   stx launch -n 2 train tiny-gpt
+  stx launch --hostfile hosts train gpt-1b
+  stx submit --scheduler slurm --nodes 2 --gpus-per-node 4 --time 2:00:00 train gpt-1b
   stx config show bert-345m
   stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
   stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
@@ -39,7 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     # The order of `stx --help`; launch's SUBCOMMAND accepts every command, whatever the order.
-    commands = (train, config, tokenizer, preprocess, flops, checkpoint, export, env, sweep, report, launch)
+    commands = (
+        train,
+        config,
+        tokenizer,
+        preprocess,
+        flops,
+        checkpoint,
+        export,
+        env,
+        sweep,
+        report,
+        launch,
+        submit,
+    )
     for command in commands:
         command.register(sub)
     return parser

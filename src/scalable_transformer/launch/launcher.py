@@ -18,12 +18,13 @@ from typing import Protocol
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """One `stx SUBCOMMAND ARGS...` job on `nproc` processes."""
+    """One `stx SUBCOMMAND ARGS...` job on `nproc` processes per node on `nnodes` nodes."""
 
     subcommand: str
     args: tuple[str, ...]
     nproc: int = 1
     memory_limit_mb: int | None = None  # address space per process (MiB); None = unlimited
+    nnodes: int = 1  # more than one: a batch scheduler's job (`BatchLauncher`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +55,38 @@ class Launcher(Protocol):
         timeout_seconds: float,
         env: Mapping[str, str] | None = None,
     ) -> LaunchResult: ...
+
+
+# Scheduler job states (Slurm's names; PBS's are mapped onto them); the last seven are final.
+PENDING_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+FINAL_STATES = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobState:
+    """What a scheduler says of a job: state (a Slurm state name, or UNKNOWN when the scheduler has
+    forgotten the job), its exit code when it ended (None if not known), and how long it ran (s)."""
+
+    state: str
+    exit_code: int | None = None
+    elapsed_seconds: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state not in PENDING_STATES
+
+
+class BatchLauncher(Protocol):
+    """Submits a job to a batch scheduler and answers for it later, across restarts of the caller:
+    a job is known by its id alone. `scheduler` names it (slurm, pbs) in the store."""
+
+    scheduler: str
+
+    def submit(self, job: JobSpec, run_dir: Path, log_path: Path, time_limit_seconds: float) -> str:
+        """Write the batch script into run_dir, submit it, return the job id. The job's output goes
+        to log_path; the scheduler ends it past time_limit_seconds (state TIMEOUT)."""
+        ...
+
+    def state(self, job_id: str) -> JobState: ...
+
+    def cancel(self, job_id: str) -> None: ...

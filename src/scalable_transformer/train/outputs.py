@@ -22,12 +22,18 @@ from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, percent
 from .trainer import History
 
+SUBMITTED_MARKER = ".stx-submit"  # launch.batch.MARKER_NAME (launch sits above train)
+
 
 def make_run_dir(cfg: ResolvedConfig) -> Path:
-    """A new directory under logging.run_dir; an existing run is never overwritten."""
+    """A new directory under logging.run_dir; an existing run is never overwritten. The one
+    existing directory used as it is: one `stx submit` prepared for this run (its batch script and
+    `.stx-submit` marker, no config.yaml yet)."""
     name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     parent = Path(cfg.logging.run_dir)
     path, n = parent / name, 1
+    if (path / SUBMITTED_MARKER).is_file() and not (path / "config.yaml").exists():
+        return path
     while path.exists():
         n += 1
         path = parent / f"{name}-{n}"
