@@ -20,6 +20,12 @@ if ! command -v apt-get >/dev/null 2>&1; then
     exit 3
 fi
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq slurm-wlm munge openssh-server pdsh mpich >/dev/null
+log=$(mktemp)
+if ! { apt-get update -qq && apt-get install -y -qq slurm-wlm munge openssh-server pdsh mpich; } >"$log" 2>&1; then
+    # no package mirror reachable, a held package, ...: the packages cannot be installed here
+    echo "apt-get could not install slurm-wlm munge openssh-server pdsh mpich: $(tail -n 3 "$log" | tr '\n' ' ')" >&2
+    rm -f "$log"
+    exit 3
+fi
+rm -f "$log"
 echo "installed slurm-wlm munge openssh-server pdsh mpich" >&2
