@@ -64,8 +64,8 @@ def test_zero_memory_measures_the_zero_formulas(tmp_path):
     out = tmp_path / "zm.md"
     script = SCRIPT.with_name("zero_memory.py")
     proc = subprocess.run(
-        [sys.executable, str(script), "--config", "tiny-gpt", "--dps", "2", "--stages", "1", "3"]
-        + ["--seq-length", "32", "--output", str(out)],
+        [sys.executable, str(script), "--config", "tiny-gpt", "--dps", "2", "--stages", "1", "3",
+         "--seq-length", "32", "--output", str(out)],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,
