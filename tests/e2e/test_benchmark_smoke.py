@@ -63,9 +63,9 @@ def test_zero_memory_measures_the_zero_formulas(tmp_path):
     """benchmarks/zero_memory.py at toy size: each rank's measured model states are the ZeRO formula's."""
     out = tmp_path / "zm.md"
     script = SCRIPT.with_name("zero_memory.py")
+    args = ["--config", "tiny-gpt", "--dps", "2", "--stages", "1", "3", "--seq-length", "32"]
     proc = subprocess.run(
-        [sys.executable, str(script), "--config", "tiny-gpt", "--dps", "2", "--stages", "1", "3",
-         "--seq-length", "32", "--output", str(out)],  # fmt: skip
+        [sys.executable, str(script), *args, "--output", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
