@@ -15,7 +15,20 @@ import sys
 import threading
 import warnings
 
-from . import checkpoint, config, env, export, flops, launch, preprocess, report, sweep, tokenizer, train
+from . import (
+    checkpoint,
+    config,
+    env,
+    export,
+    flops,
+    launch,
+    plan,
+    preprocess,
+    report,
+    sweep,
+    tokenizer,
+    train,
+)
 
 EPILOG = """Examples:
   stx train
@@ -24,6 +37,7 @@ EPILOG = """Examples:
   stx config show bert-345m
   stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
   stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
+  stx plan bert-175b --nodes 8 --gpus-per-node 8 --device a100-40gb --search
   stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16
   stx sweep sweep.yaml
   stx report results.sqlite --output report/"""
@@ -39,7 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     # The order of `stx --help`; launch's SUBCOMMAND accepts every command, whatever the order.
-    commands = (train, config, tokenizer, preprocess, flops, checkpoint, export, env, sweep, report, launch)
+    commands = (
+        train,
+        config,
+        tokenizer,
+        preprocess,
+        flops,
+        plan,
+        checkpoint,
+        export,
+        env,
+        sweep,
+        report,
+        launch,
+    )
     for command in commands:
         command.register(sub)
     return parser

@@ -37,6 +37,7 @@ from ..parallel.distributed import all_reduce_floats, env_world_size, init_distr
 from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
 from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
+from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
 from .trainer import Callback, Trainer
 
 
@@ -142,6 +143,9 @@ def _run(
         return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
 
     set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
+    tracker = tensor_bytes_tracker(cfg, device)  # before the model: its tensors are counted
+    if tracker is not None:
+        callbacks = [*callbacks, TensorBytesCallback(tracker)]
     model, pipeline = build_parallel_model(cfg, dims, device)
     num_params = count_parameters(cfg.model)
     zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
@@ -199,6 +203,14 @@ def _run(
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
     summary["run_peak_memory_bytes_per_rank"] = gather_per_rank(history.run_peak_memory_bytes, dims)
+    tensor_peak = tracker.peak() if tracker is not None else None
+    summary["peak_tensor_bytes_per_rank"] = (
+        None
+        if tracker is None
+        else [
+            v if v >= 0 else None for v in gather_per_rank(-1 if tensor_peak is None else tensor_peak, dims)
+        ]
+    )
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
