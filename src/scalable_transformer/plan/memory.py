@@ -150,12 +150,13 @@ def inflight_microbatches(schedule: str, pp: int, virtual: int, m: int, pp_rank:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Bytes on one device of pipeline rank `pp_rank` (breakdown keys as --json prints them) and on
-    the host for offload."""
+    """Bytes on one device of pipeline rank `pp_rank` at its peak (breakdown keys as --json prints
+    them), which phase of the step the peak is in, and the host bytes of offloaded states."""
 
     pp_rank: int
     breakdown: dict[str, int]
     host_bytes: int
+    phase: str = "backward"
 
     @property
     def total(self) -> int:
@@ -164,7 +165,15 @@ class StageMemory:
 
 def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int) -> StageMemory:
     """Peak bytes on a device of pipeline rank pp_rank for a resolved-enough cfg (dp, accumulation
-    and ffn_hidden_size filled)."""
+    and ffn_hidden_size filled): the larger of two moments of a step,
+
+    backward  the first backward of the loss (the largest activation footprint: every in-flight
+              micro-batch's activations, the logits and the loss's buffers), with the gradients that
+              exist then (none without accumulation: zero_grad(set_to_none=True) freed them; the
+              accumulated ones otherwise);
+    optimizer the optimizer step: parameters, all gradients, optimizer state and the foreach
+              temporaries, activations freed.
+    """
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
     sp_ = stage_params(
@@ -178,54 +187,100 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
     fsdp = zero >= 2
     offload = p.offload_optimizer or p.offload_param
     gather_bytes = 2 if (precision != "fp32" and p.fsdp_param_dtype == "auto") else 4
-    out: dict[str, int] = {}
+    accumulating = t.gradient_accumulation_steps > 1
     host = 0
-    # ---- model states
+    common = {
+        "batch": int(t.gradient_accumulation_steps * t.micro_batch_size * mc.seq_length * 8 * 3),
+        "reserve": reserve_bytes,
+    }
     if not fsdp:
-        out["parameters"] = 4 * P
-        out["gradients"] = 4 * P
-        out["optimizer_state"] = int(k * P / (dp if zero == 1 else 1))
+        params = 4 * P
+        grads = 4 * P
+        states = int(k * P / (dp if zero == 1 else 1))
         # DDP (tp = 1, dp > 1): gradient buckets beside .grad (gradient_as_bucket_view=False)
-        ddp = dp > 1 and p.tp == 1
-        out["communication_buffers"] = 4 * P if ddp else 0
-        # autocast caches each weight's compute-dtype copy for the step (saved for backward)
-        out["compute_dtype_weights"] = e * P if precision != "fp32" else 0
-        out["gathered_parameters"] = 0
+        buckets = 4 * P if dp > 1 and p.tp == 1 else 0
+        backward = {
+            "parameters": params,
+            "gradients": grads if accumulating else 0,
+            "optimizer_state": states,
+            "communication_buffers": buckets,
+            # autocast caches each weight's compute-dtype copy for the step (saved for backward)
+            "compute_dtype_weights": e * P if precision != "fp32" else 0,
+        }
+        # foreach AdamW: one temporary per parameter (the sqrt of exp_avg_sq) on the stepped shard
+        temporaries = int(4 * P / (dp if zero == 1 else 1)) if k else 0
+        optimizer = {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_state": states,
+            "communication_buffers": buckets,
+            "optimizer_temporaries": temporaries,
+        }
     else:
-        sharded = 4 * P / dp
-        states = int(sharded + sharded + k * P / dp)
-        if offload:
-            host = states
-            out["parameters"] = out["gradients"] = out["optimizer_state"] = 0
-            # FSDP2 copies each unit's shard to the device before gathering it
-            out["communication_buffers"] = int(4 * sp_.block / dp)
-        else:
-            out["parameters"] = int(sharded)
-            out["gradients"] = int(sharded)
-            out["optimizer_state"] = int(k * P / dp)
-            # reduce-scatter input of one unit (reduce dtype) in flight
-            out["communication_buffers"] = int(DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block)
+        sharded = int(4 * P / dp)
+        states = int(k * P / dp)
         # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
         # backward; ZeRO-3: the unit computing and the one prefetched, plus the root (embedding, head)
         # which FSDP2 gathers for the whole forward/backward of the stage
         gathered = gather_bytes * P if zero == 2 else gather_bytes * (2 * sp_.block + sp_.root)
-        out["gathered_parameters"] = int(gathered)
-        # unsharded gradients (in the gathered dtype) accumulate over the micro-batches without
-        # gradient sync (set_requires_gradient_sync(False)); without accumulation one or two units'
-        accum = gather_bytes * (P if t.gradient_accumulation_steps > 1 else 2 * sp_.block)
-        out["gradients"] += accum
-        out["compute_dtype_weights"] = 0
-    # ---- activations
-    out["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind))
-    out["logits_and_loss"] = int(logits_bytes(cfg, sp_, pp_rank))
-    out["batch"] = int(t.gradient_accumulation_steps * t.micro_batch_size * mc.seq_length * 8 * 3)
-    out["reserve"] = reserve_bytes
-    return StageMemory(pp_rank, out, host)
+        # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
+        # (set_requires_gradient_sync(False)); without accumulation one unit's, reduce-scattered
+        unsharded_grads = gather_bytes * (P if accumulating else sp_.block)
+        reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block
+        if offload:
+            host = 2 * sharded + states
+            # FSDP2 copies each unit's shard to the device before gathering it
+            backward = {"communication_buffers": int(4 * sp_.block / dp + reduce_buffer)}
+            optimizer = {}
+        else:
+            backward = {
+                "parameters": sharded,
+                "optimizer_state": states,
+                "communication_buffers": int(reduce_buffer),
+            }
+            optimizer = {
+                "parameters": sharded,
+                "gradients": sharded,
+                "optimizer_state": states,
+                "optimizer_temporaries": sharded if k else 0,
+            }
+        backward["gathered_parameters"] = int(gathered)
+        backward["gradients"] = int(unsharded_grads)
+    backward["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind))
+    loss_buffers = logits_bytes(cfg, sp_, pp_rank)
+    recompute = recompute_bytes(cfg, sp_, device_kind)
+    if recompute > loss_buffers:
+        backward["recompute_workspace"] = int(recompute)
+    else:
+        backward["logits_and_loss"] = int(loss_buffers)
+    backward.update(common)
+    optimizer.update(common)
+    if sum(optimizer.values()) > sum(backward.values()):
+        return StageMemory(pp_rank, optimizer, host, "optimizer")
+    return StageMemory(pp_rank, backward, host, "backward")
+
+
+def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
+    """What recomputation adds during backward: the activations of the chunk being recomputed (full:
+    checkpoint_num_layers layers), or of one attention core (selective). This happens after the
+    loss's backward has freed the logits buffers, so the peak holds the larger of the two."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert mc.ffn_hidden_size is not None
+    mode = p.activation_checkpointing
+    if mode == "none" or not sp_.layers:
+        return 0.0
+    am = activation_model(cfg, device_kind)
+    b, s, h, a, f = t.micro_batch_size, mc.seq_length, mc.hidden_size, mc.num_attention_heads, mc.ffn_hidden_size
+    gated = mc.activation == "geglu"
+    full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
+    if mode == "full":
+        return full_layer * min(p.checkpoint_num_layers, sp_.layers)
+    return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
 
 
 def activation_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str) -> float:
-    """Saved activations of the rank's layers for its in-flight micro-batches, plus during backward
-    one layer's recomputed activations (full recompute) and the layer's backward workspace."""
+    """Saved activations of the rank's layers for its in-flight micro-batches (what recomputation
+    keeps, when on), plus the embedding's and the pipeline boundaries' tensors."""
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
     am = activation_model(cfg, device_kind)
@@ -246,11 +301,6 @@ def activation_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: s
     if mode == "full" and p.checkpoint_num_layers > 1:
         per_layer = per_layer / p.checkpoint_num_layers
     total = per_layer * layers * inflight
-    full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
-    if mode == "full":
-        total += full_layer * min(p.checkpoint_num_layers, layers)  # the chunk being recomputed
-    elif mode == "selective":
-        total += full_layer - per_layer  # one attention core recomputed
     # embedding output dropout mask, and the stage's input/output kept by the pipeline
     e = am.act_bytes
     seq_shard = p.tp if p.sequence_parallel else 1
@@ -262,8 +312,10 @@ def activation_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: s
 
 
 def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int) -> float:
-    """The head's saved tensors and the loss's buffers on the last stage: logits [b, s, v/t] in the
-    compute dtype, their fp32 log-softmax (saved by cross-entropy) and its gradient at backward."""
+    """The head's saved tensors and the loss's buffers on the last stage, at the loss's backward
+    (log_softmax's backward, the step's peak on CPU measurements): logits [b, s, v/t] in the compute
+    dtype (the trainer still holds the model's outputs), their fp32 copy under autocast, the fp32
+    log-softmax cross-entropy saved, its gradient from the NLL backward and the gradient it makes."""
     if not sp_.last:
         return 0.0
     mc, p, t = cfg.model, cfg.parallel, cfg.train
@@ -273,5 +325,5 @@ def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int) -> float:
     logits = b * s * v / p.tp
     # BERT's head saves the dense input, gelu input, norm input and logits input; GPT the logits input
     head = (4 if mc.type == "bert" else 1) * e * b * s * h
-    copies = e + 4 + 4 + (4 if e != 4 else 0)
+    copies = e + (4 if e != 4 else 0) + 4 + 4 + 4
     return logits * copies + head
