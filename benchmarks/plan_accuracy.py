@@ -36,19 +36,20 @@ COMMON = [
     "model.hidden_size=256",
     "model.num_attention_heads=4",
     "model.seq_length=128",
-    "model.vocab_size=16384",  # the embedded tokenizer's may be smaller: the plan must see the same vocabulary
+    "model.vocab_size=16384",  # the embedded tokenizer's may be smaller: plan and run see the same
     "train.eval_interval=0",
     "train.eval_iters=1",
     "logging.tensorboard=false",
     "logging.track_tensor_bytes=true",
 ]
 
+RECOMPUTE = "parallel.activation_checkpointing"
 # name: (base preset, processes, overrides)
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "bert-z0-mb4": ("tiny-bert", 1, ["train.micro_batch_size=4"]),
     "bert-z0-mb8": ("tiny-bert", 1, ["train.micro_batch_size=8"]),
-    "bert-selective": ("tiny-bert", 1, ["train.micro_batch_size=8", "parallel.activation_checkpointing=selective"]),
-    "bert-full": ("tiny-bert", 1, ["train.micro_batch_size=8", "parallel.activation_checkpointing=full"]),
+    "bert-selective": ("tiny-bert", 1, ["train.micro_batch_size=8", f"{RECOMPUTE}=selective"]),
+    "bert-full": ("tiny-bert", 1, ["train.micro_batch_size=8", f"{RECOMPUTE}=full"]),
     "gpt-z0-dp2": ("tiny-gpt", 2, ["train.micro_batch_size=4"]),
     "gpt-z1-dp2": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=1"]),
     "gpt-z2-dp2": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=2"]),
@@ -57,7 +58,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
         "tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=3", "parallel.offload_optimizer=true"]
     ),
     "gpt-tp2": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.tp=2"]),
-    "gpt-tp2-sp": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "gpt-tp2-sp": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.tp=2", "sequence-parallel=true"]),
     "gpt-pp2-1f1b": (
         "tiny-gpt", 2, ["train.micro_batch_size=2", "train.gradient_accumulation_steps=4", "parallel.pp=2"]
     ),
@@ -139,7 +140,8 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
     for r in rows:
         p, m = r["predicted"], r["measured"]
         if "error" in m:
-            lines.append(f"| {r['name']} | {r['nproc']} | {p['peak_memory_bytes'] / mib:.1f} | failed: {m['error']} | | | | |")
+            predicted = p["peak_memory_bytes"] / mib
+            lines.append(f"| {r['name']} | {r['nproc']} | {predicted:.1f} | failed: {m['error']} | | | | |")
             continue
         total += 1
         mem_text, ok_m = ratio_text(p["peak_memory_bytes"], m["peak_tensor_bytes"], 0.10)
@@ -148,8 +150,8 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         time_ok += ok_t
         measured_mib = m["peak_tensor_bytes"] / mib if m["peak_tensor_bytes"] else float("nan")
         lines.append(
-            f"| {r['name']} | {r['nproc']} | {p['peak_memory_bytes'] / mib:.1f} | {measured_mib:.1f} | {mem_text} | "
-            f"{p['step_seconds']:.3f} | {m['step_seconds']:.3f} | {time_text} |"
+            f"| {r['name']} | {r['nproc']} | {p['peak_memory_bytes'] / mib:.1f} | {measured_mib:.1f} | "
+            f"{mem_text} | {p['step_seconds']:.3f} | {m['step_seconds']:.3f} | {time_text} |"
         )
     lines += [
         "",
@@ -167,7 +169,9 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
             lines.append(f"  - measured by `{r['measured']['command']}`")
             if r["measured"].get("peak_tensor_bytes_per_rank"):
                 per = ", ".join(f"{(v or 0) / mib:.1f}" for v in r["measured"]["peak_tensor_bytes_per_rank"])
-                lines.append(f"  - per rank MiB: {per}; phases ms: {r['measured'].get('phase_time_ms_median')}")
+                lines.append(
+                    f"  - per rank MiB: {per}; phases ms: {r['measured'].get('phase_time_ms_median')}"
+                )
     lines += ["", "## Environment", "", "```json", json.dumps(env, indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -176,7 +180,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", help=f"layouts to run (default all): {', '.join(LAYOUTS)}")
     p.add_argument("--iters", type=int, default=8, help="training iterations per layout (default 8)")
-    p.add_argument("--warmup", type=int, default=4, help="iterations left out of the median (default 4, >= 3)")
+    p.add_argument(
+        "--warmup", type=int, default=4, help="iterations left out of the median (default 4, >= 3)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per layout (default 900)")
     p.add_argument("--output", default=str(ROOT / "benchmarks/results/plan_accuracy.md"))
     p.add_argument("--json", help="also write the raw rows as JSON here")
@@ -197,7 +203,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="stx-plan-accuracy-") as tmp:
         for name in names:
             base, nproc, own = LAYOUTS[name]
-            overrides = [*COMMON, *own, f"train.train_iters={args.iters}", f"logging.warmup_iters={args.warmup}"]
+            overrides = [
+                *COMMON,
+                *own,
+                f"train.train_iters={args.iters}",
+                f"logging.warmup_iters={args.warmup}",
+            ]
             predicted = predict(base, nproc, overrides)
             measured = measure(stx, base, nproc, overrides, Path(tmp) / name, args.timeout)
             rows.append({"name": name, "nproc": nproc, "predicted": predicted, "measured": measured})
@@ -205,7 +216,11 @@ def main() -> int:
             print(
                 f"{name}: predicted {predicted['peak_memory_bytes'] / 2**20:.1f} MiB "
                 f"{predicted['step_seconds']:.3f} s; measured "
-                + (f"{m / 2**20:.1f} MiB {measured['step_seconds']:.3f} s" if m else str(measured.get("error"))),
+                + (
+                    f"{m / 2**20:.1f} MiB {measured['step_seconds']:.3f} s"
+                    if m
+                    else str(measured.get("error"))
+                ),
                 flush=True,
             )
             if args.json:

@@ -270,7 +270,13 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
     if mode == "none" or not sp_.layers:
         return 0.0
     am = activation_model(cfg, device_kind)
-    b, s, h, a, f = t.micro_batch_size, mc.seq_length, mc.hidden_size, mc.num_attention_heads, mc.ffn_hidden_size
+    b, s, h, a, f = (
+        t.micro_batch_size,
+        mc.seq_length,
+        mc.hidden_size,
+        mc.num_attention_heads,
+        mc.ffn_hidden_size,
+    )
     gated = mc.activation == "geglu"
     full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
     if mode == "full":
