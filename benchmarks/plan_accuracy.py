@@ -55,7 +55,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "gpt-z2-dp2": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=2"]),
     "gpt-z3-dp2": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=3"]),
     "gpt-z3-offload": (
-        "tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=3", "parallel.offload_optimizer=true"]
+        "tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.zero_stage=3", "offload_optimizer=true"]
     ),
     "gpt-tp2": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.tp=2"]),
     "gpt-tp2-sp": ("tiny-gpt", 2, ["train.micro_batch_size=4", "parallel.tp=2", "sequence-parallel=true"]),
