@@ -200,7 +200,7 @@ def test_cluster_yaml_thetagpu(tmp_path: Path) -> None:
     result = plan_config(cfg, cluster)
     assert result.host_memory_bytes is not None and result.host_memory_bytes > 0
     path.write_text(THETAGPU + "nics: 8\n")
-    with pytest.raises(ConfigError, match="unknown key.*nics"):
+    with pytest.raises(ConfigError, match=r"unknown key.*nics"):
         load_cluster(path)
 
 
