@@ -53,6 +53,10 @@ class Cluster:
     threads: int = 1
     op_seconds: float = 0.0
     comm_latency: float = 5e-6
+    # CPU only: the share of a core each of the job's threads can expect on a machine others use too:
+    # cores / (1-minute load average before the job + the job's threads), at most 1
+    cpu_share: float = 1.0
+    load_average: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -201,6 +205,11 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
     else:
         busbw, latency = bandwidth, 0.0
     memory = physical_memory_bytes() or 0
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    share = min(1.0, cores / ((load or 0.0) + world_size * threads))
     spec = DeviceSpec(
         name="cpu",
         memory_bytes=memory // world_size,
@@ -211,8 +220,9 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
         host_link_bandwidth=bandwidth,
         source="measured on this machine (metrics/cpu_rates.py, cached)",
     )
+    load_text = f", load average {load:.1f} -> {share:.0%} of a core per thread" if load is not None else ""
     return Cluster(
-        name=f"this CPU x {world_size} process(es), {threads} thread(s) each",
+        name=f"this CPU x {world_size} process(es), {threads} thread(s) each{load_text}",
         kind="cpu",
         nodes=1,
         devices_per_node=world_size,
@@ -224,6 +234,8 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
         threads=threads,
         op_seconds=cpu_rates.op_overhead(threads),
         comm_latency=latency,
+        cpu_share=share,
+        load_average=load,
     )
 
 

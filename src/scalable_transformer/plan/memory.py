@@ -220,13 +220,14 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         sharded = int(4 * P / dp)
         states = int(k * P / dp)
         # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
-        # backward; ZeRO-3: the unit computing and the one prefetched, plus the root (embedding, head)
-        # which FSDP2 gathers for the whole forward/backward of the stage
-        gathered = gather_bytes * P if zero == 2 else gather_bytes * (2 * sp_.block + sp_.root)
+        # backward; ZeRO-3: at the loss's backward the blocks are resharded but the root (embedding,
+        # head: FSDP2 keeps the root gathered) and the last block, prefetched for its backward
+        gathered = gather_bytes * P if zero == 2 else gather_bytes * (sp_.block + sp_.root)
         # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
-        # (set_requires_gradient_sync(False)); without accumulation one unit's, reduce-scattered
-        unsharded_grads = gather_bytes * (P if accumulating else sp_.block)
-        reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block
+        # (set_requires_gradient_sync(False)); without accumulation no block's backward has started
+        # at the loss's backward: no gradient and no reduce-scatter buffer yet
+        unsharded_grads = gather_bytes * P if accumulating else 0
+        reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
         if offload:
             host = 2 * sharded + states
             # FSDP2 copies each unit's shard to the device before gathering it

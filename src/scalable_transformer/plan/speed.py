@@ -184,6 +184,11 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
             # CPU "offload" copies the shards between the same memory: parameters and gradients
             parts["offload_transfers"] = 2 * 4 * shard * 2 / cluster.device.memory_bandwidth
     hidden = parts.pop("_dp_hidden", 0.0)
+    if cluster.kind == "cpu" and cluster.cpu_share < 1.0:
+        # a shared machine: every part (compute, gloo's copies and reductions, the optimizer) runs on
+        # cores the job gets only a share of (the CPU rates were measured at their best)
+        parts = {k: v / cluster.cpu_share for k, v in parts.items()}
+        hidden /= cluster.cpu_share
     return StepTime(parts, flops.model_flops, flops.hardware_flops, hidden)
 
 
