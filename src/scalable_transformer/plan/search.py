@@ -65,15 +65,18 @@ class Prediction:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.2f} GiB"
 
 
-def predict(cfg: Config, cluster: Cluster) -> Prediction:
+def predict(cfg: Config, cluster: Cluster, every_stage: bool = True) -> Prediction:
     """Memory, fit and speed of the layout cfg describes (dp, accumulation, ffn_hidden_size filled;
-    the layout rules already checked)."""
+    the layout rules already checked). every_stage=False (the search) computes the first and last
+    pipeline ranks only: with an even split a middle rank holds no more layers than the first and
+    fewer in-flight micro-batches, so it never holds the peak."""
     layout = Layout.from_config(cfg)
     p = cfg.parallel
-    stages = [stage_memory(cfg, r, cluster.kind, cluster.reserve_bytes) for r in range(p.pp)]
+    ranks = range(p.pp) if every_stage or p.pipeline_layers else sorted({0, p.pp - 1})
+    stages = [stage_memory(cfg, r, cluster.kind, cluster.reserve_bytes) for r in ranks]
     peak = max(stages, key=lambda st: st.total)
     capacity = cluster.device.memory_bytes
     reasons = []
@@ -214,7 +217,7 @@ def search_layouts(cfg: Config, cluster: Cluster, global_batch: int | None = Non
             rules.check_layout(candidate, cluster.world_size)
         except ConfigError:
             continue
-        results.append(predict(candidate, cluster))
+        results.append(predict(candidate, cluster, every_stage=False))
     fit = sorted((r for r in results if r.fits), key=lambda r: -r.samples_per_second)
     oom = sorted((r for r in results if not r.fits), key=lambda r: r.peak_memory_bytes)
     return fit + oom

@@ -138,7 +138,10 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
             parts["tp_communication"] = n_coll * _ring("all-reduce", per, tp, bw, lat) * m
     # data parallel: gradients once per step; FSDP2 gathers parameters every micro-batch
     stage = max(
-        (stage_params(mc, tp, pp, r, v, p.pipeline_schedule, p.pipeline_layers) for r in range(pp)),
+        (
+            stage_params(mc, tp, pp, r, v, p.pipeline_schedule, p.pipeline_layers)
+            for r in (range(pp) if p.pipeline_layers else {0, pp - 1})
+        ),
         key=lambda sp_: sp_.total,
     )
     P = stage.total
