@@ -207,3 +207,15 @@ def test_cluster_yaml_thetagpu(tmp_path: Path) -> None:
 def test_unknown_device_names_the_valid_ones() -> None:
     with pytest.raises(ConfigError, match="a100-40gb"):
         table_cluster("a100-41gb", 1)
+
+
+def test_sweep_members_and_axes_are_exclusive(tmp_path: Path) -> None:
+    from scalable_transformer.errors import SweepError
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: tiny-gpt\nmembers: [{nproc: 1}]\naxes: {nproc: [1]}\n")
+    with pytest.raises(SweepError, match="either axes"):
+        load_sweep(sweep)
+    sweep.write_text("base: tiny-gpt\nmembers: [3]\n")
+    with pytest.raises(SweepError, match=r"members\[0\]"):
+        load_sweep(sweep)
