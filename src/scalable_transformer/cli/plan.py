@@ -33,7 +33,7 @@ class PlanOptions:
         from ..errors import UsageError
 
         config, overrides = split_config_args(args.items)
-        if args.world_size is None and args.nodes is None:
+        if args.world_size is None and args.nodes is None and args.hardware is None:
             raise UsageError("stx plan needs the devices: --world-size N, or --nodes K --gpus-per-node G")
         if args.world_size is not None and args.nodes is not None:
             raise UsageError("give --world-size or --nodes/--gpus-per-node, not both")
@@ -99,8 +99,7 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
     if opts.world_size is not None:
         nodes, per_node = 1, opts.world_size
     else:
-        assert opts.nodes is not None
-        nodes, per_node = opts.nodes, opts.gpus_per_node
+        nodes, per_node = opts.nodes or 1, opts.gpus_per_node
     if opts.hardware:
         cluster = hardware.load_cluster(opts.hardware, nodes=opts.nodes)
         if opts.world_size is not None:
