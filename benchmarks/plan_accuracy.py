@@ -94,6 +94,7 @@ def measure(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Path
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
+    load_after = os.getloadavg()[0]
     summaries = sorted(run_dir.glob("*/summary.json"))
     if proc.returncode != 0 or not summaries:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -106,6 +107,7 @@ def measure(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Path
         "peak_tensor_bytes": max((v for v in per_rank if v is not None), default=None),
         "step_seconds": summary["median_iteration_seconds"],
         "wall_seconds": wall,
+        "load_after": load_after,
         "phase_time_ms_median": summary.get("phase_time_ms_median"),
     }
 
@@ -116,6 +118,22 @@ def ratio_text(pred: float | None, meas: float | None, target: float) -> tuple[s
     err = pred / meas - 1
     ok = abs(err) <= target
     return f"{err:+.1%}{'' if ok else ' (outside)'}", ok
+
+
+def search_timing() -> str:
+    """`--search` over every layout of 8 x 8 A100-40GB for bert-175b: wall and CPU seconds."""
+    from scalable_transformer.config.load import load_config
+    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.search import search_layouts
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    results = search_layouts(load_config("bert-175b"), table_cluster("a100-40gb", 8, 8))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    fit = sum(r.fits for r in results)
+    return (
+        f"Search: bert-175b on 8 x 8 A100-40GB, {len(results)} valid layouts ({fit} fit) in {wall:.2f} s wall, "
+        f"{cpu:.2f} s CPU (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)."
+    )
 
 
 def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
@@ -130,18 +148,20 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         "(torch.profiler allocation events over steps 1-3, `summary.json` `peak_tensor_bytes_per_rank`), "
         "measured time = rank 0's median step after the warm-up (steps without the profiler). "
         "Predicted: `stx plan ... --device cpu` for the same config and process count. Targets: memory "
-        "within 10%, step time within 25%.",
+        "within 10%, step time within 25%. The machine is shared (2 cores, other engineers' jobs): "
+        "the planner gives each thread `cores / (1-minute load average + the job's threads)` of a core, "
+        "from the load before the run; the last column shows the load before and after each run.",
         "",
         "| layout | processes | predicted MiB | measured MiB | memory error | predicted s/step | "
-        "measured s/step | time error |",
-        "|---|---|---|---|---|---|---|---|",
+        "measured s/step | time error | load before / after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     mem_ok = time_ok = total = 0
     for r in rows:
         p, m = r["predicted"], r["measured"]
         if "error" in m:
             predicted = p["peak_memory_bytes"] / mib
-            lines.append(f"| {r['name']} | {r['nproc']} | {predicted:.1f} | failed: {m['error']} | | | | |")
+            lines.append(f"| {r['name']} | {r['nproc']} | {predicted:.1f} | failed: {m['error']} | | | | | |")
             continue
         total += 1
         mem_text, ok_m = ratio_text(p["peak_memory_bytes"], m["peak_tensor_bytes"], 0.10)
@@ -151,11 +171,14 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         measured_mib = m["peak_tensor_bytes"] / mib if m["peak_tensor_bytes"] else float("nan")
         lines.append(
             f"| {r['name']} | {r['nproc']} | {p['peak_memory_bytes'] / mib:.1f} | {measured_mib:.1f} | "
-            f"{mem_text} | {p['step_seconds']:.3f} | {m['step_seconds']:.3f} | {time_text} |"
+            f"{mem_text} | {p['step_seconds']:.3f} | {m['step_seconds']:.3f} | {time_text} | "
+            f"{r['load_before']:.1f} / {m['load_after']:.1f} |"
         )
     lines += [
         "",
         f"Within target: memory {mem_ok}/{total}, step time {time_ok}/{total}.",
+        "",
+        search_timing(),
         "",
         "## Predicted breakdowns",
         "",
@@ -209,9 +232,18 @@ def main() -> int:
                 f"train.train_iters={args.iters}",
                 f"logging.warmup_iters={args.warmup}",
             ]
+            load_before = os.getloadavg()[0]
             predicted = predict(base, nproc, overrides)
             measured = measure(stx, base, nproc, overrides, Path(tmp) / name, args.timeout)
-            rows.append({"name": name, "nproc": nproc, "predicted": predicted, "measured": measured})
+            rows.append(
+                {
+                    "name": name,
+                    "nproc": nproc,
+                    "predicted": predicted,
+                    "measured": measured,
+                    "load_before": load_before,
+                }
+            )
             m = measured.get("peak_tensor_bytes")
             print(
                 f"{name}: predicted {predicted['peak_memory_bytes'] / 2**20:.1f} MiB "
