@@ -132,7 +132,8 @@ def search_timing() -> str:
     fit = sum(r.fits for r in results)
     return (
         f"Search: bert-175b on 8 x 8 A100-40GB, {len(results)} valid layouts ({fit} fit) in "
-        f"{wall:.2f} s wall, {cpu:.2f} s CPU (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)."
+        f"{wall:.2f} s wall, {cpu:.2f} s CPU "
+        f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)."
     )
 
 
