@@ -130,16 +130,20 @@ def activation_model(cfg: Config, device_kind: str) -> ActivationModel:
     return ActivationModel(act_bytes=e, mask_bytes=mask, flash=flash)
 
 
-def inflight_microbatches(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> float:
+def inflight_microbatches(
+    schedule: str, pp: int, virtual: int, m: int, pp_rank: int, later: bool = False
+) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of the rank's
     whole layers (an interleaved chunk is 1/v of them), as torch.distributed.pipelining runs the
     schedule: GPipe and looped-BFS all m (all forwards first); 1F1B min(m, pp - rank);
     interleaved 1F1B and zero-bubble ((pp - 1 - rank) x 2 + (v - 1) x pp + 1 warm-up chunks, as
-    ScheduleInterleaved1F1B computes warmup_ops) / v; zbv 2 chunks per micro-batch, like 1F1B."""
+    ScheduleInterleaved1F1B computes warmup_ops) / v; zbv 2 chunks per micro-batch, like 1F1B.
+    `later`: at the second micro-batch's backward instead of the first (GPipe: one fewer)."""
     if pp == 1:
         return 1.0
     if schedule in ("gpipe", "looped-bfs"):
-        return float(m)
+        # all forwards first; at the second backward (`later`) one micro-batch is done
+        return float(max(1, m - 1) if later else m)
     if schedule == "1f1b":
         return float(min(m, pp - pp_rank))
     if schedule == "zbv":
@@ -263,13 +267,24 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
             }
         backward["gathered_parameters"] = int(gathered)
         backward["gradients"] = int(unsharded_grads)
-    backward["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind))
-    loss_buffers = logits_bytes(cfg, sp_, pp_rank)
-    recompute = recompute_bytes(cfg, sp_, device_kind)
-    if recompute > loss_buffers:
-        backward["recompute_workspace"] = int(recompute)
-    else:
-        backward["logits_and_loss"] = int(loss_buffers)
+    # The first micro-batch's backward has no gradient yet; a later one (with accumulation) has the
+    # accumulated gradients but, under GPipe, one micro-batch fewer in flight: the larger counts.
+    variants = []
+    for later in (False, True) if accumulating else (False,):
+        moment = dict(backward)
+        if not later and accumulating:
+            moment["gradients"] = 0
+            if fsdp and not offload:
+                moment["communication_buffers"] = 0
+        moment["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind, later))
+        loss_buffers = logits_bytes(cfg, sp_, pp_rank, later)
+        recompute = recompute_bytes(cfg, sp_, device_kind)
+        if recompute > loss_buffers:
+            moment["recompute_workspace"] = int(recompute)
+        else:
+            moment["logits_and_loss"] = int(loss_buffers)
+        variants.append(moment)
+    backward = max(variants, key=lambda d: sum(d.values()))
     backward.update(common)
     optimizer.update(common)
     if sum(optimizer.values()) > sum(backward.values()):
@@ -301,7 +316,9 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
     return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
 
 
-def activation_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str) -> float:
+def activation_bytes(
+    cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str, later: bool = False
+) -> float:
     """Saved activations of the rank's layers for its in-flight micro-batches (what recomputation
     keeps, when on), plus the embedding's and the pipeline boundaries' tensors."""
     mc, p, t = cfg.model, cfg.parallel, cfg.train
@@ -318,7 +335,7 @@ def activation_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: s
     mode = p.activation_checkpointing
     per_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
     inflight = inflight_microbatches(
-        p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank
+        p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank, later
     )
     layers = sp_.layers
     if mode == "full" and p.checkpoint_num_layers > 1:
@@ -334,7 +351,7 @@ def activation_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: s
     return total
 
 
-def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int) -> float:
+def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int, later: bool = False) -> float:
     """The head's saved tensors and the loss's buffers on the last stage, at the loss's backward
     (log_softmax's backward, the step's peak on CPU measurements): logits [b, s, v/t] in the compute
     dtype (the trainer still holds the model's outputs), their fp32 copy under autocast, the fp32
@@ -348,7 +365,17 @@ def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int) -> float:
     logits = b * s * v / p.tp
     # BERT's head saves the dense input, gelu input, norm input and logits input; GPT the logits input
     head = (4 if mc.type == "bert" else 1) * e * b * s * h
-    copies = e + (4 if e != 4 else 0) + 4 + 4 + 4
+    # kept per micro-batch until its backward: the logits (the trainer's outputs, or the pipeline
+    # stage's cached output), their fp32 copy under autocast, the saved log-softmax; then, for the
+    # micro-batch in backward, the two gradients
+    kept = e + (4 if e != 4 else 0) + 4
     if p.tp > 1:
-        copies += 4  # loss_parallel's cross-entropy keeps one more vocabulary-sharded fp32 buffer (measured)
-    return logits * copies + head
+        kept += 4  # loss_parallel's cross-entropy keeps one more vocabulary-sharded fp32 buffer (measured)
+    # the last stage computes the loss in its forward: GPipe and looped-BFS run every forward first
+    # (all m in flight, m - 1 at the second backward); the 1F1B family backs each micro-batch up right
+    # after the last stage's forward (measured on interleaved 1F1B too): one
+    micro = 1
+    if p.pp > 1 and p.pipeline_schedule in ("gpipe", "looped-bfs"):
+        m = t.gradient_accumulation_steps or 1
+        micro = max(1, m - 1) if later else m
+    return logits * (kept * micro + 4 + 4) + head * micro
