@@ -219,3 +219,14 @@ def test_sweep_members_and_axes_are_exclusive(tmp_path: Path) -> None:
     sweep.write_text("base: tiny-gpt\nmembers: [3]\n")
     with pytest.raises(SweepError, match=r"members\[0\]"):
         load_sweep(sweep)
+
+
+def test_world_size_spans_whole_nodes_and_search_json_lists_top_fit_and_oom(capsys) -> None:
+    argv = ["plan", "bert-175b", "--world-size", "64", "--device", "a100-40gb", "--search", "--top", "2"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("cluster: 8 x 8 a100-40gb")
+    assert main([*argv, "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert [x["fits"] for x in layouts] == [True, True, False, False]
+    assert main(["plan", "bert-175b", "--world-size", "12", "--device", "a100-40gb"]) == 2
+    assert "--nodes K --gpus-per-node G" in capsys.readouterr().err

@@ -82,7 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", help="cluster YAML file (docs/PLANNER.md#hardware)")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
     p.add_argument("--search", action="store_true", help="rank every valid layout of these devices")
-    p.add_argument("--top", type=int, default=10, help="layouts shown by --search (default 10)")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        help="--search: layouts shown that fit, and closest that do not (default 10)",
+    )
     p.add_argument(
         "--emit-sweep",
         metavar="FILE",
@@ -112,6 +117,18 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
         cluster = hardware.cpu_cluster(nodes * (per_node or 1), precision)
     else:
         assert opts.device is not None
+        if opts.world_size is not None:
+            # a world size spans as many full nodes of the device's usual size as it takes
+            usual = hardware.table_cluster(opts.device, 1).devices_per_node
+            if opts.world_size > usual:
+                if opts.world_size % usual:
+                    from ..errors import UsageError
+
+                    raise UsageError(
+                        f"--world-size {opts.world_size} is not a whole number of {usual}-device "
+                        f"{opts.device} nodes; give --nodes K --gpus-per-node G"
+                    )
+                nodes, per_node = opts.world_size // usual, usual
         cluster = hardware.table_cluster(opts.device, nodes, per_node, opts.host_memory_gb)
     if opts.host_memory_gb is not None:
         cluster = dataclasses.replace(cluster, host_memory_bytes=int(opts.host_memory_gb * 2**30))
@@ -127,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = build_cluster(opts, cfg.train.precision)
     if opts.search:
         results = search_layouts(cfg, cluster)
-        shown = results if opts.json else results[: opts.top]
+        # the best --top that fit, then the --top closest to fitting (as the human output lists them)
+        shown = [r for r in results if r.fits][: opts.top] + [r for r in results if not r.fits][: opts.top]
     else:
         shown = [plan_config(cfg, cluster)]
         results = shown
