@@ -1,7 +1,8 @@
 """Live tensor bytes per rank, peak over the first training steps: what the planner predicts.
 
-GPU: `torch.cuda.max_memory_allocated` (the caching allocator counts every tensor byte), reset when
-the first step starts. CPU has no allocator counter, so the tracker runs torch.profiler with
+GPU: `torch.cuda.max_memory_allocated` (the caching allocator counts every tensor byte), which the
+trainer already records per log interval (train/run.py takes it). CPU has no allocator counter, so
+this tracker runs torch.profiler with
 `profile_memory=True`: c10's CPU allocator then reports every allocation and free with the running
 total of bytes allocated since profiling started (`total_allocated` of each allocation event), and the
 peak is the largest total seen from the first step's start on. Chosen over a TorchDispatchMode that
@@ -29,7 +30,8 @@ _log = logging.getLogger(__name__)
 
 
 class TensorBytesTracker:
-    """start() before the model is built, step_started(i) before step i (1-based), peak() at the end."""
+    """CPU: start() before the model is built, step_started(i) before step i (1-based), peak() at
+    the end."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -38,8 +40,6 @@ class TensorBytesTracker:
         self._failed: str | None = None
 
     def start(self) -> None:
-        if self.device.type == "cuda":
-            return
         try:
             from torch.profiler import ProfilerActivity, profile
 
@@ -51,12 +51,6 @@ class TensorBytesTracker:
 
     def step_started(self, step: int) -> None:
         """Called before step `step` (1 = the first of this run)."""
-        if self.device.type == "cuda":
-            if step == 1:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            elif step == TRACKED_STEPS + 1:
-                self._peak = int(torch.cuda.max_memory_allocated(self.device))
-            return
         if self._profiler is None:
             return
         if step == 1:
@@ -75,8 +69,6 @@ class TensorBytesTracker:
 
     def peak(self) -> int | None:
         """Peak live tensor bytes from the first step's start (None if not measured)."""
-        if self.device.type == "cuda" and self._peak is None:
-            return int(torch.cuda.max_memory_allocated(self.device))
         if self._profiler is not None:
             self._finish()
         if self._failed:

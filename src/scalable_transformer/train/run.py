@@ -203,14 +203,7 @@ def _run(
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
     summary["run_peak_memory_bytes_per_rank"] = gather_per_rank(history.run_peak_memory_bytes, dims)
-    tensor_peak = tracker.peak() if tracker is not None else None
-    summary["peak_tensor_bytes_per_rank"] = (
-        None
-        if tracker is None
-        else [
-            v if v >= 0 else None for v in gather_per_rank(-1 if tensor_peak is None else tensor_peak, dims)
-        ]
-    )
+    summary["peak_tensor_bytes_per_rank"] = peak_tensor_bytes(tracker, device, per_rank_peak, dims)
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
@@ -219,6 +212,19 @@ def _run(
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
     return run_dir, summary
+
+
+def peak_tensor_bytes(
+    tracker: Any, device: torch.device, per_rank_peak: list[int], dims: ParallelDims
+) -> list[int | None] | None:
+    """Live tensor bytes per rank (what `stx plan` predicts): on CUDA the peak allocated bytes the
+    trainer measured; on CPU the tracker's (None when not tracked; a rank that failed to measure: None)."""
+    if device.type == "cuda":
+        return list(per_rank_peak)
+    if tracker is None:
+        return None
+    peak = tracker.peak()
+    return [v if v >= 0 else None for v in gather_per_rank(-1 if peak is None else peak, dims)]
 
 
 def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:

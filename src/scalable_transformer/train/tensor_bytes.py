@@ -20,8 +20,10 @@ class TensorBytesCallback(Callback):
 
 
 def tensor_bytes_tracker(cfg: ResolvedConfig, device: torch.device) -> TensorBytesTracker | None:
-    """A started tracker when this run measures live tensor bytes (always on CUDA, opt-in on CPU)."""
-    if device.type != "cuda" and not cfg.logging.track_tensor_bytes:
+    """A started tracker when this CPU run measures live tensor bytes (logging.track_tensor_bytes).
+    On CUDA none is needed: the trainer's peak allocated bytes (torch.cuda.max_memory_allocated over
+    every log interval) are the live tensor bytes, and `run.py` records those."""
+    if device.type == "cuda" or not cfg.logging.track_tensor_bytes:
         return None
     tracker = TensorBytesTracker(device)
     tracker.start()
