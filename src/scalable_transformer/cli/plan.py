@@ -72,7 +72,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "valid layout. Formulas and sources: docs/PLANNER.md.",
     )
     p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
-    p.add_argument("--world-size", type=int, help="devices in total (one node unless --gpus-per-node)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="devices in total (whole nodes of the device's usual size; cpu: local processes)",
+    )
     p.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node (default: the device's usual)")
     p.add_argument(
