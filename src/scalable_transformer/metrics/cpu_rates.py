@@ -59,6 +59,8 @@ def _cached(what: str, threads: int, measure, lower_is_better: bool = False) -> 
     the better of the new and the cached value kept, because a shared machine disturbs measurements
     only one way (the planner accounts for the load separately, `plan.hardware.cpu_cluster`)."""
     key = _key(what, threads)
+    if key in _MEASURED:  # once per process: a search asks for the same rate thousands of times
+        return _MEASURED[key]
     entry = _read().get(key)
     old = (
         float(entry["value"])
@@ -69,7 +71,11 @@ def _cached(what: str, threads: int, measure, lower_is_better: bool = False) -> 
     value = new if old is None else (min(old, new) if lower_is_better else max(old, new))
     if value != old:
         _write(key, value)
+    _MEASURED[key] = value
     return value
+
+
+_MEASURED: dict[str, float] = {}
 
 
 def _with_threads(threads: int, fn):
