@@ -18,8 +18,8 @@ STX = str(Path(sys.executable).with_name("stx"))
 SWEEP = textwrap.dedent(
     """\
     base: tiny-gpt
-    overrides: [model.num_layers=2, model.hidden_size=64, model.num_attention_heads=2, model.seq_length=32,
-      model.vocab_size=16384, train.micro_batch_size=2, train.eval_interval=0, train.eval_iters=1,
+    overrides: [model.num_layers=4, model.hidden_size=256, model.num_attention_heads=4, model.seq_length=128,
+      model.vocab_size=16384, train.micro_batch_size=4, train.eval_interval=0, train.eval_iters=1,
       logging.tensorboard=false, logging.track_tensor_bytes=true]
     members:
       - {nproc: 2, parallel.zero_stage: 0}
@@ -47,10 +47,10 @@ def test_sweep_records_the_plan_and_report_compares(tmp_path: Path) -> None:
     for r in rows:
         assert r["predicted_peak_memory_bytes"] > 0 and r["predicted_samples_per_second"] > 0
         assert r["peak_tensor_bytes_max"] > 0 and r["plan_json"]
-        # benchmarks/plan_accuracy.py holds the planner to 10% on models of ~30 MB of parameters; this
-        # one is so small (1.2M parameters) that a few MB the planner does not count (measured: ~4.6 MB
-        # per rank beside DDP) are 11% of it: 25% here still fails a wrong model (e.g. no logits buffers)
-        assert abs(r["predicted_peak_memory_bytes"] / r["peak_tensor_bytes_max"] - 1) < 0.25, r["label"]
+        # the issue's target, met on every layout of benchmarks/plan_accuracy.py (this model is its
+        # GPT). Not yet on models whose activations are small next to their states (2 layers, seq 64,
+        # micro-batch 2: ZeRO-3 39% under): docs/PLANNER.md, "What is not modelled".
+        assert abs(r["predicted_peak_memory_bytes"] / r["peak_tensor_bytes_max"] - 1) < 0.10, r["label"]
 
     report = subprocess.run([STX, "report", str(tmp_path / "results.sqlite")], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr

@@ -211,8 +211,9 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
             # autocast caches each weight's compute-dtype copy for the step (saved for backward)
             "compute_dtype_weights": e * P if precision != "fp32" else 0,
         }
-        # foreach AdamW: one temporary per parameter (the sqrt of exp_avg_sq) on the stepped shard
-        temporaries = int(4 * P / (dp if zero == 1 else 1)) if k else 0
+        # foreach AdamW's temporaries on the stepped shard: sqrt(exp_avg_sq) and, measured on a 5.8M-
+        # parameter GPT under DDP (the optimizer step its peak), about one more fp32 copy: 2 x 4 bytes
+        temporaries = int(2 * 4 * P / (dp if zero == 1 else 1)) if k else 0
         optimizer = {
             "parameters": params,
             "gradients": grads,
@@ -246,7 +247,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
                 "parameters": sharded,
                 "gradients": sharded,
                 "optimizer_state": states,
-                "optimizer_temporaries": sharded if k else 0,
+                "optimizer_temporaries": 2 * sharded if k else 0,
             }
         elif offload:
             host = 2 * sharded + states
@@ -263,7 +264,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
                 "parameters": sharded,
                 "gradients": sharded,
                 "optimizer_state": states,
-                "optimizer_temporaries": sharded if k else 0,
+                "optimizer_temporaries": 2 * sharded if k else 0,
             }
         backward["gathered_parameters"] = int(gathered)
         backward["gradients"] = int(unsharded_grads)
