@@ -225,6 +225,64 @@ def wide(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     return WIDE_COLUMNS, body
 
 
+PLAN_COLUMNS = [
+    "layout",
+    "devices",
+    "predicted GiB/dev",
+    "measured GiB/dev (tensors)",
+    "memory error",
+    "predicted samples/s",
+    "measured samples/s",
+    "throughput error",
+    "predicted fit",
+    "status",
+]
+
+
+def _fits(value: Any) -> str:
+    return "-" if value is None else ("fits" if value else "OOM")
+
+
+def plan_vs_measured(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]] | None:
+    """`stx plan`'s prediction next to each measured member (repeats: medians), with the error
+    (predicted / measured - 1); None when no row carries a prediction. Measured memory is the largest
+    rank's peak live tensor bytes (summary.json peak_tensor_bytes_per_rank), what the plan predicts."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("predicted_peak_memory_bytes") is not None:
+            groups.setdefault((r["label"], devices(r)), []).append(r)
+    if not groups:
+        return None
+
+    def err(pred: float | None, meas: float | None) -> str:
+        return "-" if pred is None or not meas else f"{pred / meas - 1:+.1%}"
+
+    body = []
+    for (label, dev), members in groups.items():
+        ok = [r for r in members if r["status"] == "ok"]
+        first = members[0]
+        pred_mem, pred_sps = (
+            first.get("predicted_peak_memory_bytes"),
+            first.get("predicted_samples_per_second"),
+        )
+        mem, sps = _median(ok, "peak_tensor_bytes_max"), _median(ok, "samples_per_second")
+        body.append(
+            [
+                label,
+                dev,
+                "-" if pred_mem is None else f"{pred_mem / 2**30:.3f}",
+                "-" if mem is None else f"{mem / 2**30:.3f}",
+                err(pred_mem, mem),
+                "-" if pred_sps is None else fmt_number(pred_sps),
+                "-" if sps is None else fmt_number(sps),
+                err(pred_sps, sps),
+                _fits(first.get("predicted_fits")),
+                "ok" if ok else FAILED.get(first["status"], first["status"]),
+            ]
+        )
+    return PLAN_COLUMNS, body
+
+
 def conventions_note(rows: list[dict[str, Any]]) -> str:
     """Which FLOPs convention(s) and peak(s) the TFLOPs/MFU/HFU figures use."""
     seen: dict[tuple, None] = {}
@@ -388,6 +446,14 @@ def build_report(
     title = f"{', '.join(VALUES[v][1] for v in values)} by {' '.join(row_keys)} and {' '.join(col_keys)}"
     md = f"# {title}\n\n" + markdown(header, body) + (f"\n{note}\n" if note else "")
     md_wide = "# All results\n\n" + markdown(wheader, wbody) + (f"\n{note}\n" if note else "")
+    planned = plan_vs_measured(rows)
+    if planned is not None:
+        md_wide += (
+            "\n# Planned vs measured (stx plan)\n\n"
+            + markdown(*planned)
+            + "\nError = predicted / measured - 1; memory is live tensor bytes per device (the largest "
+            "rank), measured when logging.track_tensor_bytes is on (always on GPU).\n"
+        )
     device_memory_gb = device_memory_gb or _device_memory_gb(rows)
     plots: list[tuple[str, Callable[[Path], bool]]] = [
         ("throughput_scaling.png", lambda p: plot_scaling(rows, p)),
@@ -409,6 +475,8 @@ def build_report(
         (output / "wide.md").write_text(md_wide, encoding="utf-8")
         (output / "table.csv").write_text(to_csv(header, body), encoding="utf-8")
         (output / "wide.csv").write_text(to_csv(wheader, wbody), encoding="utf-8")
+        if planned is not None:
+            (output / "plan_vs_measured.csv").write_text(to_csv(*planned), encoding="utf-8")
         page = _html_page(title, header, body, wheader, wbody, note, draw(output))
         (output / "report.html").write_text(page, encoding="utf-8")
     if fmt == "csv":

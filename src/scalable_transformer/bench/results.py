@@ -67,6 +67,14 @@ COLUMNS: list[tuple[str, str]] = [
     ("wall_seconds", "REAL"),  # the member as a job: launcher start to exit
     ("loop_seconds", "REAL"),  # the sum of the training iterations' times
     ("overhead_seconds", "REAL"),  # wall - loop: launcher, process start, init, evaluation, teardown
+    # the planner's prediction for the member (stx plan on the sweep's hardware; issue 13) and the
+    # measured live tensor bytes it is compared with (summary.json peak_tensor_bytes_per_rank, largest)
+    ("predicted_peak_memory_bytes", "REAL"),
+    ("predicted_step_seconds", "REAL"),
+    ("predicted_samples_per_second", "REAL"),
+    ("predicted_fits", "INTEGER"),
+    ("plan_json", "TEXT"),
+    ("peak_tensor_bytes_max", "REAL"),
     ("run_dir", "TEXT"),
     ("started_at", "TEXT"),
     ("finished_at", "TEXT"),

@@ -7,6 +7,8 @@ A sweep file:
     axes:                          # cartesian product; any config key (dotted or alias) or nproc
       nproc: [1, 2]
       parallel.zero_stage: [0, 3]
+    # or, instead of axes, explicit members (what `stx plan --search --emit-sweep` writes):
+    # members: [{nproc: 2, parallel.tp: 2}, {nproc: 2, parallel.zero_stage: 3}]
     steps: 5                       # train.train_iters of every member
     warmup_steps: 1                # logging.warmup_iters: excluded from the throughput median
     timeout_seconds: 600           # per member; the whole job is killed past it -> timeout
@@ -138,8 +140,14 @@ def expand(spec: SweepSpec) -> tuple[list[Member], int]:
     """Every member of the grid (x repeats) and how many the filters left out."""
     keys = list(spec.axes)
     members, filtered = [], 0
-    for values in itertools.product(*(spec.axes[k] for k in keys)) if keys else [()]:
-        point = dict(zip(keys, values, strict=True))
+    if spec.members:  # an explicit list (e.g. written by `stx plan --search --emit-sweep`)
+        points = [dict(m) for m in spec.members]
+    else:
+        points = [
+            dict(zip(keys, values, strict=True))
+            for values in (itertools.product(*(spec.axes[k] for k in keys)) if keys else [()])
+        ]
+    for point in points:
         if any(f.matches(point) for f in spec.filters):
             filtered += 1
             continue

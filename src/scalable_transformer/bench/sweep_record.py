@@ -60,6 +60,8 @@ def record_from_summary(summary: dict[str, Any], cfg: Config | None) -> dict[str
     }
     rec["num_parameters"] = summary.get("num_parameters")
     rec["peak_memory_bytes_max"] = max(per_rank) if per_rank else None
+    tensor_bytes = [v for v in summary.get("peak_tensor_bytes_per_rank") or [] if v is not None]
+    rec["peak_tensor_bytes_max"] = max(tensor_bytes) if tensor_bytes else None
     rec["summary_json"] = json.dumps(summary)
     if cfg is not None:
         rec.update(config_columns(cfg))
@@ -100,7 +102,50 @@ def base_record(spec: SweepSpec, m: Member) -> dict[str, Any]:
     }
     if m.cfg is not None:
         rec.update(config_columns(m.cfg))
+        rec.update(prediction_columns(m.cfg, m.nproc))
     return rec
+
+
+_PREDICTIONS: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def prediction_columns(cfg: Config, nproc: int) -> dict[str, Any]:
+    """The planner's prediction for a member (stx plan on this machine: the detected GPU's table
+    entry, or this CPU measured), so the report can put it next to the measurement. A planning
+    problem is reported as a warning and leaves the columns empty; it never stops a sweep."""
+    key = (to_yaml(cfg), nproc)
+    if key in _PREDICTIONS:
+        return _PREDICTIONS[key]
+    try:
+        from ..plan.hardware import cpu_cluster, table_cluster
+        from ..plan.search import predict
+
+        cluster = None
+        if cfg.train.device != "cpu":
+            import torch
+
+            if torch.cuda.is_available():
+                from ..metrics.hardware import detect_device_name
+
+                name = cfg.logging.device_name or detect_device_name()
+                cluster = table_cluster(name, 1, nproc) if name else None
+        if cluster is None:
+            cluster = cpu_cluster(nproc, cfg.train.precision)
+        plan = predict(cfg, cluster)
+        columns = {
+            "predicted_peak_memory_bytes": plan.peak_memory_bytes,
+            "predicted_step_seconds": plan.time.total,
+            "predicted_samples_per_second": plan.samples_per_second,
+            "predicted_fits": int(plan.fits),
+            "plan_json": json.dumps(plan.to_dict()),
+        }
+    except Exception as e:  # a prediction is an aid: report it, never fail the sweep for it
+        import warnings
+
+        warnings.warn(f"stx plan could not predict this member: {e}", RuntimeWarning, stacklevel=2)
+        columns = {}
+    _PREDICTIONS[key] = columns
+    return columns
 
 
 def invalid_record(spec: SweepSpec, m: Member, env_json: str) -> dict[str, Any]:

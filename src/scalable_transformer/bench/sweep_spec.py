@@ -18,6 +18,7 @@ KEYS = {
     "base": "preset name or config path",
     "overrides": "list of key=value strings applied to every member",
     "axes": "mapping of config key (or nproc, nodes) to a list of values",
+    "members": "list of mappings {config key, nproc or nodes: value}: explicit members instead of axes",
     "steps": "training iterations per member (int >= 1)",
     "warmup_steps": "iterations excluded from the throughput median (int >= 0)",
     "timeout_seconds": "seconds per member (number > 0)",
@@ -69,6 +70,7 @@ class SweepSpec:
     store: Path
     executor: str = "local"
     executor_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    members: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def directory(self) -> Path:
@@ -141,6 +143,19 @@ def load_sweep(path: str | Path) -> SweepSpec:
     overrides = data.get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
         raise _err(path, "overrides", f"must be {KEYS['overrides']}, got {overrides!r}")
+    members_raw = data.get("members")
+    members: list[dict[str, str]] = []
+    if members_raw is not None:
+        if not isinstance(members_raw, list) or not members_raw:
+            raise _err(path, "members", f"must be a non-empty {KEYS['members']}, got {members_raw!r}")
+        for i, member in enumerate(members_raw):
+            if not isinstance(member, dict) or not member:
+                raise _err(path, f"members[{i}]", f"must be a mapping of config key to value, got {member!r}")
+            members.append({str(k): fmt_value(v) for k, v in member.items()})
+        if "axes" in data:
+            raise _err(path, "members", "give either axes (a grid) or members (a list), not both")
+        # the members' keys act as the axes: filters, limits and the report's columns see them
+        data = {**data, "axes": {k: sorted({m[k] for m in members if k in m}) for m in members for k in m}}
     axes_raw = data.get("axes")
     if not isinstance(axes_raw, dict) or not axes_raw:
         # a sweep without axes has nothing to compare (use stx train for one run)
@@ -228,6 +243,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         store=(path.parent / store).resolve(),
         executor=executor,
         executor_options=dict(executor_options),
+        members=members,
     )
 
 

@@ -22,6 +22,7 @@ from . import (
     export,
     flops,
     launch,
+    plan,
     preprocess,
     report,
     submit,
@@ -39,6 +40,7 @@ EPILOG = """Examples:
   stx config show bert-345m
   stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
   stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
+  stx plan bert-175b --nodes 8 --gpus-per-node 8 --device a100-40gb --search
   stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16
   stx sweep sweep.yaml
   stx report results.sqlite --output report/"""
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         tokenizer,
         preprocess,
         flops,
+        plan,
         checkpoint,
         export,
         env,

@@ -402,6 +402,12 @@ class LoggingConfig:
     warmup_iters: int = opt(
         3, "Iterations excluded from throughput statistics (compile, allocator warm-up).", ge=0
     )
+    track_tensor_bytes: bool = opt(
+        False,
+        "CPU: measure live tensor bytes per rank (peak over the first 3 steps, torch.profiler's "
+        "allocation events; slows those steps) into summary.json's peak_tensor_bytes_per_rank. On "
+        "GPU always measured (torch.cuda.max_memory_allocated).",
+    )
     timers_sync: bool = opt(
         True,
         "Synchronize the device at phase boundaries so per-phase times are honest.",

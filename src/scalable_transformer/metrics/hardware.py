@@ -67,6 +67,84 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "mi250x": {"bf16": 191.5, "fp16": 191.5, "fp32": 47.85},
     "mi300x": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
 }
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the planner needs of one device model besides its peak: memory (bytes), memory bandwidth
+    (bytes/s), the intra-node link per device (bytes/s, one direction, as a ring sees it), the
+    inter-node bandwidth per device (bytes/s) and how many devices a node usually holds."""
+
+    name: str
+    memory_bytes: int
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    host_link_bandwidth: float  # device <-> host (PCIe), bytes/s one direction
+    source: str
+
+
+_GB, _GIB = 1e9, 2**30
+# Sources: NVIDIA A100 datasheet (40/80 GB HBM2/HBM2e, 1,555 / 2,039 GB/s SXM; NVLink 3: 600 GB/s
+# bidirectional per GPU = 300 GB/s each way), DGX A100 user guide (8 GPUs, 8 x 200 Gb/s HDR per node
+# = 25 GB/s per GPU), NVIDIA H100 datasheet (SXM 80 GB 3.35 TB/s, NVLink 4 900 GB/s bidirectional;
+# PCIe 80 GB 2 TB/s, NVLink bridge 600 GB/s; DGX H100: 8 x 400 Gb/s NDR = 50 GB/s per GPU), NVIDIA
+# H200 datasheet (141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s). PCIe 4.0 x16 = 32 GB/s nominal per
+# direction (about 25 GB/s reached), PCIe 5.0 x16 = 64 GB/s nominal (about 50 GB/s).
+DEVICE_SPECS: dict[str, DeviceSpec] = {
+    "a100-40gb": DeviceSpec(
+        "a100-40gb",
+        40 * _GIB,
+        1555 * _GB,
+        300 * _GB,
+        25 * _GB,
+        8,
+        25 * _GB,
+        "NVIDIA A100 datasheet (SXM4 40 GB, NVLink 3); DGX A100: 8 x HDR 200 Gb/s per node",
+    ),
+    "a100-80gb": DeviceSpec(
+        "a100-80gb",
+        80 * _GIB,
+        2039 * _GB,
+        300 * _GB,
+        25 * _GB,
+        8,
+        25 * _GB,
+        "NVIDIA A100 datasheet (SXM4 80 GB, NVLink 3); DGX A100: 8 x HDR 200 Gb/s per node",
+    ),
+    "h100-sxm": DeviceSpec(
+        "h100-sxm",
+        80 * _GIB,
+        3350 * _GB,
+        450 * _GB,
+        50 * _GB,
+        8,
+        50 * _GB,
+        "NVIDIA H100 datasheet (SXM5 80 GB, NVLink 4); DGX H100: 8 x NDR 400 Gb/s per node",
+    ),
+    "h100-pcie": DeviceSpec(
+        "h100-pcie",
+        80 * _GIB,
+        2000 * _GB,
+        300 * _GB,
+        25 * _GB,
+        8,
+        50 * _GB,
+        "NVIDIA H100 datasheet (PCIe 80 GB, NVLink bridge 600 GB/s); 200 Gb/s NIC per GPU assumed",
+    ),
+    "h200-sxm": DeviceSpec(
+        "h200-sxm",
+        int(141 * _GB),
+        4800 * _GB,
+        450 * _GB,
+        50 * _GB,
+        8,
+        50 * _GB,
+        "NVIDIA H200 datasheet (141 GB HBM3e, NVLink 4); 8 x NDR 400 Gb/s per node",
+    ),
+}
+
 _NAME_ALIASES = {
     "h100": "h100-sxm",
     "h200": "h200-sxm",
@@ -111,6 +189,19 @@ class PeakInfo:
 
     flops_per_second: float
     source: str
+
+
+def lookup_device(device_name: str) -> DeviceSpec:
+    """The memory/bandwidth spec of a table device; ValueError naming the valid ones otherwise."""
+    key = _normalize_name(device_name)
+    if key not in DEVICE_SPECS:
+        close = difflib.get_close_matches(key, list(DEVICE_SPECS), n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"no memory/bandwidth spec for device {device_name!r}.{hint} Known: {', '.join(DEVICE_SPECS)}; "
+            "or describe it in a cluster YAML file (--hardware)"
+        )
+    return DEVICE_SPECS[key]
 
 
 def normalize_dtype(dtype: str) -> str:

@@ -37,6 +37,7 @@ from ..parallel.distributed import all_reduce_floats, env_world_size, init_distr
 from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
 from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
+from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
 from .trainer import Callback, Trainer
 
 
@@ -142,6 +143,9 @@ def _run(
         return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
 
     set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
+    tracker = tensor_bytes_tracker(cfg, device)  # before the model: its tensors are counted
+    if tracker is not None:
+        callbacks = [*callbacks, TensorBytesCallback(tracker)]
     model, pipeline = build_parallel_model(cfg, dims, device)
     num_params = count_parameters(cfg.model)
     zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
@@ -203,6 +207,7 @@ def _run(
         part: gather_per_rank(history.model_state_bytes.get(part, 0), dims)
         for part in ("parameters", "gradients", "optimizer")
     }
+    summary["peak_tensor_bytes_per_rank"] = peak_tensor_bytes(tracker, device, per_rank_peak, dims)
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
@@ -211,6 +216,19 @@ def _run(
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
     return run_dir, summary
+
+
+def peak_tensor_bytes(
+    tracker: Any, device: torch.device, per_rank_peak: list[int], dims: ParallelDims
+) -> list[int | None] | None:
+    """Live tensor bytes per rank (what `stx plan` predicts): on CUDA the peak allocated bytes the
+    trainer measured; on CPU the tracker's (None when not tracked; a rank that failed to measure: None)."""
+    if device.type == "cuda":
+        return list(per_rank_peak)
+    if tracker is None:
+        return None
+    peak = tracker.peak()
+    return [v if v >= 0 else None for v in gather_per_rank(-1 if peak is None else peak, dims)]
 
 
 def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:

@@ -1,0 +1,252 @@
+"""`stx plan CONFIG [key=value ...] (--world-size N | --nodes K --gpus-per-node G) --device NAME
+[--host-memory-gb M] [--hardware cluster.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .train import split_config_args
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    config: str | None
+    overrides: tuple[str, ...]
+    world_size: int | None
+    nodes: int | None
+    gpus_per_node: int | None
+    device: str | None
+    host_memory_gb: float | None
+    hardware: str | None
+    json: bool
+    search: bool
+    top: int
+    emit_sweep: Path | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PlanOptions:
+        from ..errors import UsageError
+
+        config, overrides = split_config_args(args.items)
+        if args.world_size is None and args.nodes is None and args.hardware is None:
+            raise UsageError("stx plan needs the devices: --world-size N, or --nodes K --gpus-per-node G")
+        if args.world_size is not None and args.nodes is not None:
+            raise UsageError("give --world-size or --nodes/--gpus-per-node, not both")
+        if args.device is None and args.hardware is None:
+            raise UsageError(
+                "stx plan needs --device NAME (e.g. a100-40gb, or cpu) or --hardware cluster.yaml"
+            )
+        for name in ("world_size", "nodes", "gpus_per_node", "top"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if args.emit_sweep and not args.search:
+            raise UsageError("--emit-sweep writes the best layouts of a --search; add --search")
+        return cls(
+            config,
+            tuple(overrides),
+            args.world_size,
+            args.nodes,
+            args.gpus_per_node,
+            args.device,
+            args.host_memory_gb,
+            args.hardware,
+            args.json,
+            args.search,
+            args.top,
+            Path(args.emit_sweep) if args.emit_sweep else None,
+        )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict memory, fit/OOM and speed of a layout (or rank every layout) before running it",
+        description="stx plan CONFIG [key=value ...] --world-size N --device a100-40gb: memory per "
+        "device, fit/OOM, step time, samples/s and MFU of the config's layout; --search ranks every "
+        "valid layout. Formulas and sources: docs/PLANNER.md.",
+    )
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="devices in total (whole nodes of the device's usual size; cpu: local processes)",
+    )
+    p.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: the device's usual)")
+    p.add_argument(
+        "--device", help="device table name (a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200-sxm) or cpu"
+    )
+    p.add_argument("--host-memory-gb", type=float, help="host memory per node in GiB (checks offload)")
+    p.add_argument("--hardware", help="cluster YAML file (docs/PLANNER.md#hardware)")
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
+    p.add_argument("--search", action="store_true", help="rank every valid layout of these devices")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        help="--search: layouts shown that fit, and closest that do not (default 10)",
+    )
+    p.add_argument(
+        "--emit-sweep",
+        metavar="FILE",
+        help="--search: write a sweep file of the best --top layouts plus the fit/OOM boundary",
+    )
+    p.set_defaults(fn=run)
+
+
+def build_cluster(opts: PlanOptions, precision: str) -> Any:
+    from ..plan import hardware
+
+    nodes: int
+    per_node: int | None
+    if opts.world_size is not None:
+        nodes, per_node = 1, opts.world_size
+    else:
+        nodes, per_node = opts.nodes or 1, opts.gpus_per_node
+    if opts.hardware:
+        cluster = hardware.load_cluster(opts.hardware, nodes=opts.nodes)
+        if opts.world_size is not None:
+            # a world size on a multi-node cluster file: as many nodes as it takes
+            per = cluster.devices_per_node
+            cluster = hardware.with_nodes(cluster, -(-opts.world_size // per), min(per, opts.world_size))
+        elif per_node is not None:
+            cluster = hardware.with_nodes(cluster, nodes, per_node)
+    elif (opts.device or "").lower() == "cpu":
+        cluster = hardware.cpu_cluster(nodes * (per_node or 1), precision)
+    else:
+        assert opts.device is not None
+        if opts.world_size is not None:
+            # a world size spans as many full nodes of the device's usual size as it takes
+            usual = hardware.table_cluster(opts.device, 1).devices_per_node
+            if opts.world_size > usual:
+                if opts.world_size % usual:
+                    from ..errors import UsageError
+
+                    raise UsageError(
+                        f"--world-size {opts.world_size} is not a whole number of {usual}-device "
+                        f"{opts.device} nodes; give --nodes K --gpus-per-node G"
+                    )
+                nodes, per_node = opts.world_size // usual, usual
+        cluster = hardware.table_cluster(opts.device, nodes, per_node, opts.host_memory_gb)
+    if opts.host_memory_gb is not None:
+        cluster = dataclasses.replace(cluster, host_memory_bytes=int(opts.host_memory_gb * 2**30))
+    return cluster
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config.load import load_config
+    from ..plan.search import plan_config, search_layouts
+
+    opts = PlanOptions.from_args(args)
+    cfg = load_config(opts.config, list(opts.overrides))
+    cluster = build_cluster(opts, cfg.train.precision)
+    if opts.search:
+        results = search_layouts(cfg, cluster)
+        # the best --top that fit, then the --top closest to fitting (as the human output lists them)
+        shown = [r for r in results if r.fits][: opts.top] + [r for r in results if not r.fits][: opts.top]
+    else:
+        shown = [plan_config(cfg, cluster)]
+        results = shown
+    if opts.emit_sweep is not None:
+        write_sweep(opts, results, cluster)
+    if opts.json:
+        json.dump({"layouts": [r.to_dict() for r in shown]}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(
+        f"cluster: {cluster.name}; {cluster.device.memory_bytes / 2**30:.1f} GiB per device "
+        f"({cluster.source})"
+    )
+    if opts.search:
+        render_search(results, opts.top)
+    else:
+        render_one(shown[0], cluster)
+    if opts.emit_sweep is not None:
+        print(f"sweep file: {opts.emit_sweep} (run it with `stx sweep {opts.emit_sweep}`)")
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def render_one(r: Any, cluster: Any) -> None:
+    print(f"layout: {r.layout.label()}")
+    stages = r.stages
+    different = len({tuple(sorted(s.breakdown.items())) for s in stages}) > 1
+    shown = stages if different else stages[:1]
+    for st in shown:
+        title = f"memory per device, pipeline rank {st.pp_rank}" if different else "memory per device"
+        print(f"{title}: {_gib(st.total)} of {_gib(cluster.device.memory_bytes)}")
+        for key, value in st.breakdown.items():
+            if value:
+                print(f"  {key.replace('_', ' '):<24} {_gib(value):>14}")
+    if r.host_memory_bytes is not None:
+        host = cluster.host_memory_bytes
+        print(
+            f"host memory per node (offload): {_gib(r.host_memory_bytes)}"
+            + (f" of {_gib(host)}" if host else "")
+        )
+    print(("fits" if r.fits else "DOES NOT FIT") + (f": {r.reason}" if r.reason else ""))
+    print(f"step time: {r.time.total * 1000:,.1f} ms")
+    for key, value in r.time.breakdown.items():
+        print(f"  {key.replace('_', ' '):<24} {value * 1000:>12,.1f} ms")
+    if r.time.dp_overlapped_seconds:
+        print(
+            f"  {'(dp comm. overlapped)':<24} {r.time.dp_overlapped_seconds * 1000:>12,.1f} ms "
+            "hidden behind compute"
+        )
+    print(
+        f"throughput: {r.samples_per_second:,.2f} samples/s, {r.tokens_per_second:,.0f} tokens/s, "
+        f"{r.tflops_per_device:,.1f} TFLOP/s per device, MFU {r.mfu:.1%} (megatron convention, "
+        f"peak {r.peak_flops / 1e12:,.1f} TFLOP/s {r.dtype} per device: {cluster.source})"
+    )
+
+
+def render_search(results: list[Any], top: int) -> None:
+    fit = [r for r in results if r.fits]
+    oom = [r for r in results if not r.fits]
+    print(f"{len(results)} valid layouts: {len(fit)} fit, {len(oom)} do not")
+    if fit:
+        print(f"best {min(top, len(fit))} that fit (by predicted samples/s; MFU in the megatron convention):")
+        for r in fit[:top]:
+            print(
+                f"  {r.samples_per_second:>10,.2f} samples/s  MFU {r.mfu:>6.1%}  "
+                f"{_gib(r.peak_memory_bytes):>12}  {r.layout.label()}"
+            )
+    if oom:
+        print(f"closest {min(top, len(oom))} that do not fit:")
+        for r in oom[:top]:
+            print(f"  {r.layout.label()}: {r.reason}")
+
+
+def write_sweep(opts: PlanOptions, results: list[Any], cluster: Any) -> None:
+    """A sweep file (bench/sweep.py format, explicit `members`) of the best --top layouts that fit
+    and the fit/OOM boundary: the OOM layouts predicted closest to fitting, so a sweep checks both."""
+    import yaml
+
+    fit = [r for r in results if r.fits][: opts.top]
+    boundary = [r for r in results if not r.fits][: max(1, opts.top // 3)]
+    members = []
+    for r in fit + boundary:
+        point: dict[str, Any] = {"nproc": r.layout.world_size}
+        point.update(r.layout.overrides())
+        members.append(point)
+    data = {
+        "base": opts.config or "tiny-bert",
+        "overrides": list(opts.overrides),
+        "members": members,
+        "steps": 20,
+        "warmup_steps": 3,
+    }
+    header = (
+        f"# stx plan --search on {cluster.name}: the best {len(fit)} predicted layouts that fit, then "
+        f"{len(boundary)} predicted not to fit (the boundary); `stx sweep` checks them.\n"
+    )
+    opts.emit_sweep.write_text(header + yaml.safe_dump(data, sort_keys=False))  # type: ignore[union-attr]

@@ -1,0 +1,260 @@
+"""The hardware a plan is for: a cluster of nodes with devices, from the device table
+(metrics/hardware.py), a YAML file describing a custom cluster, or this machine's CPU (measured).
+
+A cluster YAML file (every size in the units its key names):
+
+    name: thetagpu
+    device: a100-40gb            # a table device to start from (optional)
+    nodes: 8
+    devices_per_node: 8
+    device_memory_gb: 40         # GiB-sized as vendors sell them: 40 = 40 x 2^30 bytes
+    memory_bandwidth_gbps: 1555  # GB/s per device
+    intra_node_gbps: 300         # GB/s per device, one direction (NVLink 3: 600 bidirectional)
+    inter_node_gbps: 25          # GB/s per device (8 x HDR 200 Gb/s per node / 8 GPUs)
+    host_link_gbps: 25           # GB/s device <-> host (PCIe 4.0 x16)
+    host_memory_gb: 1024         # per node
+    peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..metrics.hardware import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
+
+GIB = 2**30
+# What the CUDA context, NCCL communicators and the caching allocator's fragmentation take of a GPU
+# beyond tensors: measured 0.5-1.5 GiB per GPU (context ~500 MiB on A100, NCCL buffers ~300 MiB per
+# communicator); we reserve 2 GiB, a stated round figure, not a measurement of the user's GPU.
+GPU_RESERVE_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """nodes x devices_per_node devices of one kind. Bandwidths in bytes/s, memory in bytes, peaks
+    in FLOP/s per dtype. On CPU (`kind == "cpu"`) the rates are measured here (see `cpu_cluster`)."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    peak_flops: dict[str, float]
+    host_memory_bytes: int | None
+    reserve_bytes: int
+    source: str
+    # CPU only: measured per-process rates (threads per process, fixed cost of one op in s,
+    # gloo all-reduce latency in s); GEMM rates are measured per shape (speed.py)
+    threads: int = 1
+    op_seconds: float = 0.0
+    comm_latency: float = 5e-6
+    # CPU only: the share of a core each of the job's threads can expect on a machine others use too:
+    # cores / (1-minute load average before the job + the job's threads), at most 1
+    cpu_share: float = 1.0
+    load_average: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"{self.device.name} has no {dtype} peak in the table (has {', '.join(self.peak_flops)})"
+            )
+        return self.peak_flops[dtype]
+
+
+def table_cluster(
+    device: str, nodes: int, devices_per_node: int | None = None, host_memory_gb: float | None = None
+) -> Cluster:
+    """A cluster of a table device (metrics/hardware.py DEVICE_SPECS and PEAK_TFLOPS)."""
+    try:
+        spec = lookup_device(device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    key = _normalize_name(device)
+    per_node = devices_per_node or spec.devices_per_node
+    return Cluster(
+        name=f"{nodes} x {per_node} {key}",
+        kind="gpu",
+        nodes=nodes,
+        devices_per_node=per_node,
+        device=spec,
+        peak_flops={k: v * 1e12 for k, v in PEAK_TFLOPS[key].items()},
+        host_memory_bytes=int(host_memory_gb * GIB) if host_memory_gb else None,
+        reserve_bytes=GPU_RESERVE_BYTES,
+        source=spec.source,
+    )
+
+
+_YAML_KEYS = {
+    "name",
+    "device",
+    "nodes",
+    "devices_per_node",
+    "device_memory_gb",
+    "memory_bandwidth_gbps",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "host_link_gbps",
+    "host_memory_gb",
+    "peak_tflops",
+    "reserve_gb",
+}
+
+
+def load_cluster(path: str | Path, nodes: int | None = None) -> Cluster:
+    """A cluster from a YAML file (module docstring); `nodes` overrides the file's node count."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read the hardware file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of {', '.join(sorted(_YAML_KEYS))}")
+    unknown = sorted(set(data) - _YAML_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_YAML_KEYS))}"
+        )
+
+    def number(key: str, default: float | None = None) -> float | None:
+        value = data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{path}: {key} must be a positive number, got {value!r}")
+        return float(value)
+
+    base: DeviceSpec | None = None
+    peaks: dict[str, float] = {}
+    if "device" in data:
+        try:
+            base = lookup_device(str(data["device"]))
+        except ValueError as e:
+            raise ConfigError(f"{path}: device: {e}") from None
+        peaks = {k: v * 1e12 for k, v in PEAK_TFLOPS[base.name].items()}
+    if isinstance(data.get("peak_tflops"), dict):
+        for dtype, value in data["peak_tflops"].items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{path}: peak_tflops.{dtype} must be a positive number, got {value!r}")
+            peaks[str(dtype)] = float(value) * 1e12
+    elif "peak_tflops" in data:
+        raise ConfigError(f"{path}: peak_tflops must be a mapping like {{bf16: 312, fp32: 19.5}}")
+    if not peaks:
+        raise ConfigError(f"{path}: give a table device (device: a100-40gb) or peak_tflops")
+
+    def field(key: str, base_value: float | None, scale: float) -> float:
+        value = number(key)
+        if value is not None:
+            return value * scale
+        if base_value is None:
+            raise ConfigError(f"{path}: {key} is required (no table device to take it from)")
+        return base_value
+
+    spec = DeviceSpec(
+        name=str(data.get("name") or (base.name if base else path.stem)),
+        memory_bytes=int(field("device_memory_gb", base.memory_bytes if base else None, GIB)),
+        memory_bandwidth=field("memory_bandwidth_gbps", base.memory_bandwidth if base else None, 1e9),
+        intra_node_bandwidth=field("intra_node_gbps", base.intra_node_bandwidth if base else None, 1e9),
+        inter_node_bandwidth=field("inter_node_gbps", base.inter_node_bandwidth if base else None, 1e9),
+        devices_per_node=int(field("devices_per_node", base.devices_per_node if base else None, 1)),
+        host_link_bandwidth=field("host_link_gbps", base.host_link_bandwidth if base else 25e9, 1e9),
+        source=f"{path}" + (f" (from {base.name}: {base.source})" if base else ""),
+    )
+    node_count = nodes if nodes is not None else int(number("nodes", 1) or 1)
+    host = number("host_memory_gb")
+    return Cluster(
+        name=str(data.get("name") or path.stem),
+        kind="gpu",
+        nodes=node_count,
+        devices_per_node=spec.devices_per_node,
+        device=spec,
+        peak_flops=peaks,
+        host_memory_bytes=int(host * GIB) if host else None,
+        reserve_bytes=int((number("reserve_gb") or GPU_RESERVE_BYTES / GIB) * GIB),
+        source=spec.source,
+    )
+
+
+def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
+    """This machine as `world_size` local processes (one node): measured GEMM peak for the threads
+    each rank gets (stx launch gives each cores // world threads), memory bandwidth, the fixed cost of
+    one op, gloo all-reduce bandwidth and latency between `world_size` processes; memory = this
+    machine's RAM shared by the ranks. Imports torch (measurement), cached after the first time."""
+    from ..config.rules import physical_memory_bytes
+    from ..metrics import cpu_rates
+    from ..metrics.hardware import cpu_peak
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // world_size)
+    peak = cpu_peak(dtype, threads)
+    bandwidth = cpu_rates.memory_bandwidth(threads)
+    if world_size > 1:
+        busbw, latency = cpu_rates.gloo_rates(world_size)
+    else:
+        busbw, latency = bandwidth, 0.0
+    memory = physical_memory_bytes() or 0
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    share = min(1.0, cores / ((load or 0.0) + world_size * threads))
+    spec = DeviceSpec(
+        name="cpu",
+        memory_bytes=memory // world_size,
+        memory_bandwidth=bandwidth,
+        intra_node_bandwidth=busbw,
+        inter_node_bandwidth=busbw,
+        devices_per_node=world_size,
+        host_link_bandwidth=bandwidth,
+        source="measured on this machine (metrics/cpu_rates.py, cached)",
+    )
+    load_text = f", load average {load:.1f} -> {share:.0%} of a core per thread" if load is not None else ""
+    return Cluster(
+        name=f"this CPU x {world_size} process(es), {threads} thread(s) each{load_text}",
+        kind="cpu",
+        nodes=1,
+        devices_per_node=world_size,
+        device=spec,
+        peak_flops={dtype: peak},
+        host_memory_bytes=memory,
+        reserve_bytes=0,
+        source=spec.source,
+        threads=threads,
+        op_seconds=cpu_rates.op_overhead(threads),
+        comm_latency=latency,
+        cpu_share=share,
+        load_average=load,
+    )
+
+
+def with_nodes(cluster: Cluster, nodes: int, devices_per_node: int) -> Cluster:
+    return dataclasses.replace(cluster, nodes=nodes, devices_per_node=devices_per_node)
+
+
+def describe(cluster: Cluster) -> dict[str, Any]:
+    d = cluster.device
+    return {
+        "name": cluster.name,
+        "nodes": cluster.nodes,
+        "devices_per_node": cluster.devices_per_node,
+        "device": d.name,
+        "device_memory_bytes": d.memory_bytes,
+        "memory_bandwidth_bytes_per_second": d.memory_bandwidth,
+        "intra_node_bytes_per_second": d.intra_node_bandwidth,
+        "inter_node_bytes_per_second": d.inter_node_bandwidth,
+        "host_memory_bytes": cluster.host_memory_bytes,
+        "reserve_bytes": cluster.reserve_bytes,
+        "source": cluster.source,
+    }

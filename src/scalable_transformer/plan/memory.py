@@ -1,0 +1,382 @@
+"""Bytes per device of a layout: model states (ZeRO paper), activations (Korthikanti et al. 2022,
+adapted to what our layers save), the schedule's in-flight micro-batches, FSDP2 gathers in flight,
+communication buffers and transients. docs/PLANNER.md gives every formula and its source.
+
+Legend: b micro-batch, s sequence, h hidden, a heads, f MLP inner size, v padded vocabulary,
+t tensor-parallel size, e bytes of a saved activation element, P parameters held by the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.schema import Config
+from .model import StageParams, stage_params, vocab
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_bytes_per_param(cfg: Config) -> int:
+    """State bytes per parameter of our optimizers (torch.optim, fp32 state): Adam/AdamW exp_avg
+    and exp_avg_sq (8), SGD momentum buffer (4, none without momentum)."""
+    o = cfg.optim
+    if o.optimizer in ("adam", "adamw"):
+        return 8
+    return 4 if o.sgd_momentum > 0 else 0
+
+
+# ------------------------------------------------------------------------------------------ ZeRO
+
+
+def zero_paper_model_states(psi: float, k: float, nd: int, stage: int) -> float:
+    """Rajbhandari et al. 2019, section 3 / Figure 1: bytes per device of mixed-precision Adam
+    training (2 Psi fp16 params + 2 Psi fp16 grads + K Psi optimizer state, K = 12) under ZeRO
+    stage 0 (baseline), 1 (P_os), 2 (P_os+g), 3 (P_os+g+p) over Nd data-parallel devices."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / nd
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / nd
+    if stage == 3:
+        return (2 + 2 + k) * psi / nd
+    raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+
+
+# ------------------------------------------------------------------------------------ activations
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """What one transformer layer saves for backward, as element counts and bytes.
+
+    act_bytes      bytes of a saved activation element (4 in fp32; 2 under bf16/fp16 autocast for
+                   the GEMM inputs; norms and softmax run in fp32 under CPU autocast, see docs)
+    mask_bytes     bytes of a dropout mask element: 1 on CUDA (bool from the fused kernel), e on CPU
+                   (torch's unfused dropout saves the scaled noise tensor in the input dtype)
+    flash          the attention core saves no s^2 tensor (SDPA's flash / memory-efficient kernel:
+                   q, k, v, output and the fp32 log-sum-exp); false = the math path (attention
+                   dropout > 0 on CPU, or the paper's unfused kernel): softmax output, dropout mask
+                   and dropout output, each a x s x s per sample
+    sp_gathers_saved with sequence parallelism, the all-gathered input of qkv and up is what is
+                   saved (DTensor's redistribution before the column-parallel linear); Megatron
+                   saves the shard and re-gathers in backward (the paper's 34 / t)
+    """
+
+    act_bytes: int
+    mask_bytes: int
+    flash: bool
+    sp_gathers_saved: bool = True
+
+
+def layer_activation_bytes(
+    b: int,
+    s: int,
+    h: int,
+    a: int,
+    f: int,
+    t: int,
+    sp: bool,
+    recompute: str,
+    am: ActivationModel,
+    gated: bool = False,
+) -> float:
+    """Bytes one layer keeps for backward for one micro-batch (Korthikanti et al. 2022 section 4,
+    generalised). With am = (2, 1, flash=False, sp_gathers_saved=False) this is the paper's exactly:
+    sbh(34 + 5as/h) without TP, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP + SP,
+    sbh 34/t (TP + SP + selective); full recompute keeps the layer input, 2sbh (/t with SP)."""
+    e, m = am.act_bytes, am.mask_bytes
+    sbh = s * b * h
+    seq_shard = t if sp else 1
+    if recompute == "full":
+        return e * sbh / seq_shard
+    up = 2 * f if gated else f
+    # norm inputs (2) and the two hidden-dropout masks: sequence-sharded with SP, else replicated
+    replicated = (2 * e + 2 * m) * sbh / seq_shard
+    # qkv and up inputs: the norm outputs
+    inputs = 2 * e * sbh / (seq_shard if (sp and not am.sp_gathers_saved) else 1)
+    # q, k, v (3), attention output into proj (1), MLP activation input and output
+    sharded = e * sbh * (4 + (up + f) / h) / t
+    core = 0.0
+    if recompute != "selective":
+        # flash: the fp32 log-sum-exp per (sample, head, position); math path: softmax output,
+        # dropout mask and dropout output
+        core = 4 * b * a * s / t if am.flash else (2 * e + m) * b * a * s * s / t
+    # LayerNorm mean and rstd (fp32 per position, two norms)
+    stats = 2 * 2 * 4 * s * b / seq_shard
+    return replicated + inputs + sharded + core + stats
+
+
+def korthikanti(
+    b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, selective: bool = False
+) -> float:
+    """The paper's per-layer bytes (16-bit activations, 1-byte masks, unfused attention)."""
+    paper = ActivationModel(act_bytes=2, mask_bytes=1, flash=False, sp_gathers_saved=False)
+    return layer_activation_bytes(b, s, h, a, 4 * h, t, sp, "selective" if selective else "none", paper) - (
+        2 * 2 * 4 * s * b / (t if sp else 1)
+    )
+
+
+def activation_model(cfg: Config, device_kind: str) -> ActivationModel:
+    m, p = cfg.model, cfg.train.precision
+    on_cpu = device_kind == "cpu"
+    e = DTYPE_BYTES[p]
+    # On CPU, SDPA takes its fused (flash) kernel without attention dropout; with dropout the math
+    # path. On CUDA, flash / memory-efficient kernels support dropout.
+    flash = (not on_cpu) or m.attention_dropout == 0
+    mask = e if on_cpu else 1
+    if m.hidden_dropout == 0:
+        mask = 0
+    return ActivationModel(act_bytes=e, mask_bytes=mask, flash=flash)
+
+
+def inflight_microbatches(
+    schedule: str, pp: int, virtual: int, m: int, pp_rank: int, later: bool = False
+) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of the rank's
+    whole layers (an interleaved chunk is 1/v of them), as torch.distributed.pipelining runs the
+    schedule: GPipe and looped-BFS all m (all forwards first); 1F1B min(m, pp - rank);
+    interleaved 1F1B and zero-bubble ((pp - 1 - rank) x 2 + (v - 1) x pp + 1 warm-up chunks, as
+    ScheduleInterleaved1F1B computes warmup_ops) / v; zbv 2 chunks per micro-batch, like 1F1B.
+    `later`: at the second micro-batch's backward instead of the first (GPipe: one fewer)."""
+    if pp == 1:
+        return 1.0
+    if schedule in ("gpipe", "looped-bfs"):
+        # all forwards first; at the second backward (`later`) one micro-batch is done
+        return float(max(1, m - 1) if later else m)
+    if schedule == "1f1b":
+        return float(min(m, pp - pp_rank))
+    if schedule == "zbv":
+        return float(min(m, pp - pp_rank))
+    chunks = min(m * virtual, (pp - 1 - pp_rank) * 2 + (virtual - 1) * pp + 1)
+    return chunks / virtual
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one device of pipeline rank `pp_rank` at its peak (breakdown keys as --json prints
+    them), which phase of the step the peak is in, and the host bytes of offloaded states."""
+
+    pp_rank: int
+    breakdown: dict[str, int]
+    host_bytes: int
+    phase: str = "backward"
+
+    @property
+    def total(self) -> int:
+        return sum(self.breakdown.values())
+
+
+def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int) -> StageMemory:
+    """Peak bytes on a device of pipeline rank pp_rank for a resolved-enough cfg (dp, accumulation
+    and ffn_hidden_size filled): the larger of two moments of a step,
+
+    backward  the first backward of the loss (the largest activation footprint: every in-flight
+              micro-batch's activations, the logits and the loss's buffers), with the gradients that
+              exist then (none without accumulation: zero_grad(set_to_none=True) freed them; the
+              accumulated ones otherwise);
+    optimizer the optimizer step: parameters, all gradients, optimizer state and the foreach
+              temporaries, activations freed.
+    """
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
+    sp_ = stage_params(
+        mc, p.tp, p.pp, pp_rank, p.virtual_pipeline_stages, p.pipeline_schedule, p.pipeline_layers
+    )
+    P = sp_.total
+    dp, zero = p.dp, p.zero_stage
+    precision = t.precision
+    e = DTYPE_BYTES[precision]
+    k = optimizer_bytes_per_param(cfg)
+    fsdp = zero >= 2
+    offload = p.offload_optimizer or p.offload_param
+    gather_bytes = 2 if (precision != "fp32" and p.fsdp_param_dtype == "auto") else 4
+    accumulating = t.gradient_accumulation_steps > 1
+    host = 0
+    common = {
+        "batch": int(t.gradient_accumulation_steps * t.micro_batch_size * mc.seq_length * 8 * 3),
+        "reserve": reserve_bytes,
+    }
+    if not fsdp:
+        params = 4 * P
+        grads = 4 * P
+        states = int(k * P / (dp if zero == 1 else 1))
+        # DDP (tp = 1, dp > 1): gradient buckets beside .grad (gradient_as_bucket_view=False)
+        buckets = 4 * P if dp > 1 and p.tp == 1 else 0
+        backward = {
+            "parameters": params,
+            "gradients": grads if accumulating else 0,
+            "optimizer_state": states,
+            "communication_buffers": buckets,
+            # autocast caches each weight's compute-dtype copy for the step (saved for backward)
+            "compute_dtype_weights": e * P if precision != "fp32" else 0,
+        }
+        # foreach AdamW's temporaries on the stepped shard: sqrt(exp_avg_sq) and, measured on a 5.8M-
+        # parameter GPT under DDP (the optimizer step its peak), about one more fp32 copy: 2 x 4 bytes
+        temporaries = int(2 * 4 * P / (dp if zero == 1 else 1)) if k else 0
+        optimizer = {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_state": states,
+            "communication_buffers": buckets,
+            "optimizer_temporaries": temporaries,
+        }
+    else:
+        sharded = int(4 * P / dp)
+        states = int(k * P / dp)
+        # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
+        # backward; ZeRO-3: at the loss's backward every unit is resharded, the root (embedding, head)
+        # included (its pre-backward gather fires when the backward reaches the logits, after the
+        # loss's buffers), except one block: measured, 1.6% below the profiler's peak on tiny-gpt
+        gathered = gather_bytes * P if zero == 2 else gather_bytes * sp_.block
+        # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
+        # (set_requires_gradient_sync(False)); without accumulation no block's backward has started
+        # at the loss's backward: no gradient and no reduce-scatter buffer yet
+        unsharded_grads = gather_bytes * P if accumulating else 0
+        reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
+        if offload and device_kind == "cpu":
+            # "offloading" to the host a CPU rank already runs on moves nothing: the states stay in the
+            # same memory (measured: the same live tensor bytes as without offload)
+            host = 2 * sharded + states
+            backward = {
+                "parameters": sharded,
+                "optimizer_state": states,
+                "communication_buffers": int(reduce_buffer),
+            }
+            optimizer = {
+                "parameters": sharded,
+                "gradients": sharded,
+                "optimizer_state": states,
+                "optimizer_temporaries": 2 * sharded if k else 0,
+            }
+        elif offload:
+            host = 2 * sharded + states
+            # FSDP2 copies each unit's shard to the device before gathering it
+            backward = {"communication_buffers": int(4 * sp_.block / dp + reduce_buffer)}
+            optimizer = {}
+        else:
+            backward = {
+                "parameters": sharded,
+                "optimizer_state": states,
+                "communication_buffers": int(reduce_buffer),
+            }
+            optimizer = {
+                "parameters": sharded,
+                "gradients": sharded,
+                "optimizer_state": states,
+                "optimizer_temporaries": 2 * sharded if k else 0,
+            }
+        backward["gathered_parameters"] = int(gathered)
+        backward["gradients"] = int(unsharded_grads)
+    # The first micro-batch's backward has no gradient yet; a later one (with accumulation) has the
+    # accumulated gradients but, under GPipe, one micro-batch fewer in flight: the larger counts.
+    variants = []
+    for later in (False, True) if accumulating else (False,):
+        moment = dict(backward)
+        if not later and accumulating:
+            moment["gradients"] = 0
+            if fsdp and not offload:
+                moment["communication_buffers"] = 0
+        moment["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind, later))
+        loss_buffers = logits_bytes(cfg, sp_, pp_rank, later)
+        recompute = recompute_bytes(cfg, sp_, device_kind)
+        if recompute > loss_buffers:
+            moment["recompute_workspace"] = int(recompute)
+        else:
+            moment["logits_and_loss"] = int(loss_buffers)
+        variants.append(moment)
+    backward = max(variants, key=lambda d: sum(d.values()))
+    backward.update(common)
+    optimizer.update(common)
+    if sum(optimizer.values()) > sum(backward.values()):
+        return StageMemory(pp_rank, optimizer, host, "optimizer")
+    return StageMemory(pp_rank, backward, host, "backward")
+
+
+def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
+    """What recomputation adds during backward: the activations of the chunk being recomputed (full:
+    checkpoint_num_layers layers), or of one attention core (selective). This happens after the
+    loss's backward has freed the logits buffers, so the peak holds the larger of the two."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert mc.ffn_hidden_size is not None
+    mode = p.activation_checkpointing
+    if mode == "none" or not sp_.layers:
+        return 0.0
+    am = activation_model(cfg, device_kind)
+    b, s, h, a, f = (
+        t.micro_batch_size,
+        mc.seq_length,
+        mc.hidden_size,
+        mc.num_attention_heads,
+        mc.ffn_hidden_size,
+    )
+    gated = mc.activation == "geglu"
+    full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
+    if mode == "full":
+        return full_layer * min(p.checkpoint_num_layers, sp_.layers)
+    return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
+
+
+def activation_bytes(
+    cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str, later: bool = False
+) -> float:
+    """Saved activations of the rank's layers for its in-flight micro-batches (what recomputation
+    keeps, when on), plus the embedding's and the pipeline boundaries' tensors."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
+    am = activation_model(cfg, device_kind)
+    b, s, h, a, f = (
+        t.micro_batch_size,
+        mc.seq_length,
+        mc.hidden_size,
+        mc.num_attention_heads,
+        mc.ffn_hidden_size,
+    )
+    gated = mc.activation == "geglu"
+    mode = p.activation_checkpointing
+    per_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
+    inflight = inflight_microbatches(
+        p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank, later
+    )
+    layers = sp_.layers
+    if mode == "full" and p.checkpoint_num_layers > 1:
+        per_layer = per_layer / p.checkpoint_num_layers
+    total = per_layer * layers * inflight
+    # embedding output dropout mask, and the stage's input/output kept by the pipeline
+    e = am.act_bytes
+    seq_shard = p.tp if p.sequence_parallel else 1
+    if sp_.first:
+        total += (am.mask_bytes + e) * b * s * h * inflight
+    if p.pp > 1:
+        total += 2 * e * b * s * h / seq_shard * inflight
+    return total
+
+
+def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int, later: bool = False) -> float:
+    """The head's saved tensors and the loss's buffers on the last stage, at the loss's backward
+    (log_softmax's backward, the step's peak on CPU measurements): logits [b, s, v/t] in the compute
+    dtype (the trainer still holds the model's outputs), their fp32 copy under autocast, the fp32
+    log-softmax cross-entropy saved, its gradient from the NLL backward and the gradient it makes."""
+    if not sp_.last:
+        return 0.0
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    e = DTYPE_BYTES[t.precision]
+    b, s, h = t.micro_batch_size, mc.seq_length, mc.hidden_size
+    v = vocab(mc)
+    logits = b * s * v / p.tp
+    # BERT's head saves the dense input, gelu input, norm input and logits input; GPT the logits input
+    head = (4 if mc.type == "bert" else 1) * e * b * s * h
+    # kept per micro-batch until its backward: the logits (the trainer's outputs, or the pipeline
+    # stage's cached output), their fp32 copy under autocast, the saved log-softmax; then, for the
+    # micro-batch in backward, the two gradients
+    kept = e + (4 if e != 4 else 0) + 4
+    if p.tp > 1:
+        kept += 4  # loss_parallel's cross-entropy keeps one more vocabulary-sharded fp32 buffer (measured)
+    # the last stage computes the loss in its forward: GPipe and looped-BFS run every forward first
+    # (all m in flight, m - 1 at the second backward); the 1F1B family backs each micro-batch up right
+    # after the last stage's forward (measured on interleaved 1F1B too): one
+    micro = 1
+    if p.pp > 1 and p.pipeline_schedule in ("gpipe", "looped-bfs"):
+        m = t.gradient_accumulation_steps or 1
+        micro = max(1, m - 1) if later else m
+    return logits * (kept * micro + 4 + 4) + head * micro

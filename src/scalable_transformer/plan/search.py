@@ -1,0 +1,223 @@
+"""Predict one layout (`predict`), the config's own (`plan_config`), or every valid layout of a
+cluster for the config's global batch (`search_layouts`), ranked by predicted throughput."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import rules
+from ..config.schema import Config
+from ..errors import ConfigError
+from .hardware import Cluster
+from .layout import Layout
+from .memory import StageMemory, stage_memory
+from .speed import StepTime, step_time
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    fits: bool
+    reason: str | None
+    stages: list[StageMemory]
+    host_memory_bytes: int | None
+    time: StepTime
+    samples_per_second: float
+    tokens_per_second: float
+    tflops_per_device: float
+    mfu: float
+    peak_flops: float
+    dtype: str
+
+    @property
+    def peak_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda st: st.total)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.peak_stage.total
+
+    def to_dict(self) -> dict[str, Any]:
+        """The object `stx plan --json` prints per layout (issue 13's shape), plus per-stage totals."""
+        return {
+            "layout": {k: v for k, v in self.layout.to_dict().items() if k != "sequence_parallel"},
+            "sequence_parallel": self.layout.sequence_parallel,
+            "label": self.layout.label(),
+            "fits": self.fits,
+            "reason": self.reason,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_breakdown_bytes": dict(self.peak_stage.breakdown),
+            "host_memory_bytes": self.host_memory_bytes,
+            "step_seconds": self.time.total,
+            "samples_per_second": self.samples_per_second,
+            "tokens_per_second": self.tokens_per_second,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "time_breakdown_seconds": {
+                **self.time.breakdown,
+                "dp_overlapped": self.time.dp_overlapped_seconds,
+            },
+            "stage_peak_memory_bytes": [st.total for st in self.stages],
+        }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def predict(cfg: Config, cluster: Cluster, every_stage: bool = True) -> Prediction:
+    """Memory, fit and speed of the layout cfg describes (dp, accumulation, ffn_hidden_size filled;
+    the layout rules already checked). every_stage=False (the search) computes the first and last
+    pipeline ranks only: with an even split a middle rank holds no more layers than the first and
+    fewer in-flight micro-batches, so it never holds the peak."""
+    layout = Layout.from_config(cfg)
+    p = cfg.parallel
+    ranks = range(p.pp) if every_stage or p.pipeline_layers else sorted({0, p.pp - 1})
+    stages = [stage_memory(cfg, r, cluster.kind, cluster.reserve_bytes) for r in ranks]
+    peak = max(stages, key=lambda st: st.total)
+    capacity = cluster.device.memory_bytes
+    reasons = []
+    if peak.total > capacity:
+        top = sorted(peak.breakdown.items(), key=lambda kv: -kv[1])[:3]
+        what = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in top)
+        where = f" on pipeline rank {peak.pp_rank}" if p.pp > 1 else ""
+        reasons.append(
+            f"OOM: {_gib(peak.total)} per device{where} > {_gib(capacity)} {cluster.device.name} "
+            f"(largest: {what})"
+        )
+    host_total: int | None = None
+    if p.offload_optimizer or p.offload_param:
+        per_node = min(cluster.devices_per_node, layout.world_size)
+        host_total = int(max(st.host_bytes for st in stages) * per_node)
+        if cluster.host_memory_bytes is not None and host_total > cluster.host_memory_bytes:
+            reasons.append(
+                f"host OOM: offloaded states {_gib(host_total)} per node > {_gib(cluster.host_memory_bytes)}"
+            )
+    st = step_time(cfg, cluster)
+    seconds = st.total
+    gbs = layout.global_batch_size
+    peak_flops = cluster.peak(cfg.train.precision)
+    tflops = st.model_flops / seconds / layout.world_size
+    return Prediction(
+        layout=layout,
+        fits=not reasons,
+        reason="; ".join(reasons) or None,
+        stages=stages,
+        host_memory_bytes=host_total,
+        time=st,
+        samples_per_second=gbs / seconds,
+        tokens_per_second=gbs * cfg.model.seq_length / seconds,
+        tflops_per_device=tflops / 1e12,
+        mfu=tflops / peak_flops,
+        peak_flops=peak_flops,
+        dtype=cfg.train.precision,
+    )
+
+
+def prepare(cfg: Config, world_size: int) -> Config:
+    """Fill what resolve would without the tokenizer or the data checks: dp, accumulation, ffn size,
+    max positions, vocabulary (the config's or the embedded tokenizer's size); check the layout."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    model = dataclasses.replace(
+        m,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        max_position_embeddings=m.max_position_embeddings or m.seq_length,
+        vocab_size=m.vocab_size or cfg.data.tokenizer_vocab_size,
+        bert_binary_head=m.bert_binary_head and m.type == "bert",
+    )
+    rules.check_model(model)
+    cfg = dataclasses.replace(cfg, model=model)
+    dp = rules.infer_dp(cfg, world_size)
+    per_step = t.micro_batch_size * dp
+    acc = t.gradient_accumulation_steps
+    if acc is None:
+        if t.global_batch_size is None:
+            acc = 1
+        elif t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({t.micro_batch_size}) x dp ({dp}) = {per_step}"
+            )
+        else:
+            acc = t.global_batch_size // per_step
+    gbs = per_step * acc
+    if t.global_batch_size is not None and t.global_batch_size != gbs:
+        raise ConfigError(
+            f"batch sizes disagree: train.global_batch_size ({t.global_batch_size}) != micro_batch_size "
+            f"({t.micro_batch_size}) x gradient_accumulation_steps ({acc}) x dp ({dp}) = {gbs}"
+        )
+    cfg = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(p, dp=dp),
+        train=dataclasses.replace(t, gradient_accumulation_steps=acc, global_batch_size=gbs),
+    )
+    rules.check_layout(cfg, world_size)
+    return cfg
+
+
+def plan_config(cfg: Config, cluster: Cluster) -> Prediction:
+    """The prediction for the config's own layout on the whole cluster."""
+    return predict(prepare(cfg, cluster.world_size), cluster)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: Config, world_size: int, global_batch: int) -> list[Layout]:
+    """Every layout of world_size devices for this global batch: tp (powers of two dividing the
+    heads), pp (divisors of the layers), dp the rest; ZeRO 0-3 with the offload variants; micro-batch
+    sizes dividing the per-replica batch; recompute none/selective/full; schedules with 2 and 4
+    virtual stages for the interleaved ones; sequence parallel with tp > 1. Invalid ones are dropped
+    by config.rules.check_layout."""
+    m = cfg.model
+    out: list[Layout] = []
+    tps = [t for t in _divisors(world_size) if t & (t - 1) == 0 and m.num_attention_heads % t == 0]
+    for tp in tps:
+        for pp in _divisors(world_size // tp):
+            if m.num_layers % pp:
+                continue
+            dp = world_size // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            micro_sizes = [b for b in _divisors(per_replica) if b & (b - 1) == 0 and b <= 64]
+            schedules: list[tuple[str, int]] = [("1f1b", 1)]
+            if pp > 1:
+                schedules = [("1f1b", 1), ("gpipe", 1)] + [
+                    ("interleaved-1f1b", vs) for vs in (2, 4) if m.num_layers % (pp * vs) == 0
+                ]
+            zeros: list[tuple[int, bool, bool]] = [(0, False, False), (1, False, False), (2, False, False)]
+            zeros += [(3, False, False), (2, True, False), (3, True, False), (3, True, True)]
+            for (zero, off_opt, off_par), mb, (sched, vs), ac, sp in itertools.product(
+                zeros, micro_sizes, schedules, ("none", "selective", "full"), (False, True)
+            ):
+                if sp and tp == 1:
+                    continue
+                if (dp == 1 and zero in (1, 2)) or (dp == 1 and zero == 3 and not off_opt):
+                    continue  # nothing to shard
+                acc = per_replica // mb
+                out.append(Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp))
+    return out
+
+
+def search_layouts(cfg: Config, cluster: Cluster, global_batch: int | None = None) -> list[Prediction]:
+    """Every valid layout's prediction: the ones that fit first, by predicted samples/s (best
+    first), then the ones that do not, by how far over memory they are."""
+    base = prepare(cfg, cluster.world_size) if global_batch is None else cfg
+    gbs = global_batch or base.train.global_batch_size
+    assert gbs is not None
+    results: list[Prediction] = []
+    for layout in candidate_layouts(base, cluster.world_size, gbs):
+        candidate = layout.apply(base)
+        try:
+            rules.check_layout(candidate, cluster.world_size)
+        except ConfigError:
+            continue
+        results.append(predict(candidate, cluster, every_stage=False))
+    fit = sorted((r for r in results if r.fits), key=lambda r: -r.samples_per_second)
+    oom = sorted((r for r in results if not r.fits), key=lambda r: r.peak_memory_bytes)
+    return fit + oom
