@@ -15,6 +15,7 @@ from scalable_transformer.bench.sweep import expand
 from scalable_transformer.bench.sweep_spec import load_sweep
 from scalable_transformer.cli import main
 from scalable_transformer.config.load import load_config
+from scalable_transformer.config.model_shapes import stage_params, total_params
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.errors import ConfigError
 from scalable_transformer.plan.hardware import load_cluster, table_cluster
@@ -25,7 +26,6 @@ from scalable_transformer.plan.memory import (
     layer_activation_bytes,
     zero_paper_model_states,
 )
-from scalable_transformer.plan.model import stage_params, total_params
 from scalable_transformer.plan.search import plan_config, search_layouts
 
 LAYOUT_KEYS = [

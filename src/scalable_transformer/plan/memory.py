@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.model_shapes import StageParams, stage_params, vocab
 from ..config.schema import Config
-from .model import StageParams, stage_params, vocab
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

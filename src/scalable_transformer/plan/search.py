@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import rules
+from ..config.model_shapes import family_options
 from ..config.schema import Config
 from ..errors import ConfigError
 from .hardware import Cluster
@@ -122,11 +123,10 @@ def prepare(cfg: Config, world_size: int) -> Config:
     max positions, vocabulary (the config's or the embedded tokenizer's size); check the layout."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     model = dataclasses.replace(
-        m,
+        family_options(m),
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         max_position_embeddings=m.max_position_embeddings or m.seq_length,
         vocab_size=m.vocab_size or cfg.data.tokenizer_vocab_size,
-        bert_binary_head=m.bert_binary_head and m.type == "bert",
     )
     rules.check_model(model)
     cfg = dataclasses.replace(cfg, model=model)

@@ -1,15 +1,17 @@
 """Parameter counts of the model as models/ builds it, per pipeline stage and per tensor-parallel
-rank, without torch (tests/unit/test_plan_model.py checks them against the built modules).
+rank, without torch (tests/unit/test_plan.py checks them against the built modules). In config/, as
+the family rules a torch-free caller (the planner) needs: only models/ and config/ look at model.type.
 
 Legend: h hidden, f MLP inner size, v padded vocabulary, t tensor-parallel size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from ..config.rules import padded_vocab_size, stage_ids, stage_layer_counts
-from ..config.schema import ModelConfig
+from .rules import padded_vocab_size, stage_ids, stage_layer_counts
+from .schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,8 @@ def _stage_params(
         root += head_numel(m, tp, with_tied_copy=m.tie_word_embeddings and not first)
     block = block_numel(m, tp)
     return StageParams(blocks=layers * block, block=block, layers=layers, root=root, first=first, last=last)
+
+
+def family_options(m: ModelConfig) -> ModelConfig:
+    """`m` without the options its family does not have (as resolve drops them): no binary head on GPT."""
+    return dataclasses.replace(m, bert_binary_head=m.bert_binary_head and m.type == "bert")
