@@ -201,11 +201,12 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         params = 4 * P
         grads = 4 * P
         states = int(k * P / (dp if zero == 1 else 1))
-        # DDP (tp = 1, dp > 1): gradient buckets beside .grad (gradient_as_bucket_view=False)
+        # DDP (tp = 1, dp > 1): its all-reduce buckets, allocated when DDP is built, hold the
+        # gradients (gradient_as_bucket_view=True): .grad are views into them, no second copy
         buckets = 4 * P if dp > 1 and p.tp == 1 else 0
         backward = {
             "parameters": params,
-            "gradients": grads if accumulating else 0,
+            "gradients": grads if accumulating and not buckets else 0,
             "optimizer_state": states,
             "communication_buffers": buckets,
             # autocast caches each weight's compute-dtype copy for the step (saved for backward)
@@ -216,7 +217,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         temporaries = int(2 * 4 * P / (dp if zero == 1 else 1)) if k else 0
         optimizer = {
             "parameters": params,
-            "gradients": grads,
+            "gradients": 0 if buckets else grads,
             "optimizer_state": states,
             "communication_buffers": buckets,
             "optimizer_temporaries": temporaries,
