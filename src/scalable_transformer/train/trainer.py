@@ -80,6 +80,8 @@ class History:
     excluded_iterations: set[int] = field(default_factory=set)
     # per log interval: the rank whose busy time (step minus communication waits) stood out, or None
     stragglers: list[int | None] = field(default_factory=list)
+    # fields callbacks add to summary.json (telemetry, the profile table)
+    summary_extra: dict[str, Any] = field(default_factory=dict)
 
 
 def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -294,6 +296,7 @@ class Trainer:
         cfg, h = self.cfg, self.history
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
         interval = Interval(start=time.perf_counter())
+        interval_first = self.iteration + 1
         self.memory.reset_peak()
         while self.iteration < cfg.train.train_iters:
             for callback in self.callbacks:
@@ -317,10 +320,16 @@ class Trainer:
                 if h.first_logged_loss is None:
                     h.first_logged_loss = record["loss"]
                 h.last_logged_loss = record["loss"]
+                profiled = sum(
+                    1 for i in range(interval_first, self.iteration + 1) if i in h.excluded_iterations
+                )
+                if profiled:
+                    record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
                 h.records.append({"iteration": self.iteration, **record})
                 self.sinks.write("train", self.iteration, record)
                 self.memory.reset_peak()
                 interval = Interval(start=time.perf_counter())
+                interval_first = self.iteration + 1
 
             # evaluation and callbacks (checkpoint saves) are not training throughput
             outside = time.perf_counter()
@@ -406,7 +415,8 @@ class Trainer:
             per_rank = gather_floats(busy, self.dims.rank, self.dims.world_size)
             record["busy_ms_per_rank"] = per_rank
             record["straggler_rank"] = straggler(per_rank)
-            self.history.stragglers.append(record["straggler_rank"])
+            if self.iteration > self.cfg.logging.warmup_iters:
+                self.history.stragglers.append(record["straggler_rank"])
         return record
 
 
