@@ -126,6 +126,29 @@ class ConsoleSink:
         pass
 
 
+def progress_columns(unit: str) -> list[Any]:
+    """The columns of the live progress bars (training, sweeps): "<what> [bar] 12/400 <unit> 0:00:31
+    ETA 0:10:02 <status>"."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+    ]
+
+
 class Sinks:
     """Fan a record out to every configured sink."""
 

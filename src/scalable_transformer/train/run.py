@@ -162,6 +162,10 @@ def _run(
         print_banner(console, cfg, num_params, device, world, flops, peak)
 
     callbacks = [*callbacks, *observers(cfg, device, dims, run_dir)]
+    if dims.is_main and console.is_terminal:  # a live bar; plain log lines in files and pipes
+        from .progress import ProgressCallback
+
+        callbacks.append(ProgressCallback(console, cfg.train.train_iters))
     trainer = Trainer(
         cfg,
         model,

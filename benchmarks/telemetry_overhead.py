@@ -1,0 +1,185 @@
+"""The cost of measuring: phase timers + the telemetry sampler on the default run's step time.
+
+    python benchmarks/telemetry_overhead.py                       # the default run (tiny-bert), ~1-2 min
+    python benchmarks/telemetry_overhead.py --repeats 30 --output /tmp/t.md
+    python benchmarks/telemetry_overhead.py --config tiny-gpt model.num_layers=4
+
+In one process, one trainer (built as `train/run.py` builds it: the default config, `stx train` with no
+arguments, on synthetic batches shaped like its data) alternates blocks of optimizer steps:
+  A  instrumented: the trainer's Megatron phase timers (nine per step, the backward split into
+     compute and all-grads-sync), the telemetry sampler thread running at logging.telemetry_interval
+     (psutil CPU + RAPL when readable; NVML on a GPU), and at the end of each block what a log
+     interval adds: the timers read and reset, the telemetry interval summarised;
+  B  bare: the same steps with the timers replaced by no-ops and no sampler thread.
+Blocks run in ABBA order per repeat (so drift over seconds hits both alike); each repeat gives one
+ratio A/B of summed step times. The record gives the median ratio with its IQR against the target
+(< 1.02: under 2% overhead), every repeat, the machine load, the resolved config and the environment.
+
+Not included: the cross-rank min/max all-reduce and the straggler gather (one small all-reduce per
+log interval, which a single process does not run) and the DDP/FSDP comm-hook timing (two clock
+reads per bucket); both are per interval or per bucket, not per operator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scalable_transformer.config.load import load_config, to_yaml
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.metrics.environment import record_sections
+from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
+from scalable_transformer.metrics.hardware import resolve_peak
+from scalable_transformer.metrics.telemetry import Telemetry
+from scalable_transformer.metrics.timers import Timers
+from scalable_transformer.models import count_parameters
+from step_vs_bare import build_ours, quartiles, synthetic_batches
+
+TARGET = 1.02
+
+
+class _NullTimer(contextlib.nullcontext):
+    def start(self) -> _NullTimer:
+        return self
+
+    def stop(self) -> _NullTimer:
+        return self
+
+
+class NullTimers:
+    """Timers that measure nothing: the bare variant."""
+
+    _timer = _NullTimer()
+
+    def __call__(self, name: str) -> _NullTimer:
+        return self._timer
+
+    def add(self, name: str, seconds: float) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return []
+
+
+def run_block(trainer: Any, batches: list, steps: int, instrumented: bool, period: float) -> float:
+    """Seconds of `steps` optimizer steps (plus, instrumented, one log interval's reads)."""
+    telemetry = Telemetry("cpu", period=period).start() if instrumented else None
+    trainer.timers = Timers() if instrumented else NullTimers()
+    total = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.train_step(batches)
+        total += time.perf_counter() - t0
+    if telemetry is not None:
+        t0 = time.perf_counter()
+        trainer.timers.elapsed_ms(normalizer=steps, reset=True)
+        telemetry.interval()
+        total += time.perf_counter() - t0
+        telemetry.stop()
+    return total
+
+
+def row(name: str, values: list[float], digits: int) -> str:
+    lo, hi = quartiles(values)
+    return f"| {name} | {statistics.median(values):.{digits}f} | {lo:.{digits}f}-{hi:.{digits}f} |"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="preset or YAML (default: the default run, tiny-bert)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--block-steps", type=int, default=5, help="steps per A or B block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "telemetry_overhead.md"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = resolve(load_config(args.config, args.overrides), world_size=1)
+    if cfg.model.vocab_size is None:  # the embedded tokenizer's size, as `stx train` finds it
+        from scalable_transformer.data.tokenizers import load_tokenizer
+
+        d = cfg.data
+        vocab = load_tokenizer(d.tokenizer, d.tokenizer_vocab_size).vocab_size
+        cfg = resolve(load_config(args.config, [*args.overrides, f"model.vocab_size={vocab}"]), world_size=1)
+    torch.manual_seed(cfg.train.seed)
+    num_params = count_parameters(cfg.model)
+    flops = flops_per_iteration(
+        ModelShape.from_config(cfg.model, num_params), cfg.train.global_batch_size, "megatron", "none"
+    )
+    peak = resolve_peak("cpu", cfg.train.precision, None, None)
+    trainer = build_ours(cfg, flops, peak)
+    batches = synthetic_batches(cfg, cfg.train.seed)
+    period = cfg.logging.telemetry_interval
+    for _ in range(args.warmup):
+        trainer.train_step(batches)
+    load = [os.getloadavg()[0]]
+    ratios, a_ms, b_ms = [], [], []
+    for repeat in range(args.repeats):
+        order = [True, False, False, True] if repeat % 2 == 0 else [False, True, True, False]
+        a = b = 0.0
+        for instrumented in order:
+            seconds = run_block(trainer, batches, args.block_steps, instrumented, period)
+            if instrumented:
+                a += seconds
+            else:
+                b += seconds
+        ratios.append(a / b)
+        a_ms.append(1000 * a / (2 * args.block_steps))
+        b_ms.append(1000 * b / (2 * args.block_steps))
+        print(
+            f"repeat {repeat + 1}/{args.repeats}: A {a_ms[-1]:.1f} ms/step, B {b_ms[-1]:.1f} ms/step, "
+            f"A/B {ratios[-1]:.4f}"
+        )
+    load.append(os.getloadavg()[0])
+    median = statistics.median(ratios)
+    lo, hi = quartiles(ratios)
+    verdict = "PASS" if median < TARGET else "FAIL"
+    if lo < TARGET <= hi or lo <= TARGET < hi:
+        verdict += " (within noise: the IQR straddles the target)"
+    command = "python benchmarks/telemetry_overhead.py " + shlex.join(argv)
+    lines = [
+        "# Telemetry and timer overhead on the default run's step",
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        f"Model: {cfg.model.type}, {num_params:,} parameters, {cfg.model.num_layers} layers x "
+        f"{cfg.model.hidden_size} hidden, seq {cfg.model.seq_length}, micro-batch "
+        f"{cfg.train.micro_batch_size}, accumulation {cfg.train.gradient_accumulation_steps}, "
+        f"{cfg.train.precision}, CPU, {torch.get_num_threads()} torch thread(s); telemetry every "
+        f"{period:g} s.",
+        f"Repeats: {args.repeats} x ABBA blocks of {args.block_steps} steps; 1-min load average "
+        f"{load[0]:.2f} at the start, {load[1]:.2f} at the end.",
+        "",
+        "| | median | IQR |",
+        "|---|---|---|",
+        row("A instrumented (ms/step)", a_ms, 1),
+        row("B bare (ms/step)", b_ms, 1),
+        row("A/B", ratios, 4),
+        "",
+        f"Target: A/B < {TARGET:.2f} (overhead under 2%): **{verdict}**.",
+        "",
+        "Per repeat (A/B): " + ", ".join(f"{r:.4f}" for r in ratios),
+        "",
+        *record_sections(to_yaml(cfg)),
+    ]
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines), encoding="utf-8")
+    print(f"A/B median {median:.4f} (IQR {lo:.4f}-{hi:.4f}): {verdict}; record: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
