@@ -237,3 +237,27 @@ def test_profiled_steps_are_left_out_of_the_median():
 
     summary = summarize(cfg, history, Flops(), Peak(), 1000, 10.0)
     assert summary["median_iteration_seconds"] == 1.0  # 9 s is warm-up, 50 and 60 s were profiled
+
+
+@pytest.mark.slow
+def test_energy_per_sample_from_the_counter_over_the_post_warmup_intervals(tmp_path):
+    """A fake GPU adapter (its energy counter rises 100 J per read) stands in for NVML in a CPU run."""
+    import torch
+
+    from scalable_transformer.train.run import run_training
+    from scalable_transformer.train.telemetry import TelemetryCallback
+
+    telemetry = Telemetry("cuda", gpu=FakeGpu(), rapl=no_rapl(tmp_path), period=60.0)  # no thread reads
+    callback = TelemetryCallback(torch.device("cpu"), telemetry=telemetry)
+    cfg = tiny(tmp_path, "logging.telemetry=false")
+    run_dir, summary = run_training(cfg, Console(file=io.StringIO()), callbacks=[callback])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    # each interval reads once (its closing sample): 100 J per 2 steps of 2 samples
+    assert [r["energy_j_per_sample"] for r in train] == pytest.approx([25.0, 25.0, 25.0])
+    assert [r["energy_j_per_token"] for r in train] == pytest.approx([25.0 / 16] * 3)
+    assert train[0]["device_util"] == pytest.approx(0.79)
+    assert summary["energy_j_per_sample"] == pytest.approx(25.0)  # intervals 2 and 3 (warm-up: 1 step)
+    assert summary["device_power_w"] == pytest.approx(140.0)
+    assert summary["telemetry_per_rank"]["device_memory_used_bytes"]["max"] == [pytest.approx(34.6 * 2**30)]
+    assert summary["telemetry_source"] == "fake"
