@@ -194,7 +194,9 @@ class Trainer:
         with self.timers("zero-grad"):
             self.optimizer.zero_grad(set_to_none=True)
         dims, pipeline = self.dims, self.pipeline
-        with self.timers("metrics-all-reduce"):
+        # a collective only with dp > 1: one process has nothing to wait for
+        counting = self.timers("metrics-all-reduce") if dims.dp_group is not None else None
+        with counting or contextlib.nullcontext():
             normalizers = step_normalizers(micro_batches, dims.dp_group)
         # DDP/FSDP average gradients over dp; the losses are already shares of the global mean
         multiplier = float(dims.dp)
