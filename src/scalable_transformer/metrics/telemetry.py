@@ -114,11 +114,20 @@ class AmdDevice:
     def read(self, r: Reading) -> None:
         s, h = self.smi, self.handle
         r.values["device_util"] = s.amdsmi_get_gpu_activity(h)["gfx_activity"] / 100.0
-        power = s.amdsmi_get_power_info(h)
-        watts = power.get("average_socket_power") or power.get("current_socket_power")
-        r.values["device_power_w"] = None if watts in (None, "N/A") else float(watts)
-        limit = power.get("power_limit")
-        r.values["device_power_limit_w"] = None if limit in (None, "N/A") else float(limit) / 1e6
+        power = s.amdsmi_get_power_info(h)  # W on Linux; unsupported fields are "N/A"
+
+        def number(*keys: str) -> float | None:
+            for key in keys:
+                value = power.get(key)
+                if isinstance(value, int | float):
+                    return float(value)
+            return None
+
+        # MI300+ report current_socket_power, Navi and MI200 average_socket_power (amdsmi.h)
+        r.values["device_power_w"] = number("socket_power", "current_socket_power", "average_socket_power")
+        limit = number("power_limit")
+        # W in amdsmi 6.x-7.1; one 7.x preview documents uW: no GPU draws 100 kW
+        r.values["device_power_limit_w"] = None if limit is None else limit / 1e6 if limit > 1e5 else limit
         vram = s.amdsmi_get_gpu_vram_usage(h)  # MB
         r.values["device_memory_used_bytes"] = float(vram["vram_used"]) * 2**20
         r.values["device_memory_total_bytes"] = float(vram["vram_total"]) * 2**20
