@@ -1,19 +1,21 @@
 """The cost of measuring: phase timers + the telemetry sampler on the default run's step time.
 
-    python benchmarks/telemetry_overhead.py                       # the default run (tiny-bert), ~1-2 min
+    python benchmarks/telemetry_overhead.py                       # the default run (tiny-bert), 2-10 min
     python benchmarks/telemetry_overhead.py --repeats 30 --output /tmp/t.md
     python benchmarks/telemetry_overhead.py --config tiny-gpt model.num_layers=4
 
 In one process, one trainer (built as `train/run.py` builds it: the default config, `stx train` with no
-arguments, on synthetic batches shaped like its data) alternates blocks of optimizer steps:
-  A  instrumented: the trainer's Megatron phase timers (nine per step, the backward split into
-     compute and all-grads-sync), the telemetry sampler thread running at logging.telemetry_interval
-     (psutil CPU + RAPL when readable; NVML on a GPU), and at the end of each block what a log
-     interval adds: the timers read and reset, the telemetry interval summarised;
-  B  bare: the same steps with the timers replaced by no-ops and no sampler thread.
-Blocks run in ABBA order per repeat (so drift over seconds hits both alike); each repeat gives one
-ratio A/B of summed step times. The record gives the median ratio with its IQR against the target
-(< 1.02: under 2% overhead), every repeat, the machine load, the resolved config and the environment.
+arguments, on synthetic batches shaped like its data) alternates single optimizer steps:
+  A  instrumented: the trainer's Megatron phase timers (a dozen per step, the backward split into
+     compute and all-grads-sync), the telemetry sampler thread sampling every
+     logging.telemetry_interval (psutil CPU + RAPL when readable; NVML on a GPU), and every
+     logging.log_interval A steps what a log interval adds: the timers read and reset, the telemetry
+     interval summarised (its time is added to A);
+  B  bare: the same step with the timers replaced by no-ops and the sampler thread paused.
+Steps run in A B B A order (so load that comes and goes over seconds hits both alike); each repeat of
+`--block-steps` such rounds gives one ratio A/B of summed step times. The record gives the median
+ratio with its IQR against the target (< 1.02: under 2% overhead), every repeat, the machine load,
+the resolved config and the environment.
 
 Not included: the cross-rank min/max all-reduce and the straggler gather (one small all-reduce per
 log interval, which a single process does not run) and the DDP/FSDP comm-hook timing (two clock
@@ -28,6 +30,7 @@ import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,22 +74,38 @@ class NullTimers:
         return []
 
 
-def run_block(trainer: Any, batches: list, steps: int, instrumented: bool, period: float) -> float:
-    """Seconds of `steps` optimizer steps (plus, instrumented, one log interval's reads)."""
-    telemetry = Telemetry("cpu", period=period).start() if instrumented else None
-    trainer.timers = Timers() if instrumented else NullTimers()
-    total = 0.0
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        trainer.train_step(batches)
-        total += time.perf_counter() - t0
-    if telemetry is not None:
-        t0 = time.perf_counter()
-        trainer.timers.elapsed_ms(normalizer=steps, reset=True)
-        telemetry.interval()
-        total += time.perf_counter() - t0
-        telemetry.stop()
-    return total
+class SwitchedTelemetry(Telemetry):
+    """The sampler, with a switch: while `paused` is set the thread takes no samples (the bare steps)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paused = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            if not self.paused.is_set():
+                self.sample()
+
+
+def timed_step(trainer: Any, batches: list, instrumented: bool, telemetry: SwitchedTelemetry) -> float:
+    """Seconds of one optimizer step, instrumented (A) or bare (B)."""
+    if instrumented:
+        telemetry.paused.clear()
+        trainer.timers = trainer.real_timers
+    else:
+        telemetry.paused.set()
+        trainer.timers = NullTimers()
+    t0 = time.perf_counter()
+    trainer.train_step(batches)
+    return time.perf_counter() - t0
+
+
+def log_interval_reads(trainer: Any, telemetry: SwitchedTelemetry, steps: int) -> float:
+    """Seconds of what a log interval adds to the instrumented run: timers read, telemetry summarised."""
+    t0 = time.perf_counter()
+    trainer.real_timers.elapsed_ms(normalizer=steps, reset=True)
+    telemetry.interval()
+    return time.perf_counter() - t0
 
 
 def row(name: str, values: list[float], digits: int) -> str:
@@ -99,7 +118,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default=None, help="preset or YAML (default: the default run, tiny-bert)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("--block-steps", type=int, default=5, help="steps per A or B block")
+    parser.add_argument("--block-steps", type=int, default=3, help="ABBA rounds per repeat (4 steps each)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "telemetry_overhead.md"))
@@ -124,17 +143,24 @@ def main(argv: list[str]) -> int:
     period = cfg.logging.telemetry_interval
     for _ in range(args.warmup):
         trainer.train_step(batches)
+    telemetry = SwitchedTelemetry("cpu", period=period).start()
+    trainer.real_timers = Timers()
+    log_every = cfg.logging.log_interval
     load = [os.getloadavg()[0]]
     ratios, a_ms, b_ms = [], [], []
+    a_steps = 0
     for repeat in range(args.repeats):
-        order = [True, False, False, True] if repeat % 2 == 0 else [False, True, True, False]
         a = b = 0.0
-        for instrumented in order:
-            seconds = run_block(trainer, batches, args.block_steps, instrumented, period)
-            if instrumented:
-                a += seconds
-            else:
-                b += seconds
+        for _ in range(args.block_steps):  # A B B A, step by step: drift hits both alike
+            for instrumented in (True, False, False, True):
+                seconds = timed_step(trainer, batches, instrumented, telemetry)
+                if instrumented:
+                    a += seconds
+                    a_steps += 1
+                    if a_steps % log_every == 0:
+                        a += log_interval_reads(trainer, telemetry, log_every)
+                else:
+                    b += seconds
         ratios.append(a / b)
         a_ms.append(1000 * a / (2 * args.block_steps))
         b_ms.append(1000 * b / (2 * args.block_steps))
@@ -142,6 +168,7 @@ def main(argv: list[str]) -> int:
             f"repeat {repeat + 1}/{args.repeats}: A {a_ms[-1]:.1f} ms/step, B {b_ms[-1]:.1f} ms/step, "
             f"A/B {ratios[-1]:.4f}"
         )
+    telemetry.stop()
     load.append(os.getloadavg()[0])
     median = statistics.median(ratios)
     lo, hi = quartiles(ratios)
@@ -159,7 +186,7 @@ def main(argv: list[str]) -> int:
         f"{cfg.train.micro_batch_size}, accumulation {cfg.train.gradient_accumulation_steps}, "
         f"{cfg.train.precision}, CPU, {torch.get_num_threads()} torch thread(s); telemetry every "
         f"{period:g} s.",
-        f"Repeats: {args.repeats} x ABBA blocks of {args.block_steps} steps; 1-min load average "
+        f"Repeats: {args.repeats} x {args.block_steps} ABBA rounds of single steps; 1-min load average "
         f"{load[0]:.2f} at the start, {load[1]:.2f} at the end.",
         "",
         "| | median | IQR |",
