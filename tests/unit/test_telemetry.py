@@ -261,3 +261,27 @@ def test_energy_per_sample_from_the_counter_over_the_post_warmup_intervals(tmp_p
     assert summary["device_power_w"] == pytest.approx(140.0)
     assert summary["telemetry_per_rank"]["device_memory_used_bytes"]["max"] == [pytest.approx(34.6 * 2**30)]
     assert summary["telemetry_source"] == "fake"
+
+
+def test_stx_report_renders_the_users_cell_from_a_store(tmp_path):
+    from scalable_transformer.bench.report import build_report
+
+    store_path = tmp_path / "results.sqlite"
+    row = {
+        "config_hash": "h",
+        "status": "ok",
+        "label": "bert-345m zero3",
+        "nproc": 8,
+        "samples_per_second": 0.61,
+        "tflops_per_device": 1.41,
+        "device_memory_used_bytes": 34.6 * 2**30,
+        "device_memory_total_bytes": 40.5 * 2**30,
+        "device_power_w": 140.0,
+        "device_power_limit_w": 400.0,
+        "device_util": 0.79,
+    }
+    with ResultsStore(store_path) as store:
+        store.put(row)
+    text = build_report(store_path, ["label"], ["devices"], parse_values("users"), None)
+    assert "| bert-345m zero3 | 0.61 samples/s, 1.41 TFLOPs/dev, 34.6/40.5 GiB, 140/400 W, 79% |" in text
+    assert "device memory used/total (GiB), power/limit (W), utilisation (%)" in text
