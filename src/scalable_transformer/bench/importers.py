@@ -31,6 +31,14 @@ _NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 _UNITS = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
+# Megatron-LM's timer names before its distributed-optimizer rework -> the current ones, which our runs
+# log too (train/trainer.py), so old logs and new runs share one column per phase
+MEGATRON_TIMER_NAMES = {
+    "backward-params-all-reduce": "all-grads-sync",
+    "backward-embedding-all-reduce": "embedding-grads-all-reduce",
+}
+
+
 def _float(text: str) -> float | None:
     m = re.search(_NUM, text)
     return float(m.group(1)) if m else None
@@ -120,7 +128,9 @@ def parse_megatron(text: str) -> dict[str, Any]:
     phases: dict[str, float] = {}
     timer_window = _post_warmup(timers)
     for key in dict.fromkeys(k for t in timer_window for k in t):
-        phases[key] = statistics.median(t[key] for t in timer_window if key in t)
+        name = MEGATRON_TIMER_NAMES.get(key, key)
+        phases[name] = statistics.median(t[key] for t in timer_window if key in t)
+    renamed = {old: new for old, new in MEGATRON_TIMER_NAMES.items() if any(old in t for t in timer_window)}
     world = arg_int("world_size")
     return {
         "source": "megatron",
@@ -154,6 +164,7 @@ def parse_megatron(text: str) -> dict[str, Any]:
         if any("throughput per gpu (tflop/s/gpu)" in it for it in window)
         else "hardware",
         "phase_time_ms_median": phases,
+        "phase_names_mapped": renamed,
     }
 
 
@@ -360,6 +371,7 @@ def import_log(
         "peak_memory_bytes_max": max(per_rank) if per_rank else None,
         "tflops_recomputed": check["recomputed"],
         "tflops_mismatch": None if check["mismatch"] is None else int(check["mismatch"]),
+        "grad_sync_ms": (summary.get("phase_time_ms_median") or {}).get("all-grads-sync"),
     }
     for key in (
         "samples_per_second",

@@ -30,7 +30,47 @@ VALUES: dict[str, tuple[str, str, float]] = {
     "hfu": ("hfu", "% HFU", 100.0),
     "peak_memory": ("peak_memory_bytes_max", "GiB/dev peak", 1 / 2**30),
     "overhead_seconds": ("overhead_seconds", "s overhead", 1.0),
+    "energy_per_sample": ("energy_j_per_sample", "J/sample", 1.0),
+    "energy_per_token": ("energy_j_per_token", "J/token", 1.0),
+    "grad_sync": ("grad_sync_ms", "ms grad sync/step", 1.0),
+    "comm": ("comm_ms", "ms comm/step", 1.0),
 }
+
+
+def _pair(
+    rows: list[dict[str, Any]], used: str, total: str, scale: float, digits: int, unit: str
+) -> str | None:
+    """'34.6/39.6 GiB': the medians of two columns (the second left out when unknown)."""
+    a, b = _median(rows, used), _median(rows, total)
+    if a is None:
+        return None
+    return f"{a * scale:.{digits}f}" + ("" if b is None else f"/{b * scale:.{digits}f}") + f" {unit}"
+
+
+def _utilisation(rows: list[dict[str, Any]]) -> str | None:
+    """The device's utilisation ('79%'); on a CPU run this process's CPU utilisation ('12% CPU')."""
+    gpu, cpu = _median(rows, "device_util"), _median(rows, "cpu_process_util")
+    if gpu is not None:
+        return f"{100 * gpu:.0f}%"
+    return None if cpu is None else f"{100 * cpu:.0f}% CPU"
+
+
+# cells of two columns, as the users write them: '34.6/39.6 GiB', '140/400 W', '79%'
+COMPOUND: dict[str, tuple[str, Callable[[list[dict[str, Any]]], str | None]]] = {
+    "device_memory": (
+        "device memory used/total (GiB)",
+        lambda rows: _pair(
+            rows, "device_memory_used_bytes", "device_memory_total_bytes", 1 / 2**30, 1, "GiB"
+        ),
+    ),
+    "power": (
+        "power/limit (W)",
+        lambda rows: _pair(rows, "device_power_w", "device_power_limit_w", 1.0, 0, "W"),
+    ),
+    "util": ("utilisation (%)", _utilisation),
+}
+# the users' table cell: samples/s, TFLOPs/dev, device memory, power, utilisation
+USERS_CELL = ["samples_per_second", "tflops_per_device", "device_memory", "power", "util"]
 ALIASES = {
     "samples": "samples_per_second",
     "samples/s": "samples_per_second",
@@ -83,11 +123,19 @@ def check_keys(rows: list[dict[str, Any]], keys: list[str], option: str) -> None
 def parse_values(spec: str) -> list[str]:
     out = []
     for raw in spec.split(","):
+        if raw.strip().lower() == "users":  # the users' table cell
+            out += USERS_CELL
+            continue
         key = ALIASES.get(raw.strip().lower(), raw.strip())
-        if key not in VALUES:
-            raise ValueError(f"--value: unknown value {raw!r}; valid: {', '.join([*VALUES, *ALIASES])}")
+        if key not in VALUES and key not in COMPOUND:
+            valid = ", ".join([*VALUES, *COMPOUND, *ALIASES, "users"])
+            raise ValueError(f"--value: unknown value {raw!r}; valid: {valid}")
         out.append(key)
     return out
+
+
+def value_title(key: str) -> str:
+    return COMPOUND[key][0] if key in COMPOUND else VALUES[key][1]
 
 
 def fmt_number(x: float) -> str:
@@ -113,6 +161,9 @@ def cell(rows: list[dict[str, Any]], values: list[str]) -> str:
         return ""
     parts = []
     for key in values:
+        if key in COMPOUND:
+            parts.append(COMPOUND[key][1](ok) or "-")
+            continue
         column, unit, scale = VALUES[key]
         value = _median(ok, column)
         parts.append("-" if value is None else f"{fmt_number(value * scale)} {unit}")
@@ -443,7 +494,7 @@ def build_report(
     header, body = grid(rows, row_keys, col_keys, values)
     wheader, wbody = wide(rows)
     note = conventions_note(rows)
-    title = f"{', '.join(VALUES[v][1] for v in values)} by {' '.join(row_keys)} and {' '.join(col_keys)}"
+    title = f"{', '.join(value_title(v) for v in values)} by {' '.join(row_keys)} and {' '.join(col_keys)}"
     md = f"# {title}\n\n" + markdown(header, body) + (f"\n{note}\n" if note else "")
     md_wide = "# All results\n\n" + markdown(wheader, wbody) + (f"\n{note}\n" if note else "")
     planned = plan_vs_measured(rows)

@@ -80,6 +80,23 @@ COLUMNS: list[tuple[str, str]] = [
     ("finished_at", "TEXT"),
     ("scheduler", "TEXT"),  # slurm | pbs for a member run as a batch job (NULL: stx launch here)
     ("job_id", "TEXT"),  # its job id
+    # device telemetry (metrics/telemetry.py): medians over ranks of each rank's median; memory the max;
+    # NULL where it was not measured (GPU fields on a CPU run), with the reason in telemetry_note
+    ("device_util", "REAL"),  # fraction of time a kernel ran (NVML) / GFX activity (amdsmi)
+    ("device_power_w", "REAL"),
+    ("device_power_limit_w", "REAL"),
+    ("device_memory_used_bytes", "REAL"),  # as nvidia-smi shows it: the whole device, all processes
+    ("device_memory_total_bytes", "REAL"),
+    ("cpu_process_util", "REAL"),  # fraction of the CPUs the rank may use
+    ("cpu_system_util", "REAL"),
+    ("energy_j_per_sample", "REAL"),
+    ("energy_j_per_token", "REAL"),
+    ("telemetry_note", "TEXT"),
+    # measured communication and balance (train/trainer.py)
+    ("grad_sync_ms", "REAL"),  # exposed gradient synchronisation per step (Megatron's all-grads-sync)
+    ("comm_ms", "REAL"),  # all measured collectives per step (they may overlap compute)
+    ("pipeline_bubble_measured", "REAL"),
+    ("straggler_rank", "INTEGER"),
 ]
 COLUMN_NAMES = [c for c, _ in COLUMNS]
 

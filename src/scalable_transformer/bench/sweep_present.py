@@ -26,6 +26,8 @@ class SweepConsole:
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+        self.progress: Any = None  # rich Progress while members run in a terminal
+        self.task: Any = None
 
     def plan(self, spec: SweepSpec, members: list[Member], filtered: int, store_path: Path) -> None:
         invalid = [m for m in members if m.invalid_reason]
@@ -51,12 +53,27 @@ class SweepConsole:
 
     def to_run(self, todo: int, skipped: int) -> None:
         self.console.print(f"to run: {todo}; already in the store: {skipped}")
+        if self.console.is_terminal and todo:  # a live bar under the lines; plain lines only otherwise
+            from rich.progress import Progress
+
+            from ..metrics.sinks import progress_columns
+
+            self.progress = Progress(*progress_columns("members"), console=self.console, transient=True)
+            self.task = self.progress.add_task("sweep", total=todo, status="")
+            self.progress.start()
 
     def starting(self, done: int, total: int, m: Member, elapsed: float, eta: float | None) -> None:
         self.console.print(
             f"[{done}/{total} done] running {m.label} (nproc {m.nproc}, repeat {m.repeat}) | "
             f"elapsed {hms(elapsed)} | ETA {hms(eta) if eta is not None else '?'}"
         )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, status=f"running {m.label}")
+
+    def _stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
     def finished(self, record: dict[str, Any]) -> None:
         extra = ""
@@ -66,13 +83,17 @@ class SweepConsole:
                 f"{record['overhead_seconds'] or float('nan'):.1f} s"
             )
         self.console.print(f"  -> {record['status']} in {record['wall_seconds']:.1f} s{extra}")
+        if self.progress is not None:
+            self.progress.advance(self.task)
 
     def interrupted(self, done: int) -> None:
+        self._stop()
         self.console.print(
             f"sweep interrupted after {done} member(s); run it again to resume (finished members are skipped)"
         )
 
     def summary(self, total: int, seconds: float, counts: dict[str, int], store_path: Path) -> None:
+        self._stop()
         self.console.print(
             f"[{total}/{total} done] in {hms(seconds)}: "
             + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing to run")

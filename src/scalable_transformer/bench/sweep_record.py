@@ -63,8 +63,36 @@ def record_from_summary(summary: dict[str, Any], cfg: Config | None) -> dict[str
     tensor_bytes = [v for v in summary.get("peak_tensor_bytes_per_rank") or [] if v is not None]
     rec["peak_tensor_bytes_max"] = max(tensor_bytes) if tensor_bytes else None
     rec["summary_json"] = json.dumps(summary)
+    rec.update(telemetry_columns(summary))
     if cfg is not None:
         rec.update(config_columns(cfg))
+    return rec
+
+
+TELEMETRY_COLUMNS = (
+    "device_util",
+    "device_power_w",
+    "device_power_limit_w",
+    "device_memory_used_bytes",
+    "device_memory_total_bytes",
+    "cpu_process_util",
+    "cpu_system_util",
+    "energy_j_per_sample",
+    "energy_j_per_token",
+    "pipeline_bubble_measured",
+    "straggler_rank",
+)
+
+
+def telemetry_columns(summary: dict[str, Any]) -> dict[str, Any]:
+    """The telemetry and communication columns of a run's summary (absent keys: NULL)."""
+    rec = {k: summary.get(k) for k in TELEMETRY_COLUMNS}
+    notes = summary.get("telemetry_notes")
+    rec["telemetry_note"] = "; ".join(notes) if notes else None
+    phases = summary.get("phase_time_ms_median") or {}
+    rec["grad_sync_ms"] = phases.get("all-grads-sync")
+    comm = summary.get("comm_time_ms_median") or {}
+    rec["comm_ms"] = sum(comm.values()) if comm else None
     return rec
 
 

@@ -67,7 +67,9 @@ def _report_parsers() -> dict[str, argparse.ArgumentParser]:
     table.add_argument(
         "--value",
         default="samples_per_second,tflops_per_device",
-        help="cell values: samples_per_second, tokens_per_second, tflops_per_device, mfu, hfu, peak_memory",
+        help="cell values: samples_per_second, tokens_per_second, tflops_per_device, mfu, hfu, peak_memory, "
+        "device_memory, power, util, energy_per_sample, energy_per_token, grad_sync, comm; or users (the "
+        "users' cell: samples/s, TFLOPs/dev, used/total GiB, power/limit W, utilisation %)",
     )
     table.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what is printed")
     table.add_argument("--output", help="directory: table/wide .md and .csv, report.html, PNG plots")

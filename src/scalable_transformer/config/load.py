@@ -500,6 +500,20 @@ def assignments_from_mapping(data: Any, source: str) -> list[Assignment]:
             aliases = {norm_key(a): n for n, f in fields.items() for a in f.metadata.get("aliases", ())}
             for sub, v in value.items():
                 k = norm_key(sub)
+                if k not in fields and isinstance(v, dict) and any(f.startswith(k + "_") for f in fields):
+                    # a group of fields written as a mapping: logging.profile: {start_step: 5} sets
+                    # logging.profile_start_step; a list value becomes the comma-separated string
+                    for sub2, v2 in v.items():
+                        k2 = f"{k}_{norm_key(sub2)}"
+                        if k2 not in fields:
+                            valid = [f.removeprefix(k + "_") for f in fields if f.startswith(k + "_")]
+                            raise ConfigError(
+                                _unknown(source, f"{raw_key}.{sub}.{sub2}", norm_key(sub2), valid)
+                            )
+                        if isinstance(v2, list):
+                            v2 = ",".join(str(x) for x in v2)
+                        out.append(Assignment(f"{key}.{k2}", v2, source))
+                    continue
                 name = k if k in fields else aliases.get(k)
                 if name is None:
                     raise ConfigError(_unknown(source, f"{raw_key}.{sub}", k, [*fields, *aliases]))

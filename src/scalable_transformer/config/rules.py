@@ -137,6 +137,43 @@ def check_optim(o: OptimConfig) -> None:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
 
 
+def profile_ranks(text: str, world_size: int) -> list[int]:
+    """logging.profile_ranks ('0', '0,3' or 'all') as rank numbers; ConfigError when one is invalid."""
+    if text.strip().lower() == "all":
+        return list(range(world_size))
+    ranks = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) >= world_size:
+            raise ConfigError(
+                f"logging.profile_ranks = {text!r}: {part!r} is not a rank of this run "
+                f"(0..{world_size - 1}); "
+                "give rank numbers separated by commas, or 'all'"
+            )
+        ranks.append(int(part))
+    return sorted(set(ranks))
+
+
+def check_profile(cfg: Config, world_size: int) -> None:
+    lg = cfg.logging
+    if lg.profile_start_step is None:
+        if lg.profile_end_step is not None:
+            raise ConfigError("logging.profile_end_step is set without logging.profile_start_step")
+        return
+    end = lg.profile_end_step or lg.profile_start_step
+    if end < lg.profile_start_step:
+        raise ConfigError(
+            f"logging.profile_end_step ({end}) is before logging.profile_start_step "
+            f"({lg.profile_start_step}): the window is start..end, inclusive"
+        )
+    if end > cfg.train.train_iters:
+        raise ConfigError(
+            f"logging.profile_end_step ({end}) is after the last iteration (train.train_iters = "
+            f"{cfg.train.train_iters})"
+        )
+    profile_ranks(lg.profile_ranks, world_size)
+
+
 def check_checkpoint(c: CheckpointConfig) -> None:
     if c.save_interval is not None and not c.save:
         raise ConfigError("checkpoint.save_interval is set without checkpoint.save: set the save directory")

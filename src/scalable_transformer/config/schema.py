@@ -413,6 +413,29 @@ class LoggingConfig:
         "Synchronize the device at phase boundaries so per-phase times are honest.",
         aliases=("wall_clock_breakdown",),
     )
+    telemetry: bool = opt(
+        True,
+        "Sample device telemetry in a background thread: GPU utilisation, power, energy, memory, clocks "
+        "(NVML / amdsmi), CPU utilisation and RAPL energy (psutil, /sys/class/powercap).",
+    )
+    telemetry_interval: float = opt(0.5, "Seconds between telemetry samples.", gt=0, le=60)
+    profile_start_step: int | None = opt(
+        None,
+        "First iteration of a torch.profiler window (YAML: `profile: {start_step: 5, end_step: 7, "
+        "ranks: [0], memory: false}`); None = no profiling. Profiled steps are left out of throughput.",
+        ge=1,
+    )
+    profile_end_step: int | None = opt(
+        None, "Last iteration of the profiler window (inclusive); default start_step.", ge=1
+    )
+    profile_ranks: str = opt(
+        "0", "Ranks that write a Chrome trace of the window: comma-separated (YAML: a list), or 'all'."
+    )
+    profile_memory: bool = opt(
+        False,
+        "On CUDA, also record a memory snapshot of the window (torch.cuda.memory._dump_snapshot, for "
+        "https://pytorch.org/memory_viz); the profiler's own memory columns on CPU.",
+    )
 
 
 @dataclass

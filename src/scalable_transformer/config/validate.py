@@ -65,6 +65,7 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     rules.check_optim(o)
     rules.check_layout(cfg, world_size)
     rules.check_checkpoint(cfg.checkpoint)
+    rules.check_profile(cfg, world_size)
     rules.check_data(cfg.data)
     rules.check_sample_index(cfg)
     return _frozen(cfg)

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
+from .telemetry import short as short_telemetry
+
 
 class Sink(Protocol):
     def write(self, kind: str, step: int, record: dict[str, Any]) -> None: ...
@@ -105,13 +107,46 @@ class ConsoleSink:
         if "loss_scale" in r:
             parts.append(f"loss scale: {r['loss_scale']:.1f}")
         timers = [f"{k.split('/', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("time_ms/")]
+        if r.get("straggler_rank") is not None:
+            parts.append(f"straggler: rank {r['straggler_rank']}")
+        if r.get("pipeline_bubble_measured") is not None:
+            parts.append(f"pipeline bubble (measured): {100 * r['pipeline_bubble_measured']:.1f}%")
+        devices = short_telemetry(r)
+        if devices:
+            parts.append(devices)
         line = " | ".join(parts)
         if timers:
             line += " | time (ms) | " + " | ".join(timers)
+        comm = [f"{k.split('/', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("comm_ms/")]
+        if comm:
+            line += " | comm (ms) | " + " | ".join(comm)
         self.console.print(" " + line)
 
     def close(self) -> None:
         pass
+
+
+def progress_columns(unit: str) -> list[Any]:
+    """The columns of the live progress bars (training, sweeps): "<what> [bar] 12/400 <unit> 0:00:31
+    ETA 0:10:02 <status>"."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+    ]
 
 
 class Sinks:

@@ -85,6 +85,16 @@ class Timers:
             self._timers[name] = _Timer(name, self._sync_fn, self._clock)
         return self._timers[name]
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add `seconds` measured elsewhere to timer `name` (created on first use), e.g. the part of a
+        backward pass that waited for gradient communication."""
+        self(name)._elapsed += seconds
+
+    def sync(self) -> None:
+        """The device sync the timers use (none on CPU)."""
+        if self._sync_fn is not None:
+            self._sync_fn()
+
     def names(self) -> list[str]:
         """Timer names in first-use order."""
         return list(self._timers)

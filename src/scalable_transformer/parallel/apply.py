@@ -23,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from ..config.schema import Config
 from ..errors import ConfigError
+from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
 from .dims import ParallelDims
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,9 +108,11 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
         "offload_policy": policy,
         "mp_policy": mixed,
     }
+    recorder = CommRecorder()  # measured all-gathers / reduce-scatters (parallel/comm.py)
     for _, block in blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        instrument_fsdp(fully_shard(block, **kwargs), recorder)
+    instrument_fsdp(fully_shard(model, **kwargs), recorder)
+    setattr(model, "comm_recorder", recorder)  # noqa: B010 (found by parallel.comm.recorders)
 
 
 def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any) -> None:
@@ -138,10 +141,14 @@ def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device
         # (4 bytes/parameter fewer per rank, measured in benchmarks/zero_memory.py) and no bucket copy
         gradient_as_bucket_view=True,
     )
-    if cfg.parallel.grad_reduce_dtype == "bf16":
-        ddp.register_comm_hook(dp_group, default_hooks.bf16_compress_hook)
-    elif cfg.parallel.grad_reduce_dtype == "fp16":
-        ddp.register_comm_hook(dp_group, default_hooks.fp16_compress_hook)
+    inner = {
+        "bf16": default_hooks.bf16_compress_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+    }.get(cfg.parallel.grad_reduce_dtype, default_hooks.allreduce_hook)
+    # torch's own hook, timed: each bucket's all-reduce from launch to completion (parallel/comm.py)
+    recorder = CommRecorder()
+    ddp.register_comm_hook((dp_group, recorder), timed_ddp_hook(inner))
+    setattr(ddp, "comm_recorder", recorder)  # noqa: B010 (found by parallel.comm.recorders)
     return ddp
 
 

@@ -63,6 +63,7 @@ from ..config.rules import (
 )
 from ..config.schema import Config
 from ..models import spec_for
+from .comm import CommRecorder, pipeline_wait_timing
 from .dims import ParallelDims
 from .distributed import all_reduce_floats, collective_device
 from .grads import local
@@ -196,6 +197,7 @@ class PipelineRunner:
         self._metrics: list[dict[str, torch.Tensor]] = []
         self._tied = m.tie_word_embeddings and self.num_stages > 1
         self._tied_on_one_rank, self._tied_numel, self._tied_dtype = self._tied_layout()
+        self.comm_recorder = CommRecorder()  # the schedule's send/recv waits (parallel/comm.py)
 
     # ------------------------------------------------------------ building
 
@@ -312,7 +314,7 @@ class PipelineRunner:
             self._train_schedule = self._schedule(self.num_microbatches, train=True)
         self._normalizers, self._loss_multiplier = normalizers, loss_multiplier
         args, kwargs, target = self._schedule_inputs(micro_batches)
-        with loss_parallel_context(self.tp):
+        with loss_parallel_context(self.tp), pipeline_wait_timing(self.comm_recorder):
             self._train_schedule.step(*args, target=target, return_outputs=False, **kwargs)
         return self._reduce_metrics(len(micro_batches))
 

@@ -111,11 +111,15 @@ def summarize(
     times = history.iteration_seconds
     global_batch = cfg.train.global_batch_size
     warmup = cfg.logging.warmup_iters if len(times) > cfg.logging.warmup_iters else 0
-    window = times[warmup:]
+    # profiled iterations (the profiler slows them) are left out as well, unless nothing else is left
+    kept = [t for i, t in enumerate(times) if i >= warmup and i + 1 not in history.excluded_iterations]
+    window = kept or times[warmup:]
     median = statistics.median(window)
     perf = throughput_metrics(flops, median, num_devices, peak.flops_per_second)
     phases: dict[str, float] = {}
-    records = [r for r in history.records if r["iteration"] > warmup] or history.records
+    records = [
+        r for r in history.records if r["iteration"] > warmup and not r.get("profiled_steps")
+    ] or history.records
     for key in records[0] if records else {}:
         if key.startswith("time_ms/"):
             phases[key.split("/", 1)[1]] = statistics.median(r[key] for r in records)
@@ -144,7 +148,46 @@ def summarize(
         "final_train_loss": history.last_logged_loss,
         "final_valid": history.last_valid,
         "skipped_iterations": history.skipped_iterations,
+        "profiled_iterations_excluded": sorted(history.excluded_iterations),
         "wall_seconds": wall_seconds,
+        **communication_summary(records),
+        **straggler_summary(history),
+        **history.summary_extra,
+    }
+
+
+def communication_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the log intervals of the measured communication (comm_ms/*: totals, which overlap
+    compute), of each phase's max over ranks, and of the measured pipeline bubble."""
+    out: dict[str, Any] = {}
+    for prefix, name in (("comm_ms/", "comm_time_ms_median"), ("time_ms_max/", "phase_time_ms_max_median")):
+        keys = dict.fromkeys(k for r in records for k in r if k.startswith(prefix))
+        values = {k.split("/", 1)[1]: statistics.median(r[k] for r in records if k in r) for k in keys}
+        if values:
+            out[name] = values
+    bubbles = [
+        r["pipeline_bubble_measured"] for r in records if r.get("pipeline_bubble_measured") is not None
+    ]
+    if bubbles:
+        out["pipeline_bubble_measured"] = statistics.median(bubbles)
+    return out
+
+
+def straggler_summary(history: History) -> dict[str, Any]:
+    """The straggler: the rank flagged (busiest beyond the margin) in at least half of the log
+    intervals, at least two of them; None when no rank is consistently slower."""
+    flags = history.stragglers
+    if not flags:
+        return {}
+    counts: dict[int, int] = {}
+    for rank in flags:
+        if rank is not None:
+            counts[rank] = counts.get(rank, 0) + 1
+    rank, count = max(counts.items(), key=lambda kv: kv[1], default=(None, 0))
+    consistent = rank is not None and count >= 2 and 2 * count >= len(flags)
+    return {
+        "straggler_rank": rank if consistent else None,
+        "straggler_intervals": {"flagged": count, "of": len(flags)} if rank is not None else None,
     }
 
 

@@ -38,7 +38,7 @@ from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
 from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
 from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
-from .trainer import Callback, Trainer
+from .trainer import STRAGGLER_MARGIN, Callback, Trainer
 
 
 def select_device(cfg: Config) -> torch.device:
@@ -165,6 +165,11 @@ def _run(
         run_dir, sinks = open_run_dir(cfg, console)
         print_banner(console, cfg, num_params, device, world, flops, peak)
 
+    callbacks = [*callbacks, *observers(cfg, device, dims, run_dir)]
+    if dims.is_main and console.is_terminal:  # a live bar; plain log lines in files and pipes
+        from .progress import ProgressCallback
+
+        callbacks.append(ProgressCallback(console, cfg.train.train_iters))
     trainer = Trainer(
         cfg,
         model,
@@ -215,6 +220,7 @@ def _run(
         return None, summary
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
+    print_observations(console, summary, callbacks)
     return run_dir, summary
 
 
@@ -229,6 +235,58 @@ def peak_tensor_bytes(
         return None
     peak = tracker.peak()
     return [v if v >= 0 else None for v in gather_per_rank(-1 if peak is None else peak, dims)]
+
+
+def observers(cfg: ResolvedConfig, device: torch.device, dims: ParallelDims, run_dir: Path | None) -> list:
+    """The measuring callbacks the config asks for: device telemetry, a profiler window."""
+    out: list[Callback] = []
+    if cfg.logging.telemetry:
+        from .telemetry import TelemetryCallback
+
+        out.append(TelemetryCallback(device, cfg.logging.telemetry_interval))
+    lg = cfg.logging
+    if lg.profile_start_step is not None:
+        from ..config.rules import profile_ranks
+        from .profiling import ProfileCallback
+
+        shared = share_run_dir(run_dir, dims)
+        out.append(
+            ProfileCallback(
+                lg.profile_start_step,
+                lg.profile_end_step or lg.profile_start_step,
+                profile_ranks(lg.profile_ranks, dims.world_size),
+                lg.profile_memory,
+                None if shared is None else shared / "profile",
+            )
+        )
+    return out
+
+
+def share_run_dir(run_dir: Path | None, dims: ParallelDims) -> Path | None:
+    """Rank 0's run directory on every rank (they write their traces into it)."""
+    if dims.world_size == 1 or dims.mesh is None:
+        return run_dir
+    box = [None if run_dir is None else str(run_dir)]
+    dist.broadcast_object_list(box, src=0)
+    return None if box[0] is None else Path(box[0])
+
+
+def print_observations(console: Console, summary: dict, callbacks: Sequence[Callback]) -> None:
+    """After the closing line: the straggler, why a telemetry figure is missing, the profile table."""
+    if summary.get("straggler_rank") is not None:
+        flagged = summary["straggler_intervals"]
+        console.print(
+            f"[bold yellow]straggler[/]: rank {summary['straggler_rank']} was the busiest rank beyond "
+            f"{100 * STRAGGLER_MARGIN:.0f}% of the median in {flagged['flagged']} of {flagged['of']} "
+            "log intervals"
+        )
+    for note in summary.get("telemetry_notes") or []:
+        console.print(f"telemetry: {note}")
+    for callback in callbacks:
+        table = getattr(callback, "table", None)
+        text = table() if table is not None else None
+        if text:
+            console.print(text, markup=False)
 
 
 def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:

@@ -30,7 +30,27 @@ from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
 
 Batch = dict[str, torch.Tensor]
-PHASES = ("forward-compute", "backward-compute", "forward-backward", "optimizer", "batch-generator")
+# Megatron's timer names. PHASES are disjoint: with the untimed rest (callbacks, the log record) they
+# add up to the step time. NESTED run inside the phase named (Megatron prints them side by side too).
+PHASES = (
+    "forward-compute",
+    "backward-compute",
+    "all-grads-sync",  # the exposed part of the gradient reduction: after backward compute, until ready
+    "forward-backward",  # a pipeline schedule's step (pp > 1): compute, P2P waits, gradient reductions
+    "metrics-all-reduce",  # the step's token counts and losses over dp (a lagging rank is waited for here)
+    "embedding-grads-all-reduce",  # tied word-embedding copies of the first and last stage (pp > 1)
+    "zero-grad",
+    "optimizer",
+    "batch-generator",
+)
+NESTED = {
+    "pipeline-p2p-wait": "forward-backward",
+    "optimizer-unscale-and-check-inf": "optimizer",
+    "optimizer-clip-main-grad": "optimizer",
+    "optimizer-inner-step": "optimizer",
+}
+WAITS = ("all-grads-sync", "metrics-all-reduce", "embedding-grads-all-reduce", "pipeline-p2p-wait")
+STRAGGLER_MARGIN = 0.10  # a rank busier than the median of the ranks by more than this is flagged
 
 
 @dataclass
@@ -58,6 +78,12 @@ class History:
     # this rank's parameters / gradients / optimizer state after the first optimizer step (bytes)
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     skipped_iterations: int = 0
+    # iterations left out of the throughput statistics (profiled steps: the profiler slows them)
+    excluded_iterations: set[int] = field(default_factory=set)
+    # per log interval: the rank whose busy time (step minus communication waits) stood out, or None
+    stragglers: list[int | None] = field(default_factory=list)
+    # fields callbacks add to summary.json (telemetry, the profile table)
+    summary_extra: dict[str, Any] = field(default_factory=dict)
 
 
 def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -85,6 +111,10 @@ class Callback:
 
     def on_checkpoint_staged(self, trainer: Trainer, iteration: int) -> None:
         """A checkpoint's shards are written on every rank and it is not yet published."""
+
+    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        """Every log interval on every rank, before the record goes to the sinks: add fields to it
+        (telemetry). Every rank calls it at the same iterations, so collectives are allowed."""
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -137,6 +167,10 @@ class Trainer:
         self.pipeline = pipeline
         self.grad_norm_excluded: set[int] = pipeline.grad_norm_excluded() if pipeline is not None else set()
         self.callbacks = list(callbacks)
+        self._sync = sync
+        from ..parallel.comm import recorders
+
+        self.comm = recorders(model) + ([pipeline.comm_recorder] if pipeline is not None else [])
         self.history = History()
         self.iteration = 0
         self.consumed_samples = 0
@@ -157,10 +191,15 @@ class Trainer:
         Each micro-batch's loss is weighted by its share of the step's target tokens, so that
         accumulation over k micro-batches computes the same gradient as one batch k times larger.
         """
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.model.training:  # after evaluate(); walking every module each step costs ~1 ms
+            self.model.train()
+        with self.timers("zero-grad"):
+            self.optimizer.zero_grad(set_to_none=True)
         dims, pipeline = self.dims, self.pipeline
-        normalizers = step_normalizers(micro_batches, dims.dp_group)
+        # a collective only with dp > 1: one process has nothing to wait for
+        counting = self.timers("metrics-all-reduce") if dims.dp_group is not None else None
+        with counting or contextlib.nullcontext():
+            normalizers = step_normalizers(micro_batches, dims.dp_group)
         # DDP/FSDP average gradients over dp; the losses are already shares of the global mean
         multiplier = float(dims.dp)
         if pipeline is not None:
@@ -177,27 +216,56 @@ class Trainer:
                     ):
                         outputs = self.model(*self.spec.inputs(micro))
                         loss, metrics = self.spec.loss(outputs, micro, normalizers, loss_ops(dims.tp))
-                    with self.timers("backward-compute"):
-                        self.scaler.scale(loss * multiplier).backward()
+                    self._backward(self.scaler.scale(loss * multiplier))
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v)
         if dims.dp_group is not None:
             keys = sorted(totals)
-            totals = dict(zip(keys, all_reduce_floats([totals[k] for k in keys], dims.dp_group), strict=True))
-        with self.timers("optimizer"):
-            if pipeline is not None:
+            with self.timers("metrics-all-reduce"):
+                reduced = all_reduce_floats([totals[k] for k in keys], dims.dp_group)
+            totals = dict(zip(keys, reduced, strict=True))
+        if pipeline is not None:
+            with self.timers("embedding-grads-all-reduce"):
                 pipeline.sync_tied_grads()
+        with self.timers("optimizer"):
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
-            norm = float(grad_norm(params, exclude=self.grad_norm_excluded, pp_group=dims.pp_group))
+            with self.timers("optimizer-unscale-and-check-inf"):
+                found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
+            with self.timers("optimizer-clip-main-grad"):
+                norm = float(grad_norm(params, exclude=self.grad_norm_excluded, pp_group=dims.pp_group))
+                if not found_inf:
+                    clip_grads(params, self.cfg.optim.clip_grad or math.inf, norm)
             lr = self.optimizer.param_groups[0]["lr"]
             # as Megatron and DeepSpeed: an overflowing fp16 step is skipped and does not advance the schedule
             if not found_inf:
-                clip_grads(params, self.cfg.optim.clip_grad or math.inf, norm)
-                self.optimizer.step()
-                self.scheduler.step()
+                with self.timers("optimizer-inner-step"):
+                    self.optimizer.step()
+                    self.scheduler.step()
             self.scaler.update(found_inf)
         return StepResult(loss=totals.pop("loss"), grad_norm=norm, skipped=found_inf, lr=lr, metrics=totals)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), split into `backward-compute` and `all-grads-sync`: the time the training
+        thread waited for gradient collectives after the backward compute (parallel/comm.py)."""
+        if self._sync is not None:
+            self._sync()
+        for recorder in self.comm:
+            recorder.take_blocked()
+        start = time.perf_counter()
+        loss.backward()
+        if self._sync is not None:
+            self._sync()
+        end = time.perf_counter()
+        exposed = 0.0
+        for recorder in self.comm:
+            blocked = recorder.take_blocked()  # synchronous reduce-scatters (FSDP2 on CPU)
+            launch = recorder.last_grad_launch  # DDP: the last bucket is launched when compute ends
+            tail = end - launch if launch is not None and launch >= start else 0.0
+            exposed += max(blocked, tail)
+        exposed = min(exposed, end - start)
+        self.timers.add("backward-compute", end - start - exposed)
+        if self.comm:
+            self.timers.add("all-grads-sync", exposed)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -232,6 +300,7 @@ class Trainer:
         cfg, h = self.cfg, self.history
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
         interval = Interval(start=time.perf_counter())
+        interval_first = self.iteration + 1
         self.memory.reset_peak()
         while self.iteration < cfg.train.train_iters:
             for callback in self.callbacks:
@@ -248,16 +317,25 @@ class Trainer:
             if not h.model_state_bytes:  # the optimizer state exists from the first step on
                 h.model_state_bytes = model_state_bytes(self.model, self.optimizer)
             interval.add(result)
+            interval.step_seconds += h.iteration_seconds[-1]
 
             if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters:
                 record = self._train_record(interval)
+                for callback in self.callbacks:
+                    callback.on_log(self, record)
                 if h.first_logged_loss is None:
                     h.first_logged_loss = record["loss"]
                 h.last_logged_loss = record["loss"]
+                profiled = sum(
+                    1 for i in range(interval_first, self.iteration + 1) if i in h.excluded_iterations
+                )
+                if profiled:
+                    record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
                 h.records.append({"iteration": self.iteration, **record})
                 self.sinks.write("train", self.iteration, record)
                 self.memory.reset_peak()
                 interval = Interval(start=time.perf_counter())
+                interval_first = self.iteration + 1
 
             # evaluation and callbacks (checkpoint saves) are not training throughput
             outside = time.perf_counter()
@@ -311,14 +389,60 @@ class Trainer:
         }
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()
-        phases = [name for name in PHASES if name in self.timers.names()]
-        elapsed = self.timers.elapsed_ms(phases, normalizer=interval.iterations, reset=True)
+        n = interval.iterations
+        record["step_time_ms"] = 1000 * interval.step_seconds / n  # train_step alone, measured per step
+        timed = [name for name in (*PHASES, *NESTED) if name in self.timers.names()]
+        elapsed = self.timers.elapsed_ms(timed, normalizer=n, reset=True)
+        comm: dict[str, float] = {}
+        for recorder in self.comm:
+            for kind, seconds in recorder.take().items():
+                comm[kind] = comm.get(kind, 0.0) + 1000 * seconds / n
+        if "pipeline-p2p-wait" in comm:  # the schedule's send/recv waits, a part of forward-backward
+            elapsed["pipeline-p2p-wait"] = comm.pop("pipeline-p2p-wait")
         for name, ms in elapsed.items():
             record[f"time_ms/{name}"] = ms
+        for kind, ms in comm.items():
+            record[f"comm_ms/{kind}"] = ms
+        if "pipeline-p2p-wait" in elapsed and elapsed.get("forward-backward"):
+            record["pipeline_bubble_measured"] = elapsed["pipeline-p2p-wait"] / elapsed["forward-backward"]
         if self.dims.world_size > 1:  # every rank logs at the same iterations, so all take part
-            for name, (low, high) in minmax_over_ranks(elapsed, PHASES).items():
-                record[f"time_ms_min/{name}"], record[f"time_ms_max/{name}"] = low, high
+            from ..parallel.comm import KINDS
+
+            names = [*PHASES, *NESTED, *(f"comm:{k}" for k in KINDS)]
+            measured = {**elapsed, **{f"comm:{k}": v for k, v in comm.items()}}
+            for name, (low, high) in minmax_over_ranks(measured, names).items():
+                if name.startswith("comm:"):
+                    key = name.split(":", 1)[1]
+                    record[f"comm_ms_min/{key}"], record[f"comm_ms_max/{key}"] = low, high
+                else:
+                    record[f"time_ms_min/{name}"], record[f"time_ms_max/{name}"] = low, high
+            busy = record["step_time_ms"] - sum(elapsed.get(name, 0.0) for name in WAITS)
+            record["busy_ms"] = busy
+            per_rank = gather_floats(busy, self.dims.rank, self.dims.world_size)
+            record["busy_ms_per_rank"] = per_rank
+            record["straggler_rank"] = straggler(per_rank)
+            if self.iteration > self.cfg.logging.warmup_iters:
+                self.history.stragglers.append(record["straggler_rank"])
         return record
+
+
+def gather_floats(value: float, rank: int, world_size: int, group: Any = None) -> list[float]:
+    """One float from every rank of `group`, in rank order (one all-reduce; all ranks call it)."""
+    slots = [0.0] * world_size
+    slots[rank] = float(value)
+    return all_reduce_floats(slots, group)
+
+
+def straggler(busy_ms: list[float], margin: float = STRAGGLER_MARGIN) -> int | None:
+    """The rank whose busy time (step time minus the time spent waiting in collectives) exceeds the
+    median over ranks by more than `margin`, or None. Waiting is left out because the ranks a straggler
+    holds up show its delay as their own longer steps (they wait for it in the next collective)."""
+    if len(busy_ms) < 2:
+        return None
+    ranked = sorted(busy_ms)
+    median = ranked[(len(ranked) - 1) // 2]  # the lower median: with 2 ranks, the faster one
+    slowest = max(range(len(busy_ms)), key=lambda r: busy_ms[r])
+    return slowest if busy_ms[slowest] > (1 + margin) * median and busy_ms[slowest] - median > 1.0 else None
 
 
 LOSS_KEYS = ("loss", "lm_loss", "mlm_loss", "binary_loss", "grad_norm")
@@ -333,6 +457,7 @@ class Interval:
     skipped: int = 0
     sums: dict[str, float] = field(default_factory=dict)
     counted: int = 0  # non-skipped steps, the ones whose losses are averaged
+    step_seconds: float = 0.0  # the interval's train_step times (batch generation included)
 
     def add(self, result: StepResult) -> None:
         self.iterations += 1
