@@ -235,27 +235,15 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         # at the loss's backward: no gradient and no reduce-scatter buffer yet
         unsharded_grads = gather_bytes * P if accumulating else 0
         reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
-        if offload and device_kind == "cpu":
-            # "offloading" to the host a CPU rank already runs on moves nothing: the states stay in the
-            # same memory (measured: the same live tensor bytes as without offload)
+        if offload:
             host = 2 * sharded + states
-            backward = {
-                "parameters": sharded,
-                "optimizer_state": states,
-                "communication_buffers": int(reduce_buffer),
-            }
-            optimizer = {
-                "parameters": sharded,
-                "gradients": sharded,
-                "optimizer_state": states,
-                "optimizer_temporaries": 2 * sharded if k else 0,
-            }
-        elif offload:
-            host = 2 * sharded + states
+        if offload and device_kind != "cpu":
             # FSDP2 copies each unit's shard to the device before gathering it
             backward = {"communication_buffers": int(4 * sp_.block / dp + reduce_buffer)}
             optimizer = {}
         else:
+            # without offload, or "offloading" to the host a CPU rank already runs on, which moves
+            # nothing: the states stay in the same memory (measured: the same live tensor bytes)
             backward = {
                 "parameters": sharded,
                 "optimizer_state": states,
