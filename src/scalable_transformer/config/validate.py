@@ -14,6 +14,7 @@ import dataclasses
 
 from ..errors import ConfigError
 from . import rules
+from .model_shapes import family_options
 from .schema import RESOLVED_SECTIONS, SECTIONS, Config, ResolvedConfig, check_fields, freeze
 
 
@@ -30,8 +31,7 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
         m.max_position_embeddings = m.seq_length
     if m.vocab_size is None and cfg.data.tokenizer == "embedded" and cfg.data.vocab_file is None:
         m.vocab_size = cfg.data.tokenizer_vocab_size
-    if m.type == "gpt" and m.bert_binary_head:
-        m.bert_binary_head = False  # a BERT-only option; GPT has no binary head
+    cfg.model = m = family_options(m)  # a GPT has no binary head (the planner applies the same rule)
     rules.check_model(m)
 
     # layout: dp inferred here; every layout rule is checked by config.rules.check_layout below
