@@ -82,26 +82,16 @@ def reference(tmp_path_factory, cluster) -> list[float]:
     return found
 
 
-def test_stx_submit_slurm_two_nodes_trains_like_the_local_run(tmp_path, cluster, reference):
-    proc = run(
-        [
-            STX,
-            "submit",
-            "--scheduler",
-            "slurm",
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "1",
-            "--time",
-            "5",
-            "train",
-            *train_args(tmp_path / "runs", "submitted"),
-        ],
-        tmp_path,
-    )
+def submit_two_nodes(tmp_path, name: str, **train_kw) -> str:
+    """`stx submit` to the 2-node test Slurm (1 GPU per node, 5 minutes); the job id it printed."""
+    cmd = [STX, "submit", "--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "1", "--time", "5"]
+    proc = run([*cmd, "train", *train_args(tmp_path / "runs", name, **train_kw)], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    job_id = proc.stdout.strip().splitlines()[-1]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_stx_submit_slurm_two_nodes_trains_like_the_local_run(tmp_path, cluster, reference):
+    job_id = submit_two_nodes(tmp_path, "submitted")
     run_dir = tmp_path / "runs" / "submitted"
     assert (run_dir / "job.sh").is_file()  # the batch script lives in the run directory
     state = wait_job(job_id)
@@ -290,25 +280,7 @@ def _rank_pid(job_id: str, rank: int) -> int | None:
 
 
 def test_a_rank_killed_on_node_2_ends_the_job_within_a_minute(tmp_path, cluster):
-    proc = run(
-        [
-            STX,
-            "submit",
-            "--scheduler",
-            "slurm",
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "1",
-            "--time",
-            "5",
-            "train",
-            *train_args(tmp_path / "runs", "killed", iters=100000),
-        ],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    job_id = proc.stdout.strip().splitlines()[-1]
+    job_id = submit_two_nodes(tmp_path, "killed", iters=100000)
     log = tmp_path / "runs" / "killed" / "job.log"
     try:
         _wait_for(lambda: log.is_file() and "iteration      2/" in log.read_text(), 120, "iteration 2")
