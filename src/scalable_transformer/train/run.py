@@ -33,12 +33,12 @@ from ..metrics.sinks import Sink, Sinks
 from ..models import build_model, count_parameters
 from ..parallel.apply import parallelize
 from ..parallel.dims import ParallelDims
-from ..parallel.distributed import all_reduce_floats, env_world_size, init_distributed, shutdown_distributed
+from ..parallel.distributed import env_world_size, init_distributed, shutdown_distributed
 from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
 from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
 from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
-from .trainer import STRAGGLER_MARGIN, Callback, Trainer
+from .trainer import STRAGGLER_MARGIN, Callback, Trainer, gather_floats
 
 
 def select_device(cfg: Config) -> torch.device:
@@ -293,9 +293,7 @@ def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:
     """One number from every rank, in rank order (all ranks call this)."""
     if dims.world_size == 1 or dims.mesh is None:
         return [int(value)]
-    slots = [0.0] * dims.world_size
-    slots[dims.rank] = float(value)
-    return [int(v) for v in all_reduce_floats(slots)]
+    return [int(v) for v in gather_floats(value, dims.rank, dims.world_size)]
 
 
 def build_parallel_model(
