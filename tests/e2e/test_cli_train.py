@@ -138,3 +138,16 @@ def test_default_run_learns(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["iterations"] == resolve(load_config()).train.train_iters
     assert summary["final_train_loss"] <= 0.7 * summary["first_logged_train_loss"], summary
+
+
+def test_eval_iters_zero_trains_without_evaluating(tmp_path):
+    # the depth probes of `stx plan` (plan/probe.py) run this way; it used to fail in the final evaluation
+    proc = stx(
+        "train", "tiny-gpt", "train.train_iters=2", "train.eval_iters=0", "logging.run_dir=runs", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (summary_path,) = (tmp_path / "runs").glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["iterations"] == 2 and summary["final_valid"] is None
+    records = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(r["kind"] == "train" for r in records)

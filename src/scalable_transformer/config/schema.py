@@ -368,7 +368,9 @@ class TrainConfig:
         aliases=("eval-interval",),
         ge=0,
     )
-    eval_iters: int = opt(10, "Validation micro-batches per evaluation.", aliases=("eval-iters",), ge=0)
+    eval_iters: int = opt(
+        10, "Validation micro-batches per evaluation (0 = no evaluation).", aliases=("eval-iters",), ge=0
+    )
     exit_interval: int | None = opt(
         None, "Stop after an iteration divisible by this.", aliases=("exit-interval",)
     )

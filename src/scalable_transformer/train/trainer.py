@@ -339,7 +339,8 @@ class Trainer:
 
             # evaluation and callbacks (checkpoint saves) are not training throughput
             outside = time.perf_counter()
-            if (eval_every and self.iteration % eval_every == 0) or self.iteration == cfg.train.train_iters:
+            at_end = self.iteration == cfg.train.train_iters
+            if cfg.train.eval_iters and ((eval_every and self.iteration % eval_every == 0) or at_end):
                 h.last_valid = self.evaluate()
                 self.sinks.write("valid", self.iteration, h.last_valid)
                 for callback in self.callbacks:
