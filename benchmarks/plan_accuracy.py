@@ -8,7 +8,7 @@ measured `peak_tensor_bytes_per_rank` (torch.profiler allocation events, steps 1
 and `median_iteration_seconds` (steps after the warm-up, run without the profiler). Targets: memory
 within 10%, step time within 25%. Layouts run one after the other (never more than 4 processes).
 
-    python benchmarks/plan_accuracy.py                        # every layout, ~15-30 min on 2 busy cores
+    python benchmarks/plan_accuracy.py                        # every layout, ~25 min on 2 idle cores
     python benchmarks/plan_accuracy.py --only bert-z0 gpt-tp2 # some of them
     python benchmarks/plan_accuracy.py --iters 10 --output /tmp/plan.md
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 # the model of every layout: small enough for 2 cores, with layers, attention and logits all mattering
 COMMON = [
-    "model.num_layers=4",
+    "model.num_layers=12",
     "model.hidden_size=256",
     "model.num_attention_heads=4",
     "model.seq_length=128",
@@ -86,7 +86,10 @@ def predict(base: str, nproc: int, overrides: list[str]) -> dict:
     from scalable_transformer.plan.search import plan_config
 
     cfg = load_config(base, overrides)
-    return plan_config(cfg, cpu_cluster(nproc, cfg.train.precision)).to_dict()
+    cluster = cpu_cluster(nproc, cfg.train.precision)
+    rate = plan_config(cfg, cluster).to_dict()
+    probed = plan_config(cfg, cluster, probe=True, remeasure=True).to_dict()
+    return {**probed, "rate_model_step_seconds": rate["step_seconds"]}
 
 
 def measure(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Path, timeout: float) -> dict:
@@ -148,31 +151,37 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         f"`logging.warmup_iters={args.warmup}`; measured memory = the largest rank's peak live tensor bytes "
         "(torch.profiler allocation events over steps 1-3, `summary.json` `peak_tensor_bytes_per_rank`), "
         "measured time = rank 0's median step after the warm-up (steps without the profiler). "
-        "Predicted: `stx plan ... --device cpu` for the same config and process count. Targets: memory "
-        "within 10%, step time within 25%. The machine is shared (2 cores, other engineers' jobs): "
-        "the planner gives each thread `cores / (1-minute load average + the job's threads)` of a core, "
-        "from the load before the run; the last column shows the load before and after each run.",
+        "Predicted: `stx plan ... --device cpu` for the same config and process count: memory by the "
+        "analytic model, step time measured by its depth probes (plan/probe.py: the engine at 1 and 4 "
+        "layers per pipeline chunk, 16 iterations each (median after 3), extrapolated to 12 layers; "
+        "taken fresh right before the measured run, never from the cache); the rate model's step time "
+        "(plan/speed.py, what "
+        "`--search` and `--no-probe` use) is in its own column. Targets: memory within 10%, step time "
+        "within 25%. The last column shows the 1-minute load average before and after each run.",
         "",
         "| layout | processes | predicted MiB | measured MiB | memory error | predicted s/step | "
-        "measured s/step | time error | load before / after |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "measured s/step | time error | rate model s/step (error) | load before / after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     mem_ok = time_ok = total = 0
     for r in rows:
         p, m = r["predicted"], r["measured"]
         if "error" in m:
             predicted = p["peak_memory_bytes"] / mib
-            lines.append(f"| {r['name']} | {r['nproc']} | {predicted:.1f} | failed: {m['error']} | | | | | |")
+            failed = f"failed: {m['error']}"
+            lines.append(f"| {r['name']} | {r['nproc']} | {predicted:.1f} | {failed} | | | | | | |")
             continue
         total += 1
         mem_text, ok_m = ratio_text(p["peak_memory_bytes"], m["peak_tensor_bytes"], 0.10)
         time_text, ok_t = ratio_text(p["step_seconds"], m["step_seconds"], 0.25)
+        rate = p["rate_model_step_seconds"]
         mem_ok += ok_m
         time_ok += ok_t
         measured_mib = m["peak_tensor_bytes"] / mib if m["peak_tensor_bytes"] else float("nan")
         lines.append(
             f"| {r['name']} | {r['nproc']} | {p['peak_memory_bytes'] / mib:.1f} | {measured_mib:.1f} | "
             f"{mem_text} | {p['step_seconds']:.3f} | {m['step_seconds']:.3f} | {time_text} | "
+            f"{rate:.3f} ({rate / m['step_seconds'] - 1:+.0%}) | "
             f"{r['load_before']:.1f} / {m['load_after']:.1f} |"
         )
     lines += [
@@ -188,7 +197,7 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         p = r["predicted"]
         mem = ", ".join(f"{k} {v / mib:.1f}" for k, v in p["memory_breakdown_bytes"].items() if v)
         tim = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in p["time_breakdown_seconds"].items() if v)
-        lines.append(f"- **{r['name']}** ({p['label']}): memory MiB: {mem}; time: {tim}")
+        lines.append(f"- **{r['name']}** ({p['label']}): memory MiB: {mem}; time: {tim} ({p['time_method']})")
         if "command" in r["measured"]:
             lines.append(f"  - measured by `{r['measured']['command']}`")
             if r["measured"].get("peak_tensor_bytes_per_rank"):
@@ -203,7 +212,7 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", help=f"layouts to run (default all): {', '.join(LAYOUTS)}")
-    p.add_argument("--iters", type=int, default=8, help="training iterations per layout (default 8)")
+    p.add_argument("--iters", type=int, default=16, help="training iterations per layout (default 16)")
     p.add_argument(
         "--warmup", type=int, default=4, help="iterations left out of the median (default 4, >= 3)"
     )

@@ -1,5 +1,6 @@
 """`stx plan CONFIG [key=value ...] (--world-size N | --nodes K --gpus-per-node G) --device NAME
-[--host-memory-gb M] [--hardware cluster.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]`."""
+[--host-memory-gb M] [--hardware cluster.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]
+[--no-probe] [--remeasure]`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class PlanOptions:
     search: bool
     top: int
     emit_sweep: Path | None
+    probe: bool = True  # --device cpu, one layout: measure the step time (plan/probe.py)
+    remeasure: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanOptions:
@@ -47,6 +50,8 @@ class PlanOptions:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if args.emit_sweep and not args.search:
             raise UsageError("--emit-sweep writes the best layouts of a --search; add --search")
+        if args.remeasure and args.no_probe:
+            raise UsageError("--remeasure runs the depth probes again; it cannot go with --no-probe")
         return cls(
             config,
             tuple(overrides),
@@ -60,6 +65,8 @@ class PlanOptions:
             args.search,
             args.top,
             Path(args.emit_sweep) if args.emit_sweep else None,
+            probe=not args.no_probe,
+            remeasure=args.remeasure,
         )
 
 
@@ -96,6 +103,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--emit-sweep",
         metavar="FILE",
         help="--search: write a sweep file of the best --top layouts plus the fit/OOM boundary",
+    )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="--device cpu: the rate model's step time instead of measuring it with two short runs of "
+        "the engine at 1 and up to 4 layers per pipeline chunk (docs/PLANNER.md#cpu-depth-probes)",
+    )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="--device cpu: run the depth probes again instead of reading them from the user cache",
     )
     p.set_defaults(fn=run)
 
@@ -151,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         # the best --top that fit, then the --top closest to fitting (as the human output lists them)
         shown = [r for r in results if r.fits][: opts.top] + [r for r in results if not r.fits][: opts.top]
     else:
-        shown = [plan_config(cfg, cluster)]
+        shown = [plan_config(cfg, cluster, probe=opts.probe, remeasure=opts.remeasure)]
         results = shown
     if opts.emit_sweep is not None:
         write_sweep(opts, results, cluster)
@@ -165,6 +183,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if opts.search:
         render_search(results, opts.top)
+        if cluster.kind == "cpu":
+            print(
+                "on a CPU the rate model ranks the layouts but under-predicts their steps; `stx plan` of "
+                "one layout (without --search) measures it (docs/PLANNER.md#cpu-depth-probes)"
+            )
     else:
         render_one(shown[0], cluster)
     if opts.emit_sweep is not None:
@@ -194,7 +217,7 @@ def render_one(r: Any, cluster: Any) -> None:
             + (f" of {_gib(host)}" if host else "")
         )
     print(("fits" if r.fits else "DOES NOT FIT") + (f": {r.reason}" if r.reason else ""))
-    print(f"step time: {r.time.total * 1000:,.1f} ms")
+    print(f"step time: {r.time.total * 1000:,.1f} ms ({r.time_method})")
     for key, value in r.time.breakdown.items():
         print(f"  {key.replace('_', ' '):<24} {value * 1000:>12,.1f} ms")
     if r.time.dp_overlapped_seconds:
@@ -213,6 +236,8 @@ def render_search(results: list[Any], top: int) -> None:
     fit = [r for r in results if r.fits]
     oom = [r for r in results if not r.fits]
     print(f"{len(results)} valid layouts: {len(fit)} fit, {len(oom)} do not")
+    if results:
+        print(f"step times: {results[0].time_method}")
     if fit:
         print(f"best {min(top, len(fit))} that fit (by predicted samples/s; MFU in the megatron convention):")
         for r in fit[:top]:

@@ -17,6 +17,8 @@ from .layout import Layout
 from .memory import StageMemory, stage_memory
 from .speed import StepTime, step_time
 
+RATE_MODEL = "rate model (plan/speed.py)"
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -32,6 +34,8 @@ class Prediction:
     mfu: float
     peak_flops: float
     dtype: str
+    # how the step time was obtained: the rate model, or measured (plan/probe.py) on a CPU
+    time_method: str = RATE_MODEL
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -62,6 +66,7 @@ class Prediction:
                 "dp_overlapped": self.time.dp_overlapped_seconds,
             },
             "stage_peak_memory_bytes": [st.total for st in self.stages],
+            "time_method": self.time_method,
         }
 
 
@@ -69,11 +74,15 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def predict(cfg: Config, cluster: Cluster, every_stage: bool = True) -> Prediction:
+def predict(
+    cfg: Config, cluster: Cluster, every_stage: bool = True, probe: bool = False, remeasure: bool = False
+) -> Prediction:
     """Memory, fit and speed of the layout cfg describes (dp, accumulation, ffn_hidden_size filled;
     the layout rules already checked). every_stage=False (the search) computes the first and last
     pipeline ranks only: with an even split a middle rank holds no more layers than the first and
-    fewer in-flight micro-batches, so it never holds the peak."""
+    fewer in-flight micro-batches, so it never holds the peak. probe=True on a CPU cluster measures
+    the step time with two short runs of the engine at reduced depth (plan/probe.py; `remeasure`
+    ignores their cache); a probe that fails leaves the rate model's figure and says why."""
     layout = Layout.from_config(cfg)
     p = cfg.parallel
     ranks = range(p.pp) if every_stage or p.pipeline_layers else sorted({0, p.pp - 1})
@@ -98,6 +107,16 @@ def predict(cfg: Config, cluster: Cluster, every_stage: bool = True) -> Predicti
                 f"host OOM: offloaded states {_gib(host_total)} per node > {_gib(cluster.host_memory_bytes)}"
             )
     st = step_time(cfg, cluster)
+    method = RATE_MODEL
+    if probe and cluster.kind == "cpu":
+        from .probe import ProbeError, probe_step_time
+
+        try:
+            measured = probe_step_time(cfg, cluster.world_size, remeasure=remeasure)
+            st = dataclasses.replace(st, breakdown=measured.breakdown, dp_overlapped_seconds=0.0)
+            method = measured.method
+        except ProbeError as e:
+            method = f"{method}; the probe failed: {e}"
     seconds = st.total
     gbs = layout.global_batch_size
     peak_flops = cluster.peak(cfg.train.precision)
@@ -115,6 +134,7 @@ def predict(cfg: Config, cluster: Cluster, every_stage: bool = True) -> Predicti
         mfu=tflops / peak_flops,
         peak_flops=peak_flops,
         dtype=cfg.train.precision,
+        time_method=method,
     )
 
 
@@ -158,9 +178,9 @@ def prepare(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def plan_config(cfg: Config, cluster: Cluster) -> Prediction:
-    """The prediction for the config's own layout on the whole cluster."""
-    return predict(prepare(cfg, cluster.world_size), cluster)
+def plan_config(cfg: Config, cluster: Cluster, probe: bool = False, remeasure: bool = False) -> Prediction:
+    """The prediction for the config's own layout on the whole cluster (`probe`: see `predict`)."""
+    return predict(prepare(cfg, cluster.world_size), cluster, probe=probe, remeasure=remeasure)
 
 
 def _divisors(n: int) -> list[int]:
