@@ -4,7 +4,7 @@ On a GPU the rate model (`speed.step_time`) is the planner's: kernels there run 
 models. On a CPU most of a small model's step is not GEMM time: dispatch of every op, dropout's
 random numbers, the log-softmax over the vocabulary, FSDP2's and DTensor's Python per parameter and
 per op, gloo sharing the cores with compute. The rate model, fed with measured GEMM, bandwidth and
-gloo rates, under-predicted the 15 layouts of `benchmarks/plan_accuracy.py` by 30-60% on an idle
+gloo rates, under-predicted the 15 layouts of `benchmarks/plan_accuracy.py` by 22-65% on an idle
 machine (2026-11-24). The probe runs the layout for real: `stx launch -n N train CONFIG` with 1 and
 with 2 layers per pipeline chunk (num_layers = pp x virtual stages x j, j = 1, 2), a few iterations
 each, and reads every phase timer's median from their summary.json. A step is a fixed part (the
