@@ -128,3 +128,33 @@ def test_a_failed_probe_leaves_the_rate_model_and_says_why(monkeypatch: pytest.M
     assert probed.time.total == pytest.approx(rate.time.total)
     assert probed.time_method.startswith(RATE_MODEL) and "out of memory" in probed.time_method
     assert probed.to_dict()["time_method"] == probed.time_method
+
+
+def test_probe_step_time_runs_the_depths_then_serves_them_from_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setenv("STX_CACHE_DIR", str(tmp_path))
+    ran: list[int] = []
+
+    def fake_run(cfg, world_size, num_layers, **kwargs):
+        ran.append(num_layers)
+        return _probe(num_layers, 0.2 + 0.1 * num_layers, compute=0.1 + 0.1 * num_layers, optimizer=0.05)
+
+    monkeypatch.setattr(probe_mod, "run_probe", fake_run)
+    deep = _cfg("model.num_layers=12")
+    first = probe_mod.probe_step_time(deep, 1)
+    assert ran == [1, 4] and first.total == pytest.approx(0.2 + 0.1 * 12)
+    assert (
+        first.method == "measured: the engine at 1 and 4 layer(s) on 1 process(es), extrapolated to 12 layers"
+    )
+    again = probe_mod.probe_step_time(deep, 1)
+    assert ran == [1, 4] and again.breakdown == pytest.approx(first.breakdown)  # from the cache
+    probe_mod.probe_step_time(deep, 1, remeasure=True)
+    assert ran == [1, 4, 1, 4]
+    probe_mod.probe_step_time(deep, 2)  # another process count is another measurement
+    assert ran[-2:] == [1, 4]
+    shallow = probe_mod.probe_step_time(_cfg("model.num_layers=2"), 1)
+    assert (
+        ran[-1] == 2
+        and shallow.method == "measured: the engine at the config's own 2 layer(s) on 1 process(es)"
+    )

@@ -279,10 +279,15 @@ def probe_step_time(
         probe = run_probe(cfg, world_size, n, iters=iters, warmup=warmup)
         _write_cache(key, probe)
         probes.append(probe)
-    depths = " and ".join(str(p.num_layers) for p in probes)
-    method = (
-        f"measured: the engine at {depths} layer(s) on {world_size} process(es), "
-        + ("extrapolated to" if len(probes) > 1 else "the config's own depth,")
-        + f" {cfg.model.num_layers} layers"
-    )
+    if len(probes) > 1:
+        depths = " and ".join(str(p.num_layers) for p in probes)
+        method = (
+            f"measured: the engine at {depths} layer(s) on {world_size} process(es), "
+            f"extrapolated to {cfg.model.num_layers} layers"
+        )
+    else:
+        method = (
+            f"measured: the engine at the config's own {cfg.model.num_layers} layer(s) "
+            f"on {world_size} process(es)"
+        )
     return ProbeResult(extrapolate(probes, chunks, per_chunk), probes, chunks, method)
