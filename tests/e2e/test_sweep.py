@@ -76,7 +76,15 @@ def test_sweep_interrupted_resumed_and_reported(tmp_path: Path) -> None:
     # 1. Start, wait for the first member that ran to be stored, interrupt (Ctrl-C).
     log1 = tmp_path / "first.log"
     with open(log1, "w") as err:
-        proc = subprocess.Popen([STX, "sweep", str(sweep)], cwd=tmp_path, stderr=err, stdout=err)
+        # as a terminal's foreground job gets it: a shell's background job (`pytest ... &` in a script)
+        # starts with SIGINT ignored, which its children inherit, and Ctrl-C would then never arrive
+        proc = subprocess.Popen(
+            [STX, "sweep", str(sweep)],
+            cwd=tmp_path,
+            stderr=err,
+            stdout=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
             if any(r["status"] != "invalid" for r in stored(store)):
