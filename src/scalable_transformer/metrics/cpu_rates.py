@@ -9,7 +9,6 @@ Torch is imported inside the functions: importing this module costs nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cache import cache_dir
+from ..cache import cache_dir, put_json_entry, read_json_entries
 from .hardware import _cpu_model
 
 CACHE_NAME = "cpu_rates.json"
@@ -37,21 +36,11 @@ def _key(what: str, threads: int) -> str:
 
 
 def _read() -> dict[str, Any]:
-    try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_entries(CACHE_NAME)
 
 
 def _write(key: str, value: float) -> None:
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _read()
-    data[key] = {"value": value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    put_json_entry(CACHE_NAME, key, {"value": value})
 
 
 def _cached(what: str, threads: int, measure, lower_is_better: bool = False) -> float:

@@ -6,13 +6,13 @@ random numbers, the log-softmax over the vocabulary, FSDP2's and DTensor's Pytho
 per op, gloo sharing the cores with compute. The rate model, fed with measured GEMM, bandwidth and
 gloo rates, under-predicted the 15 layouts of `benchmarks/plan_accuracy.py` by 22-65% on an idle
 machine (2026-11-24). The probe runs the layout for real: `stx launch -n N train CONFIG` with 1 and
-with 2 layers per pipeline chunk (num_layers = pp x virtual stages x j, j = 1, 2), a few iterations
-each, and reads every phase timer's median from their summary.json. A step is a fixed part (the
-embedding, head, loss, metrics, the per-step calls) plus a part per layer (its compute, its share of
-the gradient collectives, FSDP2's gathers, the optimizer over its parameters), so each phase is
-extrapolated linearly to the config's depth; the pipeline's wait (bubble and sends) too, since a
-stage's micro-batch time is linear in its layers. When the config has at most 2 layers per chunk the
-probe at its own depth is the answer.
+with up to 4 layers per pipeline chunk (num_layers = pp x virtual stages x j, `probe_depths`), 16
+iterations each, and reads the median step and every phase timer's median from their summary.json.
+A step is a fixed part (the embedding, head, loss, metrics, the per-step calls) plus a part per
+layer (its compute, its share of the gradient collectives, FSDP2's gathers, the optimizer over its
+parameters), so the step and each phase are extrapolated linearly to the config's depth; the
+pipeline's wait (bubble and sends) too, since a stage's micro-batch time is linear in its layers.
+When the config has at most 2 layers per chunk the probe at its own depth is the answer.
 
 What it is not: a memory model (the memory prediction stays analytic: a probe of 2 layers says
 nothing about whether 96 fit), nor free: two short runs of the engine, ~15-60 s on this machine,
@@ -32,12 +32,11 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cache import cache_dir
+from ..cache import put_json_entry, read_json_entries
 from ..config.schema import Config
 
 CACHE_NAME = "cpu_probes.json"
@@ -138,24 +137,6 @@ def _cache_key(cfg: Config, world_size: int, num_layers: int, iters: int, warmup
         f"{METHOD} | {digest} | world={world_size} | iters={iters}/{warmup} | {_cpu_model()} | "
         f"cores={os.cpu_count()} | torch={torch_version} | python={platform.python_version()}"
     )
-
-
-def _read_cache() -> dict[str, Any]:
-    try:
-        data = json.loads((cache_dir() / CACHE_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(key: str, probe: DepthProbe) -> None:
-    path = cache_dir() / CACHE_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _read_cache()
-    data[key] = {**probe.to_dict(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def probe_overrides(num_layers: int, iters: int, warmup: int, run_dir: Path) -> list[str]:
@@ -265,7 +246,7 @@ def probe_step_time(
     Raises ProbeError when a probe run fails."""
     layers, per_chunk = probe_depths(cfg)
     chunks = cfg.parallel.pp * cfg.parallel.virtual_pipeline_stages
-    cache = {} if remeasure else _read_cache()
+    cache = {} if remeasure else read_json_entries(CACHE_NAME)
     probes = []
     for n in layers:
         key = _cache_key(cfg, world_size, n, iters, warmup)
@@ -277,7 +258,7 @@ def probe_step_time(
             except (KeyError, TypeError):
                 pass
         probe = run_probe(cfg, world_size, n, iters=iters, warmup=warmup)
-        _write_cache(key, probe)
+        put_json_entry(CACHE_NAME, key, probe.to_dict())
         probes.append(probe)
     if len(probes) > 1:
         depths = " and ".join(str(p.num_layers) for p in probes)
