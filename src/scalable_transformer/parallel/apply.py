@@ -190,4 +190,10 @@ def _materialize_if_meta(model: nn.Module, cfg: Config, device: torch.device) ->
     from .init import is_meta, materialize
 
     if is_meta(model):
-        materialize(model, cfg.model, device, cfg.train.seed)
+        p = cfg.parallel
+        # FSDP2's CPUOffloadPolicy keeps the sharded parameters on the host and refuses to run
+        # (at the first forward) when they were materialized on the GPU: found by `stx plan
+        # --dry-run` of an offload layout on a CUDA device; buffers still belong on the device
+        offloaded = p.zero_stage >= 2 and (p.offload_optimizer or p.offload_param)
+        param_device = torch.device("cpu") if offloaded else device
+        materialize(model, cfg.model, device, cfg.train.seed, param_device=param_device)

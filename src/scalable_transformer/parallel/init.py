@@ -23,7 +23,8 @@ the whole model's random numbers, which is cheap next to training.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -35,6 +36,17 @@ from ..models.layers import init_rules, initial_value, reset_derived_buffers
 # Name parts that wrappers applied by parallel/apply.py insert into parameter names (activation
 # checkpointing, torch.compile); the canonical name is the plain model's (= the checkpoint key).
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+@contextlib.contextmanager
+def meta_device() -> Iterator[None]:
+    """Build modules here: shapes on the meta device, no storage. A dry run (`stx plan --dry-run`)
+    builds inside a FakeTensorMode, which is paused here: a meta tensor has no data to fake, and a
+    fake one carries the mode's weakrefs, which stop `to_empty` from swapping it for its storage."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.device("meta"):
+        yield
 
 
 def canonical_name(name: str) -> str:
@@ -109,10 +121,26 @@ def return_large_frees_to_the_os() -> bool:
         return False
 
 
-def materialize(model: nn.Module, cfg: ModelConfig, device: torch.device, seed: int) -> nn.Module:
-    """Allocate `model`'s local storage on `device` and initialise it with the name-seeded Megatron
-    init (see the module docstring); recompute the derived buffers. Returns `model`."""
-    model.to_empty(device=device)
+def materialize(
+    model: nn.Module,
+    cfg: ModelConfig,
+    device: torch.device,
+    seed: int,
+    param_device: torch.device | None = None,
+) -> nn.Module:
+    """Allocate `model`'s local storage and initialise it with the name-seeded Megatron init (see the
+    module docstring); recompute the derived buffers. Parameters go to `param_device` (default
+    `device`; the host for FSDP2's CPU offload), buffers to `device`. Returns `model`."""
+    param_device = param_device or device
+    model.to_empty(device=param_device)
+    if param_device != device:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(
+                    name,
+                    torch.empty_like(buffer, device=device),
+                    persistent=name not in module._non_persistent_buffers_set,
+                )
     rules = {canonical_name(name): rule for name, rule in init_rules(model, cfg).items()}
     fill_parameters(model, lambda name, shape: initial_value(rules[name], shape, seed, name))
     reset_derived_buffers(model)
