@@ -1,6 +1,6 @@
 """`stx plan CONFIG [key=value ...] (--world-size N | --nodes K --gpus-per-node G) --device NAME
 [--host-memory-gb M] [--hardware cluster.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]
-[--no-probe] [--remeasure]`."""
+[--no-probe] [--remeasure] [--dry-run | --dry-run-top K]`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ class PlanOptions:
     emit_sweep: Path | None
     probe: bool = True  # --device cpu, one layout: measure the step time (plan/probe.py)
     remeasure: bool = False
+    dry_run: bool = False  # the engine on fake tensors at the target world size (plan/dry_run.py)
+    dry_run_top: int = 0  # --search: dry-run the best K layouts that fit
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanOptions:
@@ -52,6 +54,12 @@ class PlanOptions:
             raise UsageError("--emit-sweep writes the best layouts of a --search; add --search")
         if args.remeasure and args.no_probe:
             raise UsageError("--remeasure runs the depth probes again; it cannot go with --no-probe")
+        if args.dry_run and args.search:
+            raise UsageError("--search verifies its best layouts with --dry-run-top K, not --dry-run")
+        if args.dry_run_top is not None and not args.search:
+            raise UsageError("--dry-run-top K dry-runs the best K layouts of a --search; add --search")
+        if args.dry_run_top is not None and args.dry_run_top < 1:
+            raise UsageError(f"--dry-run-top must be >= 1, got {args.dry_run_top}")
         return cls(
             config,
             tuple(overrides),
@@ -67,6 +75,8 @@ class PlanOptions:
             Path(args.emit_sweep) if args.emit_sweep else None,
             probe=not args.no_probe,
             remeasure=args.remeasure,
+            dry_run=args.dry_run,
+            dry_run_top=args.dry_run_top or 0,
         )
 
 
@@ -114,6 +124,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--remeasure",
         action="store_true",
         help="--device cpu: run the depth probes again instead of reading them from the user cache",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="also build and run two steps of the real engine on fake tensors over a fake process group "
+        "of the target world size, one rank per memory class: measured peak memory per rank, the "
+        "collectives and host synchronizations per step, beside the prediction (docs/PLANNER.md#dry-runs)",
+    )
+    p.add_argument(
+        "--dry-run-top",
+        type=int,
+        metavar="K",
+        help="--search: dry-run the best K layouts that fit (docs/PLANNER.md#dry-runs)",
     )
     p.set_defaults(fn=run)
 
@@ -171,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         shown = [plan_config(cfg, cluster, probe=opts.probe, remeasure=opts.remeasure)]
         results = shown
+    if opts.dry_run or opts.dry_run_top:
+        from ..plan.dry_run import verify
+
+        count = 1 if opts.dry_run else opts.dry_run_top
+        verified = [r for r in shown if r.fits][:count] if opts.search else shown
+        done = {id(r): verify(r, cfg, cluster) for r in verified}
+        shown = [done.get(id(r), r) for r in shown]
+        results = [done.get(id(r), r) for r in results]
     if opts.emit_sweep is not None:
         write_sweep(opts, results, cluster)
     if opts.json:
@@ -183,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if opts.search:
         render_search(results, opts.top)
+        for r in results:
+            if r.dry_run is not None:
+                print(f"\n{r.layout.label()}:")
+                render_dry_run(r.dry_run)
         if cluster.kind == "cpu":
             print(
                 "on a CPU the rate model ranks the layouts but under-predicts their steps; `stx plan` of "
@@ -190,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         render_one(shown[0], cluster)
+        if shown[0].dry_run is not None:
+            render_dry_run(shown[0].dry_run)
     if opts.emit_sweep is not None:
         print(f"sweep file: {opts.emit_sweep} (run it with `stx sweep {opts.emit_sweep}`)")
     return 0
@@ -230,6 +267,48 @@ def render_one(r: Any, cluster: Any) -> None:
         f"{r.tflops_per_device:,.1f} TFLOP/s per device, MFU {r.mfu:.1%} (megatron convention, "
         f"peak {r.peak_flops / 1e12:,.1f} TFLOP/s {r.dtype} per device: {cluster.source})"
     )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def render_dry_run(d: dict[str, Any]) -> None:
+    """The dry run's measurements beside the prediction (plan/dry_run.py's dict)."""
+    if "error" in d:
+        print(f"dry run: failed; the prediction above stands. {d['error']}")
+        return
+    print(
+        f"dry run: the engine on fake tensors, {d['world_size']} ranks ({d['device']}), "
+        f"{len(d['ranks'])} rank(s) simulated in {d['seconds']:.1f} s: peak {_gib(d['peak_memory_bytes'])} "
+        f"per device vs {_gib(d['predicted_peak_memory_bytes'])} predicted ({_pct(d['difference'])}; "
+        "live tensor bytes)"
+    )
+    for r in d["ranks"]:
+        at = r["peak_at"]
+        where = ", ".join(x for x in (at["phase"], at["module"], at["op"]) if x)
+        predicted = "" if r["predicted_bytes"] is None else f" vs {_gib(r['predicted_bytes'])} predicted"
+        print(
+            f"  rank {r['rank']} (pipeline rank {r['stage']}): {_gib(r['peak_memory_bytes'])}{predicted} "
+            f"({_pct(r['difference'])}), peak in step {at['step']} at {where}"
+        )
+        for key, value in r["memory_breakdown_bytes"].items():
+            print(f"    {key.replace('_', ' '):<24} {_gib(value):>14}")
+    if d["collectives"]:
+        print("  collectives per step (rank 0, a step without logging):")
+        for c in d["collectives"]:
+            print(f"    {c['group']:<6} {c['kind']:<15} x{c['count']:<5} {c['bytes'] / 2**20:>12,.1f} MiB")
+    plain = [s for s in d["host_syncs"] if not s["logging_step"]]
+    logged = [s for s in d["host_syncs"] if s["logging_step"]]
+    print(
+        f"  host synchronizations per step: {d['host_syncs_per_step']} without logging, "
+        f"{sum(s['count'] for s in logged)} in a logging step (reads of a device value, data-dependent "
+        "shapes)"
+    )
+    for s in plain:
+        print(f"    {s['where']} x{s['count']}")
+    for note in d.get("notes", []):
+        print(f"  note: {note}")
 
 
 def render_search(results: list[Any], top: int) -> None:

@@ -36,6 +36,8 @@ class Prediction:
     dtype: str
     # how the step time was obtained: the rate model, or measured (plan/probe.py) on a CPU
     time_method: str = RATE_MODEL
+    # `--dry-run`: the engine on fake tensors at this world size (plan/dry_run.py), or {"error": ...}
+    dry_run: dict[str, Any] | None = None
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -67,6 +69,7 @@ class Prediction:
             },
             "stage_peak_memory_bytes": [st.total for st in self.stages],
             "time_method": self.time_method,
+            **({"dry_run": self.dry_run} if self.dry_run is not None else {}),
         }
 
 

@@ -310,15 +310,22 @@ def build_parallel_model(
         from ..parallel.init import return_large_frees_to_the_os
 
         return_large_frees_to_the_os()
-    with torch.device("meta"):
+    from ..parallel.init import meta_device
+
+    pipelined = dims.mesh is not None and dims.pp > 1
+    with meta_device():
         model = build_model(cfg.model)
-    if dims.mesh is None or dims.pp == 1:
+        if pipelined:
+            from ..parallel.pipeline import split_model
+
+            stages = split_model(model, cfg, dims.pp_rank)  # the last stage's tied copy: on meta too
+    if not pipelined:
         modules = [parallelize(model, cfg, dims, device)]
         runner = None
     else:
-        from ..parallel.pipeline import PipelineRunner, split_model
+        from ..parallel.pipeline import PipelineRunner
 
-        modules = [parallelize(stage, cfg, dims, device) for stage in split_model(model, cfg, dims.pp_rank)]
+        modules = [parallelize(stage, cfg, dims, device) for stage in stages]
         runner = PipelineRunner(modules, dims, cfg, device, cfg.train.gradient_accumulation_steps)
     del model  # the meta-device whole: only the parallelized modules hold storage
     if dims.pp > 1:  # dropout: pipeline stages must not repeat each other's masks (parallel/rng.py)

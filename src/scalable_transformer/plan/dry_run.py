@@ -1,0 +1,563 @@
+"""`stx plan --dry-run`: the real engine at the target world size, on fake tensors, in this process.
+
+For one representative rank of every memory class of a layout (each pipeline rank; under ZeRO-1 also
+the data-parallel rank whose optimizer shard is largest), the dry run joins a fake process group of
+the target world size as that rank, builds the topology (`ParallelDims`, its DeviceMesh), then inside
+`FakeTensorMode` builds the model on the meta device, parallelizes and materializes it
+(`train.run.build_parallel_model`), builds the optimizer and schedule, and runs `Trainer.fit` for two
+steps: the step with its micro-batches or pipeline schedule, gradient clipping, loss scaling and the
+optimizer step, the second one a logging step. No tensor holds data and collectives return at once,
+so a 175B model on 64 ranks costs seconds and a few GB of Python objects.
+
+`plan/dry_run_trace.py` observes it: live tensor bytes per rank and where their peak is, the
+collectives per step and every host read of a device value. docs/PLANNER.md#dry-runs says what a dry
+run exercises and what it cannot (kernel workspaces, allocator caching, NCCL's own buffers).
+
+The fake process group is torch's test backend (`torch.testing._internal.distributed.fake_pg`), the
+only place torch ships it; `fake_process_group` is the one place that imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config.schema import Config
+from ..errors import StxError
+
+DRY_RUN_STEPS = 2  # the first a plain step, the second a logging step
+NO_PEAK = 1e30  # FLOP/s: a dry run's step takes no time, so its MFU means nothing (and must not warn)
+
+
+class DryRunError(StxError):
+    """The engine failed inside a dry run (the analytic prediction stands)."""
+
+
+@dataclass
+class RankDryRun:
+    rank: int
+    stage: int  # pipeline rank
+    peak_memory_bytes: int
+    memory_breakdown_bytes: dict[str, int]
+    peak_at: dict[str, Any]
+    collectives: list[dict[str, Any]]
+    host_syncs: list[dict[str, Any]]
+    host_syncs_per_step: int
+    zero1_shard_numel: list[int] | None = None  # ZeRO-1: elements of the optimizer shard per dp rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "stage": self.stage,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_breakdown_bytes": self.memory_breakdown_bytes,
+            "peak_at": self.peak_at,
+        }
+
+
+@dataclass
+class DryRun:
+    """What `--json` prints as `layouts[i].dry_run`."""
+
+    ranks: list[RankDryRun]
+    seconds: float
+    device: str
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(r.peak_memory_bytes for r in self.ranks)
+
+    @property
+    def peak_rank(self) -> RankDryRun:
+        return max(self.ranks, key=lambda r: r.peak_memory_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.ranks[0]
+        return {
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "ranks": [r.to_dict() for r in self.ranks],
+            # rank 0's collectives in a step without logging (every simulated rank's: ranks_detail)
+            "collectives": first.collectives,
+            "host_syncs_per_step": first.host_syncs_per_step,
+            "host_syncs": first.host_syncs,
+            "seconds": self.seconds,
+            "device": self.device,
+            "world_size": self.world_size,
+            "notes": self.notes,
+            "ranks_detail": [
+                {"rank": r.rank, "collectives": r.collectives, "host_syncs": r.host_syncs} for r in self.ranks
+            ],
+        }
+
+
+# ------------------------------------------------------------------ the fake process group
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group as torch's fake backend: every collective returns at once."""
+    import torch.distributed as dist
+
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        raise DryRunError(
+            f"this torch ({_torch_version()}) has no fake process group "
+            "(torch.testing._internal.distributed.fake_pg): dry runs need it"
+        ) from e
+    if dist.is_initialized():
+        raise DryRunError("a dry run needs a process without a process group (one is already initialized)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+# ------------------------------------------------------------------ one rank
+
+
+def dry_run_config(cfg: Config) -> Config:
+    """The config a dry run trains: two steps, the second logged, no evaluation, nothing written, no
+    weights read (the run has no data to put them in)."""
+    t, lg, c = cfg.train, cfg.logging, cfg.checkpoint
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(t, exit_interval=DRY_RUN_STEPS, eval_iters=0, eval_interval=0),
+        logging=dataclasses.replace(
+            lg,
+            log_interval=DRY_RUN_STEPS,
+            tensorboard=False,
+            telemetry=False,
+            track_tensor_bytes=False,
+            profile_start_step=None,
+            profile_end_step=None,
+        ),
+        checkpoint=dataclasses.replace(c, save=None, load=None, init_from_hf=None),
+    )
+
+
+def fake_batches(cfg: Config, device: Any) -> Iterator[dict[str, Any]]:
+    """Endless micro-batches of the family's keys and shapes, as the data loader collates them
+    (int64 [b, s]; BERT's nsp_labels [b]), made under the fake mode when the trainer asks."""
+    import torch
+
+    from ..models import spec_for
+
+    spec = spec_for(cfg.model)
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    keys = [*spec.input_keys, *spec.data.label_keys]
+    if not cfg.model.bert_binary_head or cfg.model.type != "bert":
+        keys = [k for k in keys if k != "nsp_labels"]
+    while True:
+        yield {
+            k: torch.zeros((b,) if k == "nsp_labels" else (b, s), dtype=torch.int64, device=device)
+            for k in keys
+        }
+
+
+def _group_names(dims: Any) -> dict[str, str]:
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    names: dict[str, str] = {str(world.group_name): "world"} if world is not None else {}
+    if dims.mesh is not None:
+        for dim in ("pp", "dp", "tp"):
+            names[str(dims.mesh[dim].get_group().group_name)] = dim
+    return names
+
+
+def _summarize_collectives(calls: list[Any], step: int) -> list[dict[str, Any]]:
+    counts: Counter = Counter()
+    sizes: Counter = Counter()
+    for c in calls:
+        if c.step == step:
+            counts[(c.group, c.kind)] += 1
+            sizes[(c.group, c.kind)] += c.bytes
+    return [
+        {"group": g, "kind": k, "count": counts[(g, k)], "bytes": sizes[(g, k)]} for g, k in sorted(counts)
+    ]
+
+
+def _summarize_reads(reads: list[Any], step: int) -> list[dict[str, Any]]:
+    counts = Counter(r.where for r in reads if r.step == step)
+    logging = any(r.logging_step for r in reads if r.step == step)
+    return [{"where": w, "logging_step": logging, "count": n} for w, n in sorted(counts.items())]
+
+
+def run_rank(
+    cfg: Config, world_size: int, rank: int, device_type: str, devices_per_node: int = 8
+) -> RankDryRun:
+    """Dry-run `rank` of a resolved config on a fake process group of `world_size`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from ..config.validate import resolve
+    from ..metrics.flops import ModelShape, flops_per_iteration
+    from ..metrics.sinks import Sinks
+    from ..models import count_parameters
+    from ..parallel.dims import ParallelDims
+    from ..train.optim import build_optimizer, build_scheduler
+    from ..train.run import build_parallel_model
+    from ..train.trainer import Trainer
+    from .dry_run_trace import DryRunTrace
+
+    cfg = resolve(dry_run_config(cfg), world_size)
+    holder: dict[str, Any] = {}  # the trace, once it exists: torch.cuda.synchronize() is a host sync
+
+    def device_sync() -> None:
+        if "trace" in holder:
+            holder["trace"]._host_read(None)
+
+    with (
+        fake_process_group(rank, world_size),
+        _patched(_engine_stubs(device_type)),
+        _target_device(device_type, rank, devices_per_node, device_sync) as device,
+    ):
+        dims = ParallelDims.build(cfg, device.type)  # the mesh outside the fake mode (it reads ranks)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        trace = DryRunTrace(_group_names(dims), backend=backend, device_type=device.type)
+        holder["trace"] = trace
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        try:
+            with fake, trace, ModTracker() as modules, warnings.catch_warnings():
+                # model_state_bytes dedupes storages by data_ptr, which fake tensors only warn about
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                trace.module_tracker = modules
+                model, pipeline = build_parallel_model(cfg, dims, device)
+                zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
+                optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
+                scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
+                flops = flops_per_iteration(
+                    ModelShape.from_config(cfg.model, count_parameters(cfg.model)),
+                    cfg.train.global_batch_size,
+                    cfg.logging.flops_convention,
+                    cfg.parallel.activation_checkpointing,
+                )
+                trainer = Trainer(
+                    cfg,  # type: ignore[arg-type]
+                    model,
+                    optimizer,
+                    scheduler,
+                    fake_batches(cfg, device),
+                    list,
+                    device,
+                    Sinks([]),
+                    flops,
+                    NO_PEAK,
+                    num_devices=world_size,
+                    dims=dims,
+                    pipeline=pipeline,
+                    callbacks=[_StepMarker(trace, cfg.logging.log_interval)],  # type: ignore[list-item]
+                )
+                trainer.timers = _PhaseTimers(trace, trainer.timers)  # type: ignore[assignment]
+                trace.phase = "train"
+                trainer.fit()
+                _tag_model_states(trace, model, optimizer)
+        except StxError:
+            raise
+        except Exception as e:
+            where = trace.phase + (f" ({trace.where_module()})" if trace.where_module() else "")
+            first_line = (str(e).strip().splitlines() or [""])[0][:400]
+            raise DryRunError(
+                f"rank {rank}: the engine failed in phase {where} of step {trace.step}: "
+                f"{type(e).__name__}: {first_line}"
+            ) from e
+        peak = trace.peak
+        logging_step = DRY_RUN_STEPS
+        plain_step = 1
+        reads = _summarize_reads(trace.host_reads, plain_step) + _summarize_reads(
+            trace.host_reads, logging_step
+        )
+        return RankDryRun(
+            rank=rank,
+            stage=dims.pp_rank,
+            peak_memory_bytes=peak.bytes,
+            memory_breakdown_bytes=trace.breakdown_at_peak(),
+            peak_at={"phase": peak.phase, "module": peak.module, "op": peak.op, "step": peak.step},
+            collectives=_summarize_collectives(trace.collectives, plain_step),
+            host_syncs=reads,
+            host_syncs_per_step=trace.syncs_by_step().get(plain_step, 0),
+            zero1_shard_numel=_zero1_partition(optimizer) if cfg.parallel.zero_stage == 1 else None,
+        )
+
+
+def _tag_model_states(trace: Any, model: Any, optimizer: Any) -> None:
+    """Storages that are the model's states at the end of the run; their earlier blocks share the tag."""
+    params = list(model.parameters())
+    trace.tag(params, "parameters", overwrite=True)
+    trace.tag([p.grad for p in params if p.grad is not None], "gradients", overwrite=True)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's here
+    trace.tag([list(s.values()) for s in inner.state.values()], "optimizer_state", overwrite=True)
+
+
+def _zero1_partition(optimizer: Any) -> list[int] | None:
+    partition = getattr(optimizer, "_partition_parameters", None)
+    if partition is None:
+        return None
+    return [sum(p.numel() for group in groups for p in group["params"]) for groups in partition()]
+
+
+class _StepMarker:
+    """Tells the trace which step runs, and whether it logs."""
+
+    def __init__(self, trace: Any, log_interval: int) -> None:
+        self.trace, self.log_interval = trace, log_interval
+
+    def on_step_start(self, trainer: Any) -> None:
+        step = trainer.iteration + 1
+        self.trace.step = step
+        if step % self.log_interval == 0:
+            self.trace.logging_steps.add(step)
+
+    def __getattr__(self, name: str) -> Any:  # the other Callback hooks: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+class _PhaseTimers:
+    """The trainer's Timers, also telling the trace which phase runs (the peak's `phase`)."""
+
+    def __init__(self, trace: Any, timers: Any) -> None:
+        self._trace, self._timers = trace, timers
+
+    def __call__(self, name: str) -> Any:
+        return _PhaseTimer(self._trace, self._timers(name), name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._timers, name)
+
+
+class _PhaseTimer:
+    def __init__(self, trace: Any, timer: Any, name: str) -> None:
+        self._trace, self._timer, self._name = trace, timer, name
+        self._previous = ""
+
+    def __enter__(self) -> Any:
+        self._previous, self._trace.phase = self._trace.phase, self._name
+        return self._timer.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._trace.phase = self._previous
+        return self._timer.__exit__(*exc)
+
+
+def _engine_stubs(device_type: str) -> list[tuple[Any, str, Any]]:
+    """What the engine does on the host that a fake tensor cannot answer, replaced for the dry run:
+
+    - DeviceMesh.__init__ runs outside the fake mode: a mesh's rank table is real host data, and FSDP2
+      over tensor-parallel parameters builds a new mesh inside the fake mode (`DeviceMesh._concatenate`).
+    - DDP's `_verify_param_shape_across_processes` compares every rank's parameter shapes through a
+      raw pointer (C++); a dry run simulates one rank, so there is nothing to compare.
+    - DDP's one-time bucket rebuild before the second forward (buckets re-cut in the order the first
+      backward produced gradients) broadcasts an index tensor it fills through a raw pointer: skipped,
+      the buckets keep their construction order and the same total size.
+    - pipelining's `_warmup_p2p` agrees on static or dynamic stage shapes by multiplying votes over
+      send/recv and reading the product on the host; in a dry run every rank builds its stages the same
+      way, so the local vote is the global one.
+    - on CUDA, DDP's runtime statistics need the CUDA timer of libtorch_cuda: skipped (logging only).
+    """
+    import torch.distributed as dist
+    import torch.nn.parallel.distributed as ddp
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import schedules
+
+    mesh_init = DeviceMesh.__init__
+
+    def real_mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    warmup = schedules._PipelineSchedule._warmup_p2p
+
+    def local_vote(self: Any, stages: Any, has_backward: Any, p2p_done: Any) -> Any:
+        from torch.distributed.pipelining._utils import InferenceMode
+        from torch.distributed.pipelining.stage import PipelineStage
+
+        if not all(isinstance(st, PipelineStage) for st in stages):
+            return warmup(self, stages, has_backward, p2p_done)
+        static = all(not InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
+        for st in stages:
+            st._inference_mode = InferenceMode.STATIC if static else InferenceMode.DYNAMIC
+        return None
+
+    stubs: list[tuple[Any, str, Any]] = [
+        (DeviceMesh, "__init__", real_mesh_init),
+        (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
+        (dist.Reducer, "_rebuild_buckets", lambda self: False),
+        (schedules._PipelineSchedule, "_warmup_p2p", local_vote),
+    ]
+    if device_type == "cuda":
+        stubs.append((dist.Logger, "set_runtime_stats_and_log", lambda self: None))
+    return stubs
+
+
+@contextlib.contextmanager
+def _patched(stubs: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    saved = [(obj, name, obj.__dict__.get(name), name in obj.__dict__) for obj, name, _ in stubs]
+    try:
+        for obj, name, new in stubs:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old, had in reversed(saved):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+
+
+@contextlib.contextmanager
+def _target_device(device_type: str, rank: int, devices_per_node: int, on_sync: Any) -> Iterator[Any]:
+    """The device the simulated rank computes on; for CUDA the fake CUDA of plan/fake_cuda.py, with
+    `on_sync` called at every torch.cuda.synchronize()."""
+    import torch
+
+    if device_type == "cpu":
+        yield torch.device("cpu")
+        return
+    if device_type != "cuda":
+        raise DryRunError(f"dry runs simulate cpu or cuda devices, not {device_type!r}")
+    from .fake_cuda import fake_cuda
+
+    index = rank % devices_per_node
+    with fake_cuda(index, on_sync=on_sync):
+        yield torch.device("cuda", index)
+
+
+# ------------------------------------------------------------------ a layout
+
+
+def representative_ranks(cfg: Config) -> list[int]:
+    """One global rank per pipeline rank (dp rank 0, tp rank 0): every memory class but ZeRO-1's
+    uneven shards, which `dry_run` adds once it knows the partition."""
+    p = cfg.parallel
+    return [pp_rank * p.dp * p.tp for pp_rank in range(p.pp)]
+
+
+def dry_run(cfg: Config, world_size: int, device_type: str = "cpu", devices_per_node: int = 8) -> DryRun:
+    """Dry-run a resolved config's layout on `world_size` fake ranks, in this process (see the module
+    docstring; `dry_run_isolated` runs it in a child process)."""
+    start = time.perf_counter()
+    p = cfg.parallel
+
+    def one(rank: int) -> RankDryRun:
+        return run_rank(cfg, world_size, rank, device_type, devices_per_node)
+
+    runs = [one(rank) for rank in representative_ranks(cfg)]
+    notes = []
+    if p.zero_stage == 1 and p.dp > 1:
+        extra = []
+        for r in runs:
+            shards = r.zero1_shard_numel or []
+            if shards:
+                heaviest = max(range(len(shards)), key=lambda i: shards[i])
+                if heaviest != 0:
+                    extra.append(r.rank + heaviest * p.tp)
+                    notes.append(
+                        f"ZeRO-1: dp rank {heaviest} of pipeline rank {r.stage} holds the largest optimizer "
+                        f"shard ({shards[heaviest]:,} vs {shards[0]:,} elements on dp rank 0)"
+                    )
+        runs += [one(rank) for rank in extra]
+    return DryRun(runs, time.perf_counter() - start, device_type, world_size, notes)
+
+
+WORKER_TIMEOUT_SECONDS = 900
+
+
+def dry_run_isolated(
+    cfg: Config, world_size: int, device_type: str = "cpu", devices_per_node: int = 8
+) -> dict[str, Any]:
+    """`dry_run` in a child process, as `DryRun.to_dict()`: the fake process group, the patches of
+    fake CUDA and whatever the engine leaves behind stay there, and a crash in the engine (fake CUDA
+    reaches into libtorch) is an error here, not the end of `stx plan`. Adds the child's peak RSS."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from ..config.load import to_yaml
+
+    with tempfile.TemporaryDirectory(prefix="stx-dry-run-") as tmp:
+        config_path, result_path = Path(tmp) / "config.yaml", Path(tmp) / "result.json"
+        config_path.write_text(to_yaml(cfg), encoding="utf-8")
+        args = [str(config_path), str(world_size), device_type, str(devices_per_node), str(result_path)]
+        code = f"from {__name__} import _worker_main; _worker_main({args!r})"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=WORKER_TIMEOUT_SECONDS
+            )
+        except subprocess.TimeoutExpired as e:
+            raise DryRunError(f"the dry run took over {WORKER_TIMEOUT_SECONDS} s and was stopped") from e
+        if not result_path.exists():
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            raise DryRunError(f"the dry run's process ended with exit code {proc.returncode}: {tail}")
+        result = json.loads(result_path.read_text(encoding="utf-8"))
+    if "error" in result:
+        raise DryRunError(result["error"])
+    return result
+
+
+def _worker_main(argv: list[str]) -> None:
+    """The child of `dry_run_isolated`: config path, world size, device type, devices per node, and
+    where to write the result (or {"error": ...})."""
+    import json
+    import resource
+    from pathlib import Path
+
+    from ..config.load import load_config
+    from ..config.validate import resolve
+
+    config_path, world, device_type, per_node, result_path = argv
+    try:
+        cfg = resolve(load_config(config_path), int(world))
+        out = dry_run(cfg, int(world), device_type, int(per_node)).to_dict()
+        out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except StxError as e:
+        out = {"error": str(e)}
+    Path(result_path).write_text(json.dumps(out), encoding="utf-8")
+
+
+def verify(prediction: Any, cfg: Config, cluster: Any) -> Any:
+    """`prediction` (plan/search.py) with its `dry_run` filled: the dry run of its layout on the
+    cluster's world size, each simulated rank beside the analytic prediction for its pipeline rank.
+    A dry run that fails inside the engine is reported in `dry_run["error"]`; the analytic result
+    stands either way."""
+    from ..config.validate import resolve
+    from .search import prepare
+
+    world = cluster.world_size
+    device_type = "cpu" if cluster.kind == "cpu" else "cuda"
+    layout_cfg = resolve(prediction.layout.apply(prepare(cfg, world)), world)
+    try:
+        out = dry_run_isolated(layout_cfg, world, device_type, cluster.devices_per_node)
+    except DryRunError as e:
+        return dataclasses.replace(prediction, dry_run={"error": str(e), "device": device_type})
+    # the dry run counts live tensor bytes: compare them with the prediction less its reserve (CUDA
+    # context, allocator slack), which no tensor holds
+    predicted = {st.pp_rank: st.total - st.breakdown.get("reserve", 0) for st in prediction.stages}
+    for entry in out["ranks"]:
+        analytic = predicted.get(entry["stage"])
+        entry["predicted_bytes"] = analytic
+        entry["difference"] = None if not analytic else entry["peak_memory_bytes"] / analytic - 1
+    analytic = max(predicted.values())
+    out["predicted_peak_memory_bytes"] = analytic
+    out["difference"] = out["peak_memory_bytes"] / analytic - 1 if analytic else None
+    return dataclasses.replace(prediction, dry_run=out)

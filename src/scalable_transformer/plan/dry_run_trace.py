@@ -1,0 +1,573 @@
+"""What a dry run observes while the real engine runs on fake tensors: live tensor bytes and their
+peak, the collectives issued, and every host read of a tensor value.
+
+`DryRunTrace` is a `TorchDispatchMode` pushed inside the dry run's `FakeTensorMode`, so it sees every
+aten op the engine dispatches (C++-originated ones too: DDP's bucket allocation, autograd's gradient
+buffers) before the fake mode computes its output's metadata. It does three things:
+
+memory      Every storage an op's output lives in is counted once, from the op that made it until
+            Python frees it (a weakref callback), and re-counted when its size changes: FSDP2 frees and
+            re-allocates unsharded parameters with `UntypedStorage.resize_`, which is no dispatched op,
+            so `resize_` is wrapped for the duration of the trace. Each size is one "block" with the
+            sequence number of its allocation and free; the peak is the largest running total, and
+            the blocks alive at the peak are classified afterwards (parameters, gradients, optimizer
+            state, gathered parameters, communication buffers, activations, other temporaries).
+            These are live tensor bytes, what `logging.track_tensor_bytes` measures on a CPU run and
+            `torch.cuda.max_memory_allocated` on a GPU: no allocator rounding or caching, no
+            kernel-internal workspaces (which no dispatched op allocates).
+collectives every op of the `c10d` and `_c10d_functional` namespaces, with the process group it ran
+            on (named by the mesh dimension), its kind and its bytes (the collective's whole buffer,
+            as nccl-tests count size: all-gather's output, reduce-scatter's input).
+host reads  `aten._local_scalar_dense` (`.item()`, `float()`, `int()`, `.tolist()` of a tensor) raises on
+            a fake tensor; here it is answered with a neutral value (0 / False / 1.0) and recorded
+            with the first frame of this package on the Python stack. Consecutive reads from one
+            place with no op between them are one synchronization (a `.tolist()`).
+
+Considered: `torch.distributed._tools.MemTracker` / `FSDPMemTracker` (same dispatch-mode technique,
+per-module peaks). They do not see DDP's buckets or pipeline buffers as such, report one category
+scheme per tracker, and a first try gave an optimizer-state total far above the sharded state
+(shared/TORCH-ON-CPU.md); the dry run needs the peak's phase and our planner's categories, so the
+bookkeeping is ours. Two of MemTracker's findings are followed: DTensor ops are left to DTensor
+(returning NotImplemented) so that only the local shard ops are counted, and the fake mode's
+`wait_tensor` returns a new tensor where eager returns its input, so it is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent)  # .../scalable_transformer
+_PLAN = str(Path(__file__).resolve().parent)  # the dry run's own frames are not where a sync is
+_TORCH = str(Path(torch.__file__).resolve().parent)
+_aten = torch.ops.aten
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+# op name -> kind as users know it (nccl-tests / the engine's comm recorder)
+_KINDS = {
+    "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "barrier": "barrier",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+}
+# Gloo (the CPU backend) stages these through a temporary of the collective's whole buffer, allocated
+# with torch's CPU allocator (measured with the profiler on 2 processes, torch 2.13: reduce_scatter_tensor
+# and all_gather_into_tensor each peaked one full-size buffer above their input and output; all_reduce
+# and broadcast none). NCCL works in the output buffer. The buffer lives while the collective runs
+# (a synchronous op on the issuing thread here): counted as a spike. Measuring a real gloo run, note
+# that gloo's worker thread sometimes drops the last reference to this buffer (and to a functional
+# collective's output or input), and the profiler's memory reporting is per thread: such a free is
+# never subtracted from `total_allocated`, which then stays above the live bytes (by up to 14 % on
+# the benchmark's layouts, varying run to run).
+_GLOO_STAGED = {
+    "_allgather_base_",
+    "_reduce_scatter_base_",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+}
+# ops whose output shape depends on tensor values (the fake mode cannot run them)
+_DATA_DEPENDENT = {_aten.nonzero.default, _aten.masked_select.default}
+# ops that only wait for or describe a collective: not counted as one
+_NOT_COLLECTIVES = {"wait_tensor", "monitored_barrier_"}
+
+# breakdown keys, in the planner's vocabulary (plan/memory.py), in the order they are assigned
+CATEGORIES = (
+    "parameters",
+    "optimizer_state",
+    "gradients",
+    "gathered_parameters",
+    "communication_buffers",
+    "activations",
+    "batch",
+    "other_temporaries",
+)
+
+
+@dataclass
+class Block:
+    """One size of one storage: `bytes` from op number `born` until op number `died` (None: alive)."""
+
+    serial: int  # the storage's serial number (stable across its resizes)
+    bytes: int
+    born: int
+    phase: str
+    backward: bool  # allocated while autograd ran a backward node
+    op: str = ""
+    died: int | None = None
+
+
+@dataclass
+class HostRead:
+    where: str  # path:line of the first frame in this package (else the first outside torch)
+    step: int  # the training step it happened in (0: before the first)
+    logging_step: bool
+
+
+@dataclass
+class CollectiveCall:
+    step: int
+    group: str
+    kind: str
+    bytes: int
+
+
+@dataclass
+class Peak:
+    bytes: int = 0
+    seq: int = -1
+    phase: str = ""
+    module: str = ""
+    op: str = ""
+    step: int = 0
+
+
+class DryRunTrace(TorchDispatchMode):
+    """Push inside the dry run's FakeTensorMode (see the module docstring). `group_names` maps a process
+    group's name to the label reported for it ("dp", "tp", "pp", ...)."""
+
+    def __init__(
+        self, group_names: dict[str, str] | None = None, backend: str = "nccl", device_type: str = "cpu"
+    ) -> None:
+        super().__init__()
+        # only tensors on the simulated device count (a GPU rank's offloaded host states do not)
+        self.device_type = device_type
+        self.group_names = dict(group_names or {})
+        self.backend = backend  # the backend the real run would use: its own buffers are modelled
+        self.blocks: list[Block] = []
+        self._open: dict[int, Block] = {}  # serial -> its current block
+        self._serial_of: dict[int, int] = {}  # id(storage) -> serial, while the storage lives
+        self._refs: dict[int, weakref.ref] = {}  # serial -> weakref to its storage
+        self._next_serial = 0
+        self.seq = 0
+        self.live = 0
+        self.peak = Peak()
+        self.step = 0
+        self.logging_steps: set[int] = set()
+        self.phase = "build"
+        self.module_tracker: Any = None  # torch's ModTracker: the module running now
+        self.host_reads: list[HostRead] = []
+        self._last_read_key: tuple[str, int, int] | None = None
+        self.collectives: list[CollectiveCall] = []
+        self.tags: dict[int, str] = {}  # serial -> category, for tags known when the storage is alive
+        self._fake_mode: Any = None
+        self._orig_resize: Any = None
+        self.op = ""  # the op running now (the peak's `op`)
+        self.paused = 0  # > 0 while DTensor propagates metadata on global-shape fake tensors
+        self._orig_propagate: Any = None
+
+    # ------------------------------------------------------------ context
+
+    def __enter__(self) -> DryRunTrace:
+        from torch._guards import detect_fake_mode
+
+        self._fake_mode = detect_fake_mode()
+        self._orig_resize = torch.UntypedStorage.resize_
+        trace = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = trace._orig_resize(storage, size)
+            trace.op = "UntypedStorage.resize_"
+            trace._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        # DTensor learns an op's output metadata by running it on global-shape fake tensors, on the
+        # fake mode already active (ours): those ops are not this rank's memory, so the trace pauses
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._orig_propagate = propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def paused(propagator: Any, op_schema: Any) -> Any:
+            trace.paused += 1
+            try:
+                return propagate(propagator, op_schema)
+            finally:
+                trace.paused -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = paused  # type: ignore[method-assign,assignment]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------ where we are
+
+    def where_module(self) -> str:
+        tracker = self.module_tracker
+        if tracker is None:
+            return ""
+        parents = [p for p in tracker.parents if p != "Global"]
+        return max(parents, key=lambda p: p.count("."), default="")
+
+    def current_phase(self) -> str:
+        if torch._C._current_autograd_node() is not None:  # autograd's engine runs a backward node
+            if self.phase in ("train", "forward-compute"):
+                return "backward-compute"
+            return f"{self.phase}:backward"
+        return self.phase
+
+    # ------------------------------------------------------------ memory
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        serial = self._serial_of.get(key)
+        if serial is not None:
+            block = self._open.get(serial)
+            if block is not None and block.bytes != storage.nbytes():
+                self._resized(storage)
+            return
+        serial = self._next_serial
+        self._next_serial += 1
+        self._serial_of[key] = serial
+
+        def freed(_ref: Any, serial: int = serial, key: int = key) -> None:
+            self._close(serial)
+            if self._serial_of.get(key) == serial:
+                del self._serial_of[key]
+            self._refs.pop(serial, None)
+
+        self._refs[serial] = weakref.ref(storage, freed)
+        self._open_block(serial, storage.nbytes())
+
+    def _transient(self, nbytes: int) -> None:
+        """A buffer that exists only during the op (a backend's staging copy)."""
+        serial = self._next_serial
+        self._next_serial += 1
+        self.tags[serial] = "communication_buffers"
+        self._open_block(serial, nbytes)
+        self._close(serial)
+
+    def _open_block(self, serial: int, nbytes: int) -> None:
+        self.seq += 1
+        node = torch._C._current_autograd_node()
+        block = Block(serial, nbytes, self.seq, self.current_phase(), node is not None, self.op)
+        self.blocks.append(block)
+        self._open[serial] = block
+        self.live += nbytes
+        if self.live > self.peak.bytes:
+            self.peak = Peak(self.live, self.seq, block.phase, self.where_module(), self.op, self.step)
+
+    def _close(self, serial: int) -> None:
+        block = self._open.pop(serial, None)
+        if block is None:
+            return
+        self.seq += 1
+        block.died = self.seq
+        self.live -= block.bytes
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        serial = self._serial_of.get(id(storage))
+        if serial is None:  # not a storage of the device's tensors (host memory, or never seen)
+            return None
+        block = self._open.get(serial)
+        if block is not None and block.bytes == storage.nbytes():
+            return None
+        self._close(serial)
+        if storage.nbytes():
+            self._open_block(serial, storage.nbytes())
+            if block is None or block.bytes == 0:  # FSDP2 re-allocating an unsharded parameter
+                self.tags.setdefault(serial, "gathered_parameters")
+        return None
+
+    def serial(self, tensor: torch.Tensor) -> int | None:
+        """The serial number of a (plain) tensor's storage, if traced."""
+        try:
+            return self._serial_of.get(id(tensor.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def tag(self, tensors: Any, category: str, overwrite: bool = False) -> None:
+        """Mark the storages of `tensors` (DTensors: their local shards) as `category`."""
+        for t in tree_leaves(tensors):
+            if not isinstance(t, torch.Tensor):
+                continue
+            local = getattr(t, "_local_tensor", t)
+            serial = self.serial(local)
+            if serial is None:
+                continue
+            if overwrite:
+                self.tags[serial] = category
+            else:
+                self.tags.setdefault(serial, category)
+
+    # ------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        if self.paused:
+            return func(*args, **kwargs)
+        if self._fake_mode is not None and _only_real_tensors((args, kwargs)):
+            # a DeviceMesh's rank table (sub-mesh coordinates): real data, run for real and not counted
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        reads = func is _aten._local_scalar_dense.default or _data_dependent(func, args)
+        if self._fake_mode is None and reads:
+            # on real tensors (a real run observed with this trace): record the read, run the op
+            self._host_read(None)
+            out = func(*args, **kwargs)
+            self._record_outputs(out)
+            return out
+        if func is _aten._local_scalar_dense.default:
+            return self._host_read(args[0])
+        if func is _aten._pin_memory.default:
+            # a page-locked host copy (offload to the CPU of a GPU rank): host memory, which the fake
+            # mode has no kernel for; an ordinary host copy has the same shape and is not counted
+            with self._fake_mode:
+                return args[0].clone()
+        if _data_dependent(func, args):
+            return self._data_dependent(func, args, kwargs)
+        self._last_read_key = None
+        self.op = str(func)
+        namespace = func.namespace
+        if namespace in COLLECTIVE_NAMESPACES:
+            return self._collective(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if self._nested_fake():
+            return out  # DTensor's sharding propagation on its own fake mode: no memory of this rank
+        self._record_outputs(out)
+        return out
+
+    def _nested_fake(self) -> bool:
+        from torch._guards import detect_fake_mode
+
+        mode = detect_fake_mode()
+        return mode is not None and self._fake_mode is not None and mode is not self._fake_mode
+
+    def _record_outputs(self, out: Any) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None and node.name().endswith("AccumulateGrad"):
+            self.tag(out, "gradients")  # autograd accumulating a parameter's gradient
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                self._track(storage)
+
+    def _collective(self, func: Any, args: Any, kwargs: Any) -> Any:
+        name = func._opname
+        if name == "wait_tensor":
+            return args[0]  # eager returns its input; the fake kernel would count a new tensor
+        out = _completed(func(*args, **kwargs))
+        self._record_outputs(out)
+        kind = _KINDS.get(name)
+        if kind is None and name not in _NOT_COLLECTIVES:
+            kind = name
+        if kind is not None:
+            nbytes = _message_bytes(name, args)
+            self.collectives.append(CollectiveCall(self.step, self._group_of(args, kwargs), kind, nbytes))
+            if self.backend == "gloo" and name in _GLOO_STAGED:
+                self._transient(nbytes)
+            for t in tree_leaves((args, kwargs)):  # buffers that only exist for the collective
+                if isinstance(t, torch.Tensor):
+                    self.tag(t, "communication_buffers")
+        return out
+
+    def _group_of(self, args: Any, kwargs: Any) -> str:
+        """The label of the process group a collective runs on: c10d ops take the group as a boxed
+        ScriptObject, functional ones by name (a string argument)."""
+        import torch.distributed as dist
+
+        values = (*args, *kwargs.values())
+        for a in values:
+            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in a._type().qualified_name():
+                name = dist.ProcessGroup.unbox(a).group_name
+                return self.group_names.get(name, name)
+        for a in values:
+            if isinstance(a, str) and a in self.group_names:
+                return self.group_names[a]
+        return "?"
+
+    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An op whose output shape depends on tensor values (`x[bool_mask]`, `nonzero`,
+        `masked_select`): on a GPU the host waits for the count, so it is a host read here too. The
+        fake mode cannot know the count; every element is taken as selected (an upper bound on the
+        output's bytes)."""
+        self._host_read(None)
+        self.op = str(func)
+        # the fake mode is not active inside this handler: the index tensors made here must be fake
+        with self._fake_mode:
+            out = self._select_all(func, args, kwargs)
+        self._record_outputs(out)
+        return out
+
+    def _select_all(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if func is _aten.index.Tensor:
+            source, indices = args[0], list(args[1])
+            expanded: list[Any] = []
+            for index in indices:
+                if index is not None and index.dtype == torch.bool:
+                    every = torch.arange(index.numel(), device=index.device)
+                    expanded.extend(_unravel(every, index.shape))
+                else:
+                    expanded.append(index)
+            out = func(source, expanded, **kwargs)
+        elif func is _aten.masked_select.default:
+            source, _ = torch.broadcast_tensors(*args[:2])
+            out = source.reshape(-1).clone()
+        else:  # nonzero
+            source = args[0]
+            every = torch.arange(source.numel(), device=source.device)
+            out = torch.stack(_unravel(every, source.shape), dim=1)
+        return out
+
+    def _host_read(self, tensor: torch.Tensor | None) -> Any:
+        where = _caller()
+        key = (where, self.step, self.seq)
+        if key != self._last_read_key:  # one .tolist() reads every element: one synchronization
+            self.host_reads.append(HostRead(where, self.step, self.step in self.logging_steps))
+        self._last_read_key = key
+        if tensor is None:
+            return None
+        # zero: no overflow found (the fp16 step is taken, as in a healthy run), and nothing divides by it
+        if tensor.dtype == torch.bool:
+            return False
+        return 0.0 if tensor.is_floating_point() else 0
+
+    # ------------------------------------------------------------ results
+
+    def live_at(self, seq: int) -> list[Block]:
+        return [b for b in self.blocks if b.born <= seq and (b.died is None or b.died > seq)]
+
+    def breakdown_at_peak(self) -> dict[str, int]:
+        """Bytes by category of the blocks alive at the peak (CATEGORIES)."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for block in self.live_at(self.peak.seq):
+            out[self.category(block)] += block.bytes
+        return {k: v for k, v in out.items() if v}
+
+    def category(self, block: Block) -> str:
+        tag = self.tags.get(block.serial)
+        if tag is not None:
+            return tag
+        if block.phase == "batch-generator":
+            return "batch"
+        if not block.backward and block.phase in ("forward-compute", "forward-backward"):
+            return "activations"  # made in a forward and still alive at the peak: saved for backward
+        return "other_temporaries"
+
+    def syncs_by_step(self) -> Counter:
+        return Counter(r.step for r in self.host_reads)
+
+
+def _completed(out: Any) -> Any:
+    """A c10d op's (outputs, Work) with the fake backend's Work replaced by a completed one whose
+    future holds the outputs, as a real backend's does when it finishes: DDP's comm hooks chain on
+    `future.value()`, which the fake Work leaves empty."""
+    if not (isinstance(out, tuple) and out and isinstance(out[-1], torch.ScriptObject)):
+        return out
+    from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
+
+    result = out[0] if isinstance(out[0], list) else [out[0]]
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(result)
+    return (*out[:-1], _create_work_from_future(future).boxed())
+
+
+def _unravel(flat: torch.Tensor, shape: Any) -> list[torch.Tensor]:
+    """torch.unravel_index without its host tensor of the shape (which a fake CUDA mode cannot make)."""
+    coords = []
+    rest = flat
+    for size in reversed(list(shape)):
+        coords.append(rest % size)
+        rest = rest // size
+    return coords[::-1]
+
+
+def _only_real_tensors(tree: Any) -> bool:
+    """Tensor arguments, none of them fake (nor a subclass holding fakes, such as a DTensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    leaves = tree_leaves(tree)
+    if any(isinstance(a, torch.device) and a.type != "cpu" for a in leaves):
+        return False  # a host tensor going to the device: the copy is device memory, fake it
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(type(t) is torch.Tensor and not isinstance(t, FakeTensor) for t in tensors)
+
+
+def _data_dependent(func: Any, args: Any) -> bool:
+    """An op whose output shape depends on tensor values: nonzero, masked_select, x[bool_mask]."""
+    if func in _DATA_DEPENDENT:
+        return True
+    return func is _aten.index.Tensor and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+    )
+
+
+def _message_bytes(name: str, args: Any) -> int:
+    """Bytes of the collective's whole buffer: the largest tensor argument (all-gather: the output;
+    reduce-scatter: the input; all-reduce, broadcast, send/recv: the tensor), summed over a list of
+    tensors where the op takes several (coalesced ops, DDP's bucket list)."""
+    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return 0
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    if name in ("allreduce_", "all_reduce_coalesced", "allreduce_coalesced_", "broadcast_"):
+        return sum(sizes)
+    if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+        group_size = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 1)
+        return sum(sizes) * group_size
+    return max(sizes)
+
+
+def _caller() -> str:
+    """path:line of the innermost frame in this package (not this module), else outside torch."""
+    frames = traceback.extract_stack()[:-3]
+    for frame in reversed(frames):
+        if frame.filename.startswith(_PACKAGE) and not frame.filename.startswith(_PLAN):
+            return f"{Path(frame.filename).relative_to(Path(_PACKAGE).parent)}:{frame.lineno}"
+    for frame in reversed(frames):
+        if not frame.filename.startswith((_TORCH, _PLAN)):
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
+def fmt_bytes(n: float) -> str:
+    if not math.isfinite(n):
+        return str(n)
+    return f"{n / 2**30:,.2f} GiB"

@@ -1,0 +1,148 @@
+"""The dry run's observer (plan/dry_run_trace.py) and the dry run of a layout on fake tensors
+(plan/dry_run.py), in this process on the CPU device type."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scalable_transformer.config.load import load_config
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.plan import dry_run as dry
+from scalable_transformer.plan.dry_run_trace import DryRunTrace
+
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=2",
+    "model.seq_length=32",
+    "model.vocab_size=512",
+    "train.micro_batch_size=2",
+]
+
+
+def _fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def test_host_reads_are_found_where_they_happen_and_answered_with_zero():
+    with _fake(), DryRunTrace() as trace:
+        x = torch.ones(4)
+        value = float(x.sum())  # one host read, on this line
+        mask = x > 0
+        picked = x[mask]  # a data-dependent shape: the host waits for the count
+        listed = torch.ones(3).tolist()  # three reads in a row: one synchronization
+    assert value == 0.0
+    assert picked.shape == (4,)  # every element taken as selected: an upper bound
+    assert listed == [0.0, 0.0, 0.0]
+    wheres = [r.where for r in trace.host_reads]
+    assert len(wheres) == 3, wheres
+    assert all("test_dry_run.py" in w for w in wheres), wheres
+
+
+def test_live_bytes_peak_and_frees_are_counted_per_storage():
+    with _fake(), DryRunTrace() as trace:
+        a = torch.empty(1024, dtype=torch.float32)  # 4 KiB
+        b = torch.empty(2048, dtype=torch.float32)  # 8 KiB: peak 12 KiB
+        view = a[:10]  # a view: no new storage
+        del b
+        c = torch.empty(512, dtype=torch.float32)  # 2 KiB: live 6 KiB, below the peak
+    assert trace.peak.bytes == 12 * 1024
+    assert trace.live == 6 * 1024
+    assert view.shape == (10,) and c.numel() == 512
+
+
+def test_collectives_are_recorded_by_group_kind_and_bytes():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        names = {mesh["dp"].get_group().group_name: "dp", mesh["tp"].get_group().group_name: "tp"}
+        with _fake(), DryRunTrace(names, backend="nccl") as trace:
+            t = torch.ones(256)  # 1 KiB
+            dist.all_reduce(t, group=mesh["dp"].get_group())
+            out = torch.empty(512)
+            dist.all_gather_into_tensor(out, t, group=mesh["tp"].get_group())
+    finally:
+        dist.destroy_process_group()
+    calls = [(c.group, c.kind, c.bytes) for c in trace.collectives]
+    assert calls == [("dp", "all_reduce", 1024), ("tp", "all_gather", 2048)]
+
+
+@pytest.fixture(scope="module")
+def zero3_dry_run():
+    cfg = resolve(load_config("tiny-gpt", [*TINY, "parallel.zero_stage=3"]), 8)
+    return dry.dry_run(cfg, 8, "cpu")
+
+
+def test_a_zero3_dry_run_reports_memory_collectives_and_host_syncs(zero3_dry_run):
+    out = zero3_dry_run.to_dict()
+    assert [r["rank"] for r in out["ranks"]] == [0]
+    rank = out["ranks"][0]
+    assert rank["peak_memory_bytes"] == out["peak_memory_bytes"] > 0
+    assert {"parameters", "optimizer_state", "activations"} <= set(rank["memory_breakdown_bytes"])
+    assert sum(rank["memory_breakdown_bytes"].values()) == rank["peak_memory_bytes"]
+    assert rank["peak_at"]["step"] in (1, 2) and rank["peak_at"]["phase"]
+    kinds = {(c["group"], c["kind"]): c["count"] for c in out["collectives"]}
+    # FSDP2 units: 2 blocks + the root; ZeRO-3 gathers each in forward and again in backward (the root
+    # stays gathered for the backward that follows its forward), and reduce-scatters each once
+    assert kinds[("dp", "reduce_scatter")] == 3
+    assert kinds[("dp", "all_gather")] >= 5
+    assert out["host_syncs_per_step"] > 0
+    plain = {s["where"] for s in out["host_syncs"] if not s["logging_step"]}
+    assert any(w.startswith("scalable_transformer/train/trainer.py:") for w in plain), plain
+
+
+def test_every_pipeline_rank_is_simulated():
+    cfg = resolve(load_config("tiny-gpt", [*TINY, "parallel.pp=2", "train.gradient_accumulation_steps=2"]), 4)
+    assert dry.representative_ranks(cfg) == [0, 2]
+    result = dry.dry_run(cfg, 4, "cpu")
+    assert [(r.rank, r.stage) for r in result.ranks] == [(0, 0), (2, 1)]
+    kinds = {(c["group"], c["kind"]) for c in result.ranks[0].collectives}
+    assert ("pp", "send") in kinds and ("pp", "recv") in kinds
+
+
+def test_zero1_reports_every_dp_rank_optimizer_shard():
+    cfg = resolve(load_config("tiny-gpt", [*TINY, "parallel.zero_stage=1"]), 4)
+    result = dry.dry_run(cfg, 4, "cpu")
+    shards = result.ranks[0].zero1_shard_numel
+    assert shards is not None and len(shards) == 4
+    assert sum(shards) == sum(p.numel() for p in _model_params(cfg))
+    heaviest = max(range(4), key=lambda i: shards[i])
+    assert [r.rank for r in result.ranks] == ([0] if heaviest == 0 else [0, heaviest])
+
+
+def _model_params(cfg):
+    from scalable_transformer.models import build_model
+
+    with torch.device("meta"):
+        return list(build_model(cfg.model).parameters())
+
+
+def test_an_engine_failure_keeps_the_prediction(monkeypatch):
+    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.search import plan_config
+
+    cfg = load_config("tiny-gpt", TINY)
+    cluster = table_cluster("a100-80gb", 1, 8)
+    prediction = plan_config(cfg, cluster)
+
+    def broken(*args, **kwargs):
+        raise dry.DryRunError("rank 0: the engine failed in phase forward-compute of step 1: boom")
+
+    monkeypatch.setattr(dry, "dry_run_isolated", broken)
+    verified = dry.verify(prediction, cfg, cluster)
+    assert verified.dry_run == {
+        "error": "rank 0: the engine failed in phase forward-compute of step 1: boom",
+        "device": "cuda",
+    }
+    assert dataclasses.replace(verified, dry_run=None) == prediction
+    assert verified.to_dict()["dry_run"]["error"].endswith("boom")
