@@ -51,19 +51,23 @@ def test_sweep_records_the_plan_and_report_compares(tmp_path: Path) -> None:
         # GPT). Not yet on models whose activations are small next to their states (2 layers, seq 64,
         # micro-batch 2: ZeRO-3 39% under): docs/PLANNER.md, "What is not modelled".
         assert abs(r["predicted_peak_memory_bytes"] / r["peak_tensor_bytes_max"] - 1) < 0.10, r["label"]
+        # the dry run of the member's layout (the engine on fake tensors), stored beside both
+        assert abs(r["dry_run_peak_memory_bytes"] / r["peak_tensor_bytes_max"] - 1) < 0.05, r["label"]
 
     report = subprocess.run([STX, "report", str(tmp_path / "results.sqlite")], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
     section = report.stdout.split("# Planned vs measured (stx plan)", 1)[1]
     table = parse_markdown_table(section)
     header, body = table[0], table[1:]
-    assert header[:5] == [
+    assert header[:7] == [
         "layout",
         "devices",
         "predicted GiB/dev",
+        "dry-run GiB/dev",
         "measured GiB/dev (tensors)",
         "memory error",
+        "dry-run error",
     ]
     assert len(body) == 2
     for line in body:
-        assert line[4].endswith("%") and line[7].endswith("%")
+        assert line[5].endswith("%") and line[6].endswith("%") and line[9].endswith("%")

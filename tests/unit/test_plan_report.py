@@ -18,7 +18,11 @@ def test_report_shows_predicted_vs_measured_with_the_error(tmp_path: Path) -> No
     path = tmp_path / "r.sqlite"
     with ResultsStore(path) as store:
         mib = 2**20
-        plan_ok = {"predicted_peak_memory_bytes": 220 * mib, "predicted_samples_per_second": 8.0}
+        plan_ok = {
+            "predicted_peak_memory_bytes": 220 * mib,
+            "predicted_samples_per_second": 8.0,
+            "dry_run_peak_memory_bytes": 190 * mib,
+        }
         plan_oom = {"predicted_peak_memory_bytes": 900 * mib, "predicted_samples_per_second": 5.0}
         store.put(row(samples_per_second=10.0, peak_tensor_bytes_max=200 * mib, predicted_fits=1, **plan_ok))
         store.put(
@@ -33,9 +37,11 @@ def test_report_shows_predicted_vs_measured_with_the_error(tmp_path: Path) -> No
     body = {line[0]: line for line in table[1:]}
     assert set(body) == {"tiny-gpt tp=1 pp=1 zero0", "tiny-gpt tp=1 pp=1 zero3"}  # no prediction: no row
     ok = body["tiny-gpt tp=1 pp=1 zero0"]
-    assert ok[2:5] == ["0.215", "0.195", "+10.0%"] and ok[7] == "-20.0%" and ok[8] == "fits"
+    # predicted, dry run, measured, their errors; samples/s predicted, measured, error; fit
+    assert ok[2:7] == ["0.215", "0.186", "0.195", "+10.0%", "-5.0%"]
+    assert ok[9] == "-20.0%" and ok[10] == "fits"
     oom = body["tiny-gpt tp=1 pp=1 zero3"]
-    assert oom[3] == "-" and oom[4] == "-" and oom[8] == "OOM" and oom[9] == "OOM"
+    assert oom[3] == "-" and oom[4] == "-" and oom[5] == "-" and oom[10] == "OOM" and oom[11] == "OOM"
     assert (tmp_path / "out" / "plan_vs_measured.csv").is_file()
 
 

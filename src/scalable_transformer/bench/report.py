@@ -280,8 +280,10 @@ PLAN_COLUMNS = [
     "layout",
     "devices",
     "predicted GiB/dev",
+    "dry-run GiB/dev",
     "measured GiB/dev (tensors)",
     "memory error",
+    "dry-run error",
     "predicted samples/s",
     "measured samples/s",
     "throughput error",
@@ -316,14 +318,17 @@ def plan_vs_measured(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[s
             first.get("predicted_peak_memory_bytes"),
             first.get("predicted_samples_per_second"),
         )
+        dry_mem = first.get("dry_run_peak_memory_bytes")
         mem, sps = _median(ok, "peak_tensor_bytes_max"), _median(ok, "samples_per_second")
         body.append(
             [
                 label,
                 dev,
                 "-" if pred_mem is None else f"{pred_mem / 2**30:.3f}",
+                "-" if dry_mem is None else f"{dry_mem / 2**30:.3f}",
                 "-" if mem is None else f"{mem / 2**30:.3f}",
                 err(pred_mem, mem),
+                err(dry_mem, mem),
                 "-" if pred_sps is None else fmt_number(pred_sps),
                 "-" if sps is None else fmt_number(sps),
                 err(pred_sps, sps),
@@ -503,7 +508,9 @@ def build_report(
             "\n# Planned vs measured (stx plan)\n\n"
             + markdown(*planned)
             + "\nError = predicted / measured - 1; memory is live tensor bytes per device (the largest "
-            "rank), measured when logging.track_tensor_bytes is on (always on GPU).\n"
+            "rank), measured when logging.track_tensor_bytes is on (always on GPU). Dry run: the engine "
+            "on fake tensors at the member's world size (stx plan --dry-run), its largest simulated "
+            "rank; the predicted figure includes the device's reserve, the dry run does not.\n"
         )
     device_memory_gb = device_memory_gb or _device_memory_gb(rows)
     plots: list[tuple[str, Callable[[Path], bool]]] = [

@@ -74,6 +74,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("predicted_samples_per_second", "REAL"),
     ("predicted_fits", "INTEGER"),
     ("plan_json", "TEXT"),
+    # the dry run's peak live tensor bytes per device (stx plan --dry-run; the largest simulated rank)
+    ("dry_run_peak_memory_bytes", "REAL"),
     ("peak_tensor_bytes_max", "REAL"),
     ("run_dir", "TEXT"),
     ("started_at", "TEXT"),

@@ -130,18 +130,19 @@ def base_record(spec: SweepSpec, m: Member) -> dict[str, Any]:
     }
     if m.cfg is not None:
         rec.update(config_columns(m.cfg))
-        rec.update(prediction_columns(m.cfg, m.nproc))
+        rec.update(prediction_columns(m.cfg, m.nproc, dry_run=spec.dry_run))
     return rec
 
 
-_PREDICTIONS: dict[tuple[str, int], dict[str, Any]] = {}
+_PREDICTIONS: dict[tuple[str, int, bool], dict[str, Any]] = {}
 
 
-def prediction_columns(cfg: Config, nproc: int) -> dict[str, Any]:
+def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[str, Any]:
     """The planner's prediction for a member (stx plan on this machine: the detected GPU's table
-    entry, or this CPU measured), so the report can put it next to the measurement. A planning
-    problem is reported as a warning and leaves the columns empty; it never stops a sweep."""
-    key = (to_yaml(cfg), nproc)
+    entry, or this CPU measured), so the report can put it next to the measurement; with `dry_run`
+    also the dry run's peak memory per device (the engine on fake tensors, plan/dry_run.py). A
+    planning problem is reported as a warning and leaves the columns empty; it never stops a sweep."""
+    key = (to_yaml(cfg), nproc, dry_run)
     if key in _PREDICTIONS:
         return _PREDICTIONS[key]
     try:
@@ -160,12 +161,17 @@ def prediction_columns(cfg: Config, nproc: int) -> dict[str, Any]:
         if cluster is None:
             cluster = cpu_cluster(nproc, cfg.train.precision)
         plan = predict(cfg, cluster)
+        if dry_run:
+            from ..plan.dry_run import verify
+
+            plan = verify(plan, cfg, cluster)  # a failed dry run is recorded in plan_json, not raised
         columns = {
             "predicted_peak_memory_bytes": plan.peak_memory_bytes,
             "predicted_step_seconds": plan.time.total,
             "predicted_samples_per_second": plan.samples_per_second,
             "predicted_fits": int(plan.fits),
             "plan_json": json.dumps(plan.to_dict()),
+            "dry_run_peak_memory_bytes": (plan.dry_run or {}).get("peak_memory_bytes"),
         }
     except Exception as e:  # a prediction is an aid: report it, never fail the sweep for it
         import warnings

@@ -29,6 +29,8 @@ KEYS = {
     "store": "path of the results store (SQLite)",
     "name": "name of the sweep in the store (default: the file's stem)",
     "executor": "where members run: local (stx launch on this node), slurm or pbs (one batch job each)",
+    "dry_run": "dry-run each member's layout on fake tensors before it runs and store its peak memory per "
+    "device beside the prediction (true/false, default true; docs/PLANNER.md#dry-runs)",
     "executor_options": "mapping for slurm/pbs: partition (or queue), account, container, env_file, "
     "env (mapping), gpus (request one GPU per process; default true), poll_seconds",
 }
@@ -71,6 +73,7 @@ class SweepSpec:
     executor: str = "local"
     executor_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     members: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    dry_run: bool = True
 
     @property
     def directory(self) -> Path:
@@ -114,6 +117,13 @@ def _number(path: Path, data: dict, key: str, default: Any, kind: type, minimum:
     if value < minimum or (minimum == 0 and key in ("timeout_seconds", "memory_limit_mb") and value <= 0):
         raise _err(path, key, f"must be {KEYS[key]}, got {value!r}")
     return kind(value)
+
+
+def _flag(path: Path, data: dict, key: str, default: bool) -> bool:
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise _err(path, key, f"must be {KEYS[key]}, got {value!r}")
+    return value
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
@@ -244,6 +254,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         executor=executor,
         executor_options=dict(executor_options),
         members=members,
+        dry_run=_flag(path, data, "dry_run", True),
     )
 
 

@@ -225,7 +225,7 @@ def run_rank(
 
     with (
         fake_process_group(rank, world_size),
-        _patched(_engine_stubs(device_type)),
+        _patched(_engine_stubs(device_type, holder)),
         _target_device(device_type, rank, devices_per_node, device_sync) as device,
     ):
         dims = ParallelDims.build(cfg, device.type)  # the mesh outside the fake mode (it reads ranks)
@@ -357,7 +357,7 @@ class _PhaseTimer:
         return self._timer.__exit__(*exc)
 
 
-def _engine_stubs(device_type: str) -> list[tuple[Any, str, Any]]:
+def _engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
     """What the engine does on the host that a fake tensor cannot answer, replaced for the dry run:
 
     - DeviceMesh.__init__ runs outside the fake mode: a mesh's rank table is real host data, and FSDP2
@@ -368,8 +368,8 @@ def _engine_stubs(device_type: str) -> list[tuple[Any, str, Any]]:
       backward produced gradients) broadcasts an index tensor it fills through a raw pointer: skipped,
       the buckets keep their construction order and the same total size.
     - pipelining's `_warmup_p2p` agrees on static or dynamic stage shapes by multiplying votes over
-      send/recv and reading the product on the host; in a dry run every rank builds its stages the same
-      way, so the local vote is the global one.
+      send/recv and reading the product on the host: its messages are sent, and the read is answered
+      with this rank's vote (every rank builds its stages alike, so the local vote is the product).
     - on CUDA, DDP's runtime statistics need the CUDA timer of libtorch_cuda: skipped (logging only).
     """
     import torch.distributed as dist
@@ -390,12 +390,15 @@ def _engine_stubs(device_type: str) -> list[tuple[Any, str, Any]]:
         from torch.distributed.pipelining._utils import InferenceMode
         from torch.distributed.pipelining.stage import PipelineStage
 
-        if not all(isinstance(st, PipelineStage) for st in stages):
+        trace = holder.get("trace")
+        if trace is None or not all(isinstance(st, PipelineStage) for st in stages):
             return warmup(self, stages, has_backward, p2p_done)
         static = all(not InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
-        for st in stages:
-            st._inference_mode = InferenceMode.STATIC if static else InferenceMode.DYNAMIC
-        return None
+        trace.read_value = 1 if static else 0  # the vote's product, as every rank votes alike
+        try:
+            return warmup(self, stages, has_backward, p2p_done)  # its sends and receives happen
+        finally:
+            trace.read_value = None
 
     stubs: list[tuple[Any, str, Any]] = [
         (DeviceMesh, "__init__", real_mesh_init),

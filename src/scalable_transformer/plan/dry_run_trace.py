@@ -186,6 +186,7 @@ class DryRunTrace(TorchDispatchMode):
         self._orig_resize: Any = None
         self.op = ""  # the op running now (the peak's `op`)
         self.paused = 0  # > 0 while DTensor propagates metadata on global-shape fake tensors
+        self.read_value: Any = None  # the answer to host reads, when a caller knows it (else zero)
         self._orig_propagate: Any = None
 
     # ------------------------------------------------------------ context
@@ -338,6 +339,10 @@ class DryRunTrace(TorchDispatchMode):
             return NotImplemented  # let DTensor run its local ops, which come back here
         if self.paused:
             return func(*args, **kwargs)
+        if func.namespace in COLLECTIVE_NAMESPACES:  # also on host tensors made from Python floats
+            self._last_read_key = None
+            self.op = str(func)
+            return self._collective(func, args, kwargs)
         if self._fake_mode is not None and _only_real_tensors((args, kwargs)):
             # a DeviceMesh's rank table (sub-mesh coordinates): real data, run for real and not counted
             from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -362,9 +367,6 @@ class DryRunTrace(TorchDispatchMode):
             return self._data_dependent(func, args, kwargs)
         self._last_read_key = None
         self.op = str(func)
-        namespace = func.namespace
-        if namespace in COLLECTIVE_NAMESPACES:
-            return self._collective(func, args, kwargs)
         out = func(*args, **kwargs)
         if self._nested_fake():
             return out  # DTensor's sharding propagation on its own fake mode: no memory of this rank
@@ -393,11 +395,11 @@ class DryRunTrace(TorchDispatchMode):
         name = func._opname
         if name == "wait_tensor":
             return args[0]  # eager returns its input; the fake kernel would count a new tensor
-        out = _completed(func(*args, **kwargs))
+        out = func(*args, **kwargs)
+        if self._fake_mode is not None:  # a real backend's Work completes by itself
+            out = _completed(out)
         self._record_outputs(out)
-        kind = _KINDS.get(name)
-        if kind is None and name not in _NOT_COLLECTIVES:
-            kind = name
+        kind = _KINDS.get(name)  # None: not a collective (a wait, autograd wrapping)
         if kind is not None:
             nbytes = _message_bytes(name, args)
             self.collectives.append(CollectiveCall(self.step, self._group_of(args, kwargs), kind, nbytes))
@@ -464,6 +466,8 @@ class DryRunTrace(TorchDispatchMode):
         self._last_read_key = key
         if tensor is None:
             return None
+        if self.read_value is not None:
+            return self.read_value
         # zero: no overflow found (the fp16 step is taken, as in a healthy run), and nothing divides by it
         if tensor.dtype == torch.bool:
             return False

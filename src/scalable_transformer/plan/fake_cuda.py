@@ -244,6 +244,9 @@ def _python_stubs() -> list[tuple[Any, str, Any]]:
         (c, "is_bf16_supported", _is_bf16_supported),
         (c, "get_rng_state", _get_rng_state),
         (c, "synchronize", _synchronize),
+        # distributed_c10d.broadcast asks the compute capability of a CUDA tensor's device (ZeRO-1's
+        # parameter broadcast after each step): an A100's, 8.0 (the answer selects no allocation)
+        (c, "get_device_capability", lambda device=None: (8, 0)),
         # the trainer's MemoryTracker (metrics/memory.py): the dry run measures memory itself
         (c, "reset_peak_memory_stats", lambda device=None: None),
         (c, "max_memory_allocated", lambda device=None: 0),
