@@ -368,16 +368,8 @@ class DryRunTrace(TorchDispatchMode):
         self._last_read_key = None
         self.op = str(func)
         out = func(*args, **kwargs)
-        if self._nested_fake():
-            return out  # DTensor's sharding propagation on its own fake mode: no memory of this rank
         self._record_outputs(out)
         return out
-
-    def _nested_fake(self) -> bool:
-        from torch._guards import detect_fake_mode
-
-        mode = detect_fake_mode()
-        return mode is not None and self._fake_mode is not None and mode is not self._fake_mode
 
     def _record_outputs(self, out: Any) -> None:
         node = torch._C._current_autograd_node()
@@ -524,14 +516,22 @@ def _unravel(flat: torch.Tensor, shape: Any) -> list[torch.Tensor]:
 
 
 def _only_real_tensors(tree: Any) -> bool:
-    """Tensor arguments, none of them fake (nor a subclass holding fakes, such as a DTensor)."""
+    """Tensor arguments, none of them fake (nor a subclass holding fakes, such as a DTensor), and no
+    device argument other than the host. Called for every op: flat loops, no pytree."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    leaves = tree_leaves(tree)
-    if any(isinstance(a, torch.device) and a.type != "cpu" for a in leaves):
-        return False  # a host tensor going to the device: the copy is device memory, fake it
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    return bool(tensors) and all(type(t) is torch.Tensor and not isinstance(t, FakeTensor) for t in tensors)
+    args, kwargs = tree
+    seen = False
+    for value in (*args, *kwargs.values()):
+        items = value if isinstance(value, list | tuple) else (value,)
+        for a in items:
+            if isinstance(a, torch.Tensor):
+                if type(a) is not torch.Tensor or isinstance(a, FakeTensor):
+                    return False
+                seen = True
+            elif isinstance(a, torch.device) and a.type != "cpu":
+                return False  # a host tensor going to the device: the copy is device memory, fake it
+    return seen
 
 
 def _data_dependent(func: Any, args: Any) -> bool:
