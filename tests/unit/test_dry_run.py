@@ -146,3 +146,21 @@ def test_an_engine_failure_keeps_the_prediction(monkeypatch):
     }
     assert dataclasses.replace(verified, dry_run=None) == prediction
     assert verified.to_dict()["dry_run"]["error"].endswith("boom")
+
+
+@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-gpt"])
+def test_fake_batches_have_the_loaders_keys_shapes_and_dtypes(preset):
+    """What a dry run feeds is what the data loader collates for the family."""
+    from scalable_transformer.data.loader import build_datasets, build_loader
+    from scalable_transformer.data.tokenizers import load_tokenizer
+
+    raw = load_config(preset, ["train.micro_batch_size=3"])
+    d = raw.data
+    tokenizer = load_tokenizer(d.tokenizer, d.tokenizer_vocab_size, vocab_file=d.vocab_file)
+    cfg = resolve(raw, 1)
+    train, _, _ = build_datasets(cfg, tokenizer)
+    real = next(iter(build_loader(train, 3, consumed_samples=0, seed=1)))
+    fake = next(dry.fake_batches(cfg, torch.device("cpu")))
+    assert {k: (tuple(v.shape), v.dtype) for k, v in fake.items()} == {
+        k: (tuple(v.shape), v.dtype) for k, v in real.items()
+    }

@@ -176,6 +176,9 @@ class ModelSpec:
     hf                    the Hugging Face mapping, or None
     data                  what the data loader needs
     parameter_breakdown(cfg) -> parameters by part without building the model (sums to the total)
+    batch_shapes(cfg, b)  key -> shape of a collated micro-batch of b samples (int64), as the data
+                          loader makes it (default: every input and label key [b, seq_length]); a
+                          dry run (plan/dry_run.py) feeds such batches without data
     shape(cfg, tp)        the FLOPs-relevant shape facts (`ShapeFacts`)
     """
 
@@ -192,6 +195,14 @@ class ModelSpec:
     data: DataSpec
     parameter_breakdown: Callable[[ModelConfig], dict[str, int]]
     hf: HFMapping | None = None
+    batch_shapes: Callable[[ModelConfig, int], dict[str, tuple[int, ...]]] | None = None
+
+    def micro_batch_shapes(self, cfg: ModelConfig, micro_batch: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of a collated micro-batch (see `batch_shapes`)."""
+        if self.batch_shapes is not None:
+            return self.batch_shapes(cfg, micro_batch)
+        keys = (*self.input_keys, *self.data.label_keys)
+        return dict.fromkeys(keys, (micro_batch, cfg.seq_length))
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The positional arguments of the model's forward, taken from a batch dict."""

@@ -158,16 +158,9 @@ def fake_batches(cfg: Config, device: Any) -> Iterator[dict[str, Any]]:
 
     from ..models import spec_for
 
-    spec = spec_for(cfg.model)
-    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
-    keys = [*spec.input_keys, *spec.data.label_keys]
-    if not cfg.model.bert_binary_head or cfg.model.type != "bert":
-        keys = [k for k in keys if k != "nsp_labels"]
+    shapes = spec_for(cfg.model).micro_batch_shapes(cfg.model, cfg.train.micro_batch_size)
     while True:
-        yield {
-            k: torch.zeros((b,) if k == "nsp_labels" else (b, s), dtype=torch.int64, device=device)
-            for k in keys
-        }
+        yield {k: torch.zeros(shape, dtype=torch.int64, device=device) for k, shape in shapes.items()}
 
 
 def _group_names(dims: Any) -> dict[str, str]:

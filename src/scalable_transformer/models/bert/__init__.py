@@ -34,6 +34,16 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+def _batch_shapes(cfg: ModelConfig, micro_batch: int) -> dict[str, tuple[int, ...]]:
+    """input_ids, token_type_ids, attention_mask, labels [b, s]; nsp_labels [b] with the binary head."""
+    tokens = (micro_batch, cfg.seq_length)
+    keys = ("input_ids", "token_type_ids", "attention_mask", "labels")
+    shapes: dict[str, tuple[int, ...]] = dict.fromkeys(keys, tokens)
+    if cfg.bert_binary_head:
+        shapes["nsp_labels"] = (micro_batch,)
+    return shapes
+
+
 def _output_shapes(cfg: ModelConfig, micro_batch: int) -> tuple[tuple[int, ...], ...]:
     assert cfg.vocab_size is not None
     vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
@@ -87,6 +97,7 @@ SPEC = ModelSpec(
         corpus="sentences", dataset="masked-lm", tokenizer_vocab=True, label_keys=("labels", "nsp_labels")
     ),
     parameter_breakdown=parameter_breakdown,
+    batch_shapes=_batch_shapes,
     hf=HFMapping(
         model_type="bert",
         hf_class="BertForPreTraining",
