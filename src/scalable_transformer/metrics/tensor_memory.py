@@ -19,8 +19,9 @@ tensors made earlier (datasets, tokenizer) are not, and neither are their frees.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -77,43 +78,135 @@ class TensorBytesTracker:
 
 
 def peak_from_profile(prof: Any) -> int | None:
-    """Peak live bytes after the window mark, replayed from the CPU allocation events by address.
+    """Peak live bytes after the window mark, replayed from the CPU allocation events.
 
-    Not the largest `total_allocated` the events carry: c10 keeps that counter per process but updates
-    it only on threads the profiler tracks, so a tensor the main thread allocated and another thread
-    freed (gloo's worker thread dropping a collective's buffers) stays counted for good. Measured on 2
-    gloo ranks: 20 reduce-scatters left 2-8 MB counted after everything was freed, varying by rank and
-    run, which put ZeRO-3 and tensor-parallel peaks 3-10% above their live bytes. Replaying by address,
-    a new allocation at an address still marked in use means the old block was freed out of sight,
-    and it is subtracted first (a free never seen whose address is not reused before the peak stays
-    counted: measured at most ~0.4%)."""
+    Not the largest `total_allocated` the events carry: c10 reports an allocation or a free to the
+    profiler only on threads the profiler tracks, and a collective's buffers are often freed on the
+    process group's worker thread (gloo's) when it drops the finished work, after the caller dropped
+    its own references; those frees never show, and the counter keeps them for good (measured on 2
+    gloo ranks: 2-8 MB after 20 reduce-scatters, varying by rank and run). `replay_allocations` puts
+    them back; see there."""
     from torch._C._profiler import _EventType
 
     results = prof.profiler.kineto_results
-    events: list[tuple[int, int, int]] = []  # (time, address, signed size)
+    allocations: list[Allocation] = []
+    worker_ends: list[tuple[int, int]] = []  # (thread, end) of every top-level event
     mark: int | None = None
-    stack = list(results.experimental_event_tree())
+    stack: list[tuple[Any, int | None]] = []
+    for root in results.experimental_event_tree():
+        worker_ends.append((root.start_tid, root.end_time_ns))
+        stack.append((root, None))
     while stack:
-        event = stack.pop()
+        event, collective_end = stack.pop()
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
             if fields.device.type == "cpu":
-                events.append((event.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
-        elif event.name == _MARK:
+                allocations.append(
+                    Allocation(
+                        event.start_time_ns,
+                        int(fields.ptr),
+                        int(fields.alloc_size),
+                        event.start_tid,
+                        collective_end,
+                    )
+                )
+            continue
+        if event.name == _MARK:
             mark = event.start_time_ns if mark is None else min(mark, event.start_time_ns)
-        stack.extend(event.children)
+        if collective_end is None and event.name.startswith(_COLLECTIVE_PREFIXES):
+            collective_end = event.end_time_ns  # the outermost collective call
+        stack.extend((child, collective_end) for child in event.children)
     if mark is None:
         return None
-    events.sort(key=lambda e: e[0])
+    return replay_allocations(allocations, worker_ends, mark)
+
+
+# the ops of a collective call: c10d's ProcessGroup ops (c10d::allreduce_, c10d::_reduce_scatter_base_,
+# ...) and the functional collectives that wrap them (_c10d_functional::all_reduce, ...)
+_COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::")
+
+
+class Allocation(NamedTuple):
+    """One CPU allocation event: size < 0 is a free. `collective_end`: the end of the collective call
+    it happened in (None outside one)."""
+
+    time: int
+    address: int
+    size: int
+    thread: int
+    collective_end: int | None = None
+
+
+def replay_allocations(
+    allocations: list[Allocation], worker_ends: list[tuple[int, int]], mark: int
+) -> int | None:
+    """Peak of the live bytes from `mark` on, replaying the allocation events with the frees the
+    profiler cannot see put back.
+
+    A block whose free never shows was freed on an untracked thread. Two rules date that free:
+    - its address is allocated again while it is still marked live: it was freed before that;
+    - it was allocated inside a collective call (a c10d ProcessGroup op or a functional collective:
+      gloo's staging copies of the input, the collective's output): such a block dies when the last of
+      the caller and the backend's worker drops it, and a free the profiler missed is the worker's,
+      which drops its work when the work's event on the worker thread ends. It is taken as freed at the
+      end of the first top-level event on another thread (`worker_ends`: (thread, end) of the
+      top-level events) that ends after the collective call, the earliest such time (if no other
+      thread has an event then, the first rule alone applies).
+    Measured on 2-4 gloo ranks (tensor parallel with and without sequence parallelism, ZeRO-2 and -3):
+    of the collective blocks whose address came back, none came back before that time; the blocks
+    allocated elsewhere have their frees seen. A free missed by both rules keeps its block counted."""
+    events = sorted(allocations, key=lambda a: a.time)
+    # pass 1: which blocks are never seen freed (their address reused while live, or live at the end)
     live: dict[int, int] = {}
-    total, peak = 0, None
-    for when, address, size in events:
-        if size > 0:
-            total -= live.pop(address, 0)  # the block that was here was freed on an untracked thread
-            live[address] = size
-            total += size
-        elif size < 0:
-            total -= live.pop(address, 0)
-        if when >= mark and (peak is None or total > peak):
+    unseen: list[int] = []
+    for i, a in enumerate(events):
+        if a.size > 0:
+            if a.address in live:
+                unseen.append(live.pop(a.address))
+            live[a.address] = i
+        elif a.size < 0:
+            live.pop(a.address, None)
+    unseen.extend(live.values())
+    # the worker's release of the collective blocks among them
+    ends: dict[int, list[int]] = {}
+    for thread, end in worker_ends:
+        ends.setdefault(thread, []).append(end)
+    for thread_ends in ends.values():
+        thread_ends.sort()
+    releases: list[tuple[int, int]] = []  # (time, block index)
+    for i in unseen:
+        a = events[i]
+        if a.collective_end is None:
+            continue
+        after = [
+            thread_ends[j]
+            for thread, thread_ends in ends.items()
+            if thread != a.thread
+            and (j := bisect.bisect_left(thread_ends, a.collective_end)) < len(thread_ends)
+        ]
+        if after:
+            releases.append((min(after), i))
+    releases.sort()
+    # pass 2: the replay, a release freeing its block if that block is still the one at its address
+    at: dict[int, int] = {}  # address -> index of the live block there
+    total, peak, r = 0, None, 0
+    for i, a in enumerate(events):
+        while r < len(releases) and releases[r][0] <= a.time:
+            block = events[releases[r][1]]
+            if at.get(block.address) == releases[r][1]:
+                del at[block.address]
+                total -= block.size
+            r += 1
+        if a.size > 0:
+            old = at.pop(a.address, None)
+            if old is not None:
+                total -= events[old].size  # freed out of sight before now
+            at[a.address] = i
+            total += a.size
+        elif a.size < 0:
+            old = at.pop(a.address, None)
+            if old is not None:
+                total -= events[old].size
+        if a.time >= mark and (peak is None or total > peak):
             peak = total
     return peak
