@@ -38,6 +38,9 @@ LAYOUTS = {
     ),
     "dp2-tp2-zero2": ("tiny-bert", 4, ["parallel.tp=2", "parallel.zero_stage=2"]),
 }  # fmt: skip
+# collectives whose size depends on the data: BERT's accuracy gathers the vocabulary-parallel argmax of
+# the masked rows only; a dry run has no mask and takes every row (an upper bound)
+DATA_DEPENDENT = {"dp2-tp2-zero2": {("tp", "all_gather")}}
 
 
 def _real(rank: int, world: int, run_dir: str, base: str, overrides: list[str]):
@@ -100,4 +103,11 @@ def test_dry_run_matches_the_real_run(name, tmp_path):
     for group, kind, nbytes in real[0]["calls"]:
         count, total = real_calls.get((group, kind), (0, 0))
         real_calls[(group, kind)] = (count + 1, total + nbytes)
-    assert dry_calls == real_calls, (dry_calls, real_calls)
+    bounded = DATA_DEPENDENT.get(name, set())
+    assert set(dry_calls) == set(real_calls), (dry_calls, real_calls)
+    for key, (count, nbytes) in dry_calls.items():
+        assert count == real_calls[key][0], (key, dry_calls, real_calls)
+        if key in bounded:
+            assert nbytes >= real_calls[key][1], (key, dry_calls, real_calls)
+        else:
+            assert nbytes == real_calls[key][1], (key, dry_calls, real_calls)
