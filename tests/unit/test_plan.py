@@ -63,6 +63,30 @@ def test_korthikanti_per_layer_formulas() -> None:
     assert full == pytest.approx(2 * sbh / t)  # the layer input only, sequence-sharded
 
 
+def test_engine_terms_found_by_the_cuda_dry_runs() -> None:
+    """What the dry runs at scale showed the engine keeps (docs/PLANNER.md, "Memory per device")."""
+    from scalable_transformer.plan.memory import activation_model, largest_param_group, stage_memory
+
+    def cfg_of(overrides: list[str], world: int):
+        return resolve(load_config("gpt-13b", overrides), world)
+
+    # bf16 autocast, fp32 parameters: the norm inputs and the residual stream are fp32; SP shards them
+    tp = cfg_of(["parallel.tp=4", "parallel.sequence_parallel=true"], 8)
+    am = activation_model(tp, "cuda")
+    assert (am.norm_input_bytes, am.residual_bytes, am.sp_shards_stream) == (4, 4, True)
+    # FSDP2's bf16 param_dtype makes the stream bf16 (the norms still save an fp32 copy)
+    z3 = activation_model(cfg_of(["parallel.zero_stage=3"], 8), "cuda")
+    assert (z3.norm_input_bytes, z3.residual_bytes) == (4, 2)
+    # ZeRO-0 with tp > 1 and dp > 1 (FSDP2's replicate): an unsharded fp32 copy of the parameters
+    rep = cfg_of(["parallel.tp=8", "train.micro_batch_size=1", "train.global_batch_size=8"], 64)
+    st = stage_memory(rep, 0, "cuda", 0)
+    P = stage_params(rep.model, 8, 1, 0).total
+    assert st.breakdown["gathered_parameters"] == 4 * P
+    # foreach AdamW's sqrt, one group at a time: with TP one weight kind (gpt-13b: the up projections)
+    m = rep.model
+    assert largest_param_group(rep, stage_params(m, 8, 1, 0)) == 40 * m.hidden_size * m.ffn_hidden_size // 8
+
+
 def test_inflight_microbatches_follow_the_schedules() -> None:
     assert inflight_microbatches("gpipe", 4, 1, 8, 0) == 8
     assert [inflight_microbatches("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]

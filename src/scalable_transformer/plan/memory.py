@@ -43,6 +43,25 @@ def zero_paper_model_states(psi: float, k: float, nd: int, stage: int) -> float:
     raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
 
 
+def largest_param_group(cfg: Config, sp_: StageParams) -> int:
+    """Elements of the largest optimizer parameter group on this rank (before ZeRO sharding):
+    foreach AdamW makes its `sqrt(exp_avg_sq)` temporary for one group at a time. The engine's groups
+    (train/optim.py) are decay / no-decay, each split by tensor kind: plain tensors (and FSDP2's 1-D
+    DTensors) stay one decay group, about every parameter (the no-decay biases and norms are under
+    0.1%); with tensor parallelism every weight kind is its own group (qkv, proj, up, down of all the
+    rank's layers; the word embedding; the output matrix), as a dry run lists them."""
+    mc, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return sp_.total
+    assert mc.ffn_hidden_size is not None
+    h, f = mc.hidden_size, mc.ffn_hidden_size
+    up = 2 * f if mc.activation == "geglu" else f
+    largest = sp_.layers * max(3 * h * h, h * h, h * up, f * h) // tp
+    if sp_.first or sp_.last:
+        largest = max(largest, vocab(mc) * h // tp)
+    return largest
+
+
 # ------------------------------------------------------------------------------------ activations
 
 
@@ -62,11 +81,12 @@ class ActivationModel:
                    saved (DTensor's redistribution before the column-parallel linear); Megatron
                    saves the shard and re-gathers in backward (the paper's 34 / t)
     sp_shards_stream with sequence parallelism, the norm inputs and the hidden-dropout masks are
-                   1/t per rank (the paper). Our engine's DTensor SP was measured to keep as much
-                   per layer as without SP (tp 2, GPT 256 hidden, seq 128, micro-batch 4, at 2 and 6
-                   layers: 12.2-13.3 MiB per layer with SP, 12.7 without; without dropout 10.2-10.7
-                   vs 9.9), so `activation_model` says False: the planner models what the engine
-                   does. Where DTensor keeps the difference is not found (docs/PLANNER.md).
+                   1/t per rank (the paper). The dry run's per-tensor trace shows our engine's
+                   DTensor SP does this (CPU tp 2 and CUDA tp 16: the residual adds and the dropout
+                   masks are [b, s/t, h]); an earlier whole-peak measurement had suggested not.
+    norm_bytes     bytes of a saved norm input (None: act_bytes): 4 under autocast (norms in fp32)
+    stream_bytes   bytes of the residual stream (None: act_bytes): 4 with fp32 parameters under
+                   autocast, FSDP2's param_dtype bytes otherwise
     """
 
     act_bytes: int
@@ -74,6 +94,20 @@ class ActivationModel:
     flash: bool
     sp_gathers_saved: bool = True
     sp_shards_stream: bool = True
+    norm_bytes: int | None = None
+    stream_bytes: int | None = None
+
+    @property
+    def norm_input_bytes(self) -> int:
+        """Bytes of a saved norm input: autocast runs LayerNorm/RMSNorm in fp32, so the norm saves an
+        fp32 tensor (the fp32 residual stream itself, or autocast's fp32 copy of a bf16/fp16 one)."""
+        return self.act_bytes if self.norm_bytes is None else self.norm_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of the residual stream between blocks: the parameters' dtype in the forward (fp32,
+        or FSDP2's param_dtype), since `x + f(x)` with an fp32 x stays fp32 under autocast."""
+        return self.act_bytes if self.stream_bytes is None else self.stream_bytes
 
 
 def layer_activation_bytes(
@@ -95,11 +129,12 @@ def layer_activation_bytes(
     e, m = am.act_bytes, am.mask_bytes
     sbh = s * b * h
     seq_shard = t if sp else 1
-    if recompute == "full":
-        return e * sbh / seq_shard
     up = 2 * f if gated else f
-    # norm inputs (2) and the two hidden-dropout masks: sequence-sharded with SP, else replicated
-    replicated = (2 * e + 2 * m) * sbh / (seq_shard if am.sp_shards_stream else 1)
+    if recompute == "full":
+        return am.residual_bytes * sbh / seq_shard
+    # norm inputs (2, saved in fp32 under autocast) and the two hidden-dropout masks: sequence-sharded
+    # with SP, else replicated
+    replicated = (2 * am.norm_input_bytes + 2 * m) * sbh / (seq_shard if am.sp_shards_stream else 1)
     # qkv and up inputs: the norm outputs
     inputs = 2 * e * sbh / (seq_shard if (sp and not am.sp_gathers_saved) else 1)
     # q, k, v (3), attention output into proj (1), MLP activation input and output
@@ -134,7 +169,16 @@ def activation_model(cfg: Config, device_kind: str) -> ActivationModel:
     mask = e if on_cpu else 1
     if m.hidden_dropout == 0:
         mask = 0
-    return ActivationModel(act_bytes=e, mask_bytes=mask, flash=flash, sp_shards_stream=False)
+    mixed = p != "fp32"
+    fsdp_low = cfg.parallel.zero_stage >= 2 and mixed and cfg.parallel.fsdp_param_dtype == "auto"
+    return ActivationModel(
+        act_bytes=e,
+        mask_bytes=mask,
+        flash=flash,
+        sp_shards_stream=True,
+        norm_bytes=4,
+        stream_bytes=e if fsdp_low or not mixed else 4,
+    )
 
 
 def inflight_microbatches(
@@ -211,17 +255,24 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         # DDP (tp = 1, dp > 1): its all-reduce buckets, allocated when DDP is built, hold the
         # gradients (gradient_as_bucket_view=True): .grad are views into them, no second copy
         buckets = 4 * P if dp > 1 and p.tp == 1 else 0
+        # ZeRO-0 with tp > 1 replicates through FSDP2's `replicate` (parallel/apply.py), which keeps
+        # a separate unsharded copy of every parameter (fp32: its policy sets no param_dtype) from the
+        # forward until the backward is done (not resharded after forward), freed before the step
+        replicated = 4 * P if dp > 1 and p.tp > 1 else 0
+        # with accumulation the gradients exist, but an interleaved rank peaks in the backward of its
+        # first chunk to go back (its warm-up holds the most chunks): only that chunk's (1/v) exist
+        accumulated = grads / p.virtual_pipeline_stages if p.pp > 1 else grads
         backward = {
             "parameters": params,
-            "gradients": grads if accumulating and not buckets else 0,
+            "gradients": int(accumulated) if accumulating and not buckets else 0,
             "optimizer_state": states,
             "communication_buffers": buckets,
+            "gathered_parameters": replicated,
             # autocast caches each weight's compute-dtype copy for the step (saved for backward)
             "compute_dtype_weights": e * P if precision != "fp32" else 0,
         }
-        # foreach AdamW's temporaries on the stepped shard: sqrt(exp_avg_sq) and, measured on a 5.8M-
-        # parameter GPT under DDP (the optimizer step its peak), about one more fp32 copy: 2 x 4 bytes
-        temporaries = int(2 * 4 * P / (dp if zero == 1 else 1)) if k else 0
+        # foreach AdamW's sqrt(exp_avg_sq), one parameter group at a time, on the stepped shard
+        temporaries = int(4 * largest_param_group(cfg, sp_) / (dp if zero == 1 else 1)) if k else 0
         optimizer = {
             "parameters": params,
             "gradients": 0 if buckets else grads,
@@ -240,7 +291,10 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
         # (set_requires_gradient_sync(False)); without accumulation no block's backward has started
         # at the loss's backward: no gradient and no reduce-scatter buffer yet
-        unsharded_grads = gather_bytes * P if accumulating else 0
+        # (FSDP2 accumulates them in its reduce dtype when that differs from param_dtype:
+        # `unsharded_accumulated_grad`, fp32 by default)
+        accumulate_bytes = DTYPE_BYTES[p.grad_reduce_dtype] if gather_bytes != 4 else gather_bytes
+        unsharded_grads = accumulate_bytes * P if accumulating else 0
         reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
         if offload:
             host = 2 * sharded + states
@@ -260,7 +314,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
                 "parameters": sharded,
                 "gradients": sharded,
                 "optimizer_state": states,
-                "optimizer_temporaries": 2 * sharded if k else 0,
+                "optimizer_temporaries": int(4 * largest_param_group(cfg, sp_) / dp) if k else 0,
             }
         backward["gathered_parameters"] = int(gathered)
         backward["gradients"] = int(unsharded_grads)
@@ -282,6 +336,9 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
             moment["logits_and_loss"] = int(loss_buffers)
         variants.append(moment)
     backward = max(variants, key=lambda d: sum(d.values()))
+    if optimizer and sp_.last and p.pp == 1:
+        # the trainer still holds the last micro-batch's outputs (logits) during the step
+        optimizer["logits_and_loss"] = int(t.micro_batch_size * mc.seq_length * vocab(mc) / p.tp * e)
     backward.update(common)
     optimizer.update(common)
     if sum(optimizer.values()) > sum(backward.values()):
@@ -338,13 +395,23 @@ def activation_bytes(
     if mode == "full" and p.checkpoint_num_layers > 1:
         per_layer = per_layer / p.checkpoint_num_layers
     total = per_layer * layers * inflight
-    # embedding output dropout mask, and the stage's input/output kept by the pipeline
-    e = am.act_bytes
+    # the embedding's dropout mask (its output is the first block's input, counted there)
     seq_shard = p.tp if p.sequence_parallel else 1
+    bsh = b * s * h
     if sp_.first:
-        total += (am.mask_bytes + e) * b * s * h * inflight
+        total += am.mask_bytes * bsh * inflight
     if p.pp > 1:
-        total += 2 * e * b * s * h / seq_shard * inflight
+        # torch.distributed.pipelining allocates, once, a receive buffer per micro-batch and chunk:
+        # the stage input (forward, not on the first chunk) and the gradient of its output (backward,
+        # not on the last chunk), in the residual stream's dtype; and it keeps each in-flight chunk's
+        # output for its backward (not the loss chunk's)
+        v = p.virtual_pipeline_stages
+        m = t.gradient_accumulation_steps
+        boundary = am.residual_bytes * bsh / seq_shard
+        receive = 2 * v * m - (m if sp_.first else 0) - (m if sp_.last else 0)
+        chunks = inflight * v
+        outputs = chunks * (v - 1) / v if sp_.last else chunks
+        total += boundary * (receive + outputs)
     return total
 
 
@@ -360,12 +427,14 @@ def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int, later: bool = Fals
     b, s, h = t.micro_batch_size, mc.seq_length, mc.hidden_size
     v = vocab(mc)
     logits = b * s * v / p.tp
-    # BERT's head saves the dense input, gelu input, norm input and logits input; GPT the logits input
-    head = (4 if mc.type == "bert" else 1) * e * b * s * h
+    # BERT's head saves the dense input, gelu input, norm input (fp32 under autocast) and logits input;
+    # GPT its final norm's input (fp32 under autocast) and the logits input
+    head = ((3 * e + 4) if mc.type == "bert" else (4 + e)) * b * s * h
     # kept per micro-batch until its backward: the logits (the trainer's outputs, or the pipeline
-    # stage's cached output), their fp32 copy under autocast, the saved log-softmax; then, for the
+    # stage's cached output) and the saved fp32 log-softmax (the loss's fp32 copy of the logits is
+    # log_softmax's input, which it does not save: freed after the forward); then, for the
     # micro-batch in backward, the two gradients
-    kept = e + (4 if e != 4 else 0) + 4
+    kept = e + 4
     if p.tp > 1:
         kept += 4  # loss_parallel's cross-entropy keeps one more vocabulary-sharded fp32 buffer (measured)
     # the last stage computes the loss in its forward: GPipe and looped-BFS run every forward first
