@@ -218,7 +218,7 @@ def run_rank(
 
     with (
         fake_process_group(rank, world_size),
-        _patched(_engine_stubs(device_type, holder)),
+        patched(_engine_stubs(device_type, holder)),
         _target_device(device_type, rank, devices_per_node, device_sync) as device,
     ):
         dims = ParallelDims.build(cfg, device.type)  # the mesh outside the fake mode (it reads ranks)
@@ -405,7 +405,8 @@ def _engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, s
 
 
 @contextlib.contextmanager
-def _patched(stubs: list[tuple[Any, str, Any]]) -> Iterator[None]:
+def patched(stubs: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each (object, attribute, replacement) set for the block, the original back after it."""
     saved = [(obj, name, obj.__dict__.get(name), name in obj.__dict__) for obj, name, _ in stubs]
     try:
         for obj, name, new in stubs:

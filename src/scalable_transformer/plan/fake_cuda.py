@@ -274,21 +274,15 @@ def fake_cuda(device_index: int = 0, on_sync: Any = None) -> Iterator[None]:
     if torch.cuda.is_available():  # pragma: no cover - a CUDA build needs none of this
         yield
         return
-    saved: list[tuple[Any, str, Any, bool]] = []
+    from .dry_run import patched
+
     _native = _native or _NativeShim()
     _native.install()
     try:
-        for obj, name, new in _python_stubs():
-            saved.append((obj, name, obj.__dict__.get(name), name in obj.__dict__))
-            setattr(obj, name, new)
-        _state["device"], _state["on_sync"] = device_index, on_sync
-        yield
+        with patched(_python_stubs()):
+            _state["device"], _state["on_sync"] = device_index, on_sync
+            yield
     finally:
-        for obj, name, old, had in reversed(saved):
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
         _default_streams.clear()
         _state["on_sync"] = None
         _native.uninstall()
