@@ -1,0 +1,56 @@
+"""plan/fake_cuda.py: the CUDA device type for fake tensors on this CPU-only build, undone on exit.
+Each case runs in a child process: fake CUDA patches libtorch (ctypes) and torch.cuda."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA build needs no fake CUDA")
+
+CHILD = textwrap.dedent(
+    """
+    import ctypes
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from scalable_transformer.plan import fake_cuda as fc
+
+    names = ["current_device", "Stream", "Event", "current_stream", "synchronize", "get_rng_state"]
+    before = {n: getattr(torch.cuda, n) for n in names}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    syncs = []
+    with fc.fake_cuda(3, on_sync=lambda: syncs.append(1)):
+        assert torch.cuda.current_device() == 3
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            w = torch.nn.Parameter(torch.empty(8, 8, device="cuda"))
+            x = torch.empty(4, 2, 16, 4, device="cuda", dtype=torch.bfloat16)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                z = torch.empty(2, 8, device="cuda") @ w
+                y = z.float().sum()
+                out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+            y.backward()  # without the native stubs this ends the process in C++
+            assert w.grad.device.type == "cuda" and w.grad.shape == (8, 8)
+            assert z.dtype == torch.bfloat16  # autocast was not silently turned off
+            assert out.shape == x.shape and out.device.type == "cuda"
+        torch.cuda.synchronize()
+    assert syncs == [1]
+    assert all(getattr(torch.cuda, n) is before[n] for n in names)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    registry = (ctypes.c_void_p * 2).in_dll(fc._native.c10, "_ZN3c104impl26device_guard_impl_registryE")
+    assert registry[1] is None  # the CUDA guard slot is empty again
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError):
+        print("restored")
+    """
+)
+
+
+def test_fake_cuda_runs_a_cuda_backward_and_restores_everything():
+    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("restored")
