@@ -238,8 +238,10 @@ class DryRunTrace(TorchDispatchMode):
         parents = [p for p in tracker.parents if p != "Global"]
         return max(parents, key=lambda p: p.count("."), default="")
 
-    def current_phase(self) -> str:
-        if torch._C._current_autograd_node() is not None:  # autograd's engine runs a backward node
+    def current_phase(self, in_backward: bool | None = None) -> str:
+        if in_backward is None:
+            in_backward = torch._C._current_autograd_node() is not None
+        if in_backward:  # autograd's engine runs a backward node
             if self.phase in ("train", "forward-compute"):
                 return "backward-compute"
             return f"{self.phase}:backward"
@@ -278,8 +280,8 @@ class DryRunTrace(TorchDispatchMode):
 
     def _open_block(self, serial: int, nbytes: int) -> None:
         self.seq += 1
-        node = torch._C._current_autograd_node()
-        block = Block(serial, nbytes, self.seq, self.current_phase(), node is not None, self.op)
+        backward = torch._C._current_autograd_node() is not None
+        block = Block(serial, nbytes, self.seq, self.current_phase(backward), backward, self.op)
         self.blocks.append(block)
         self._open[serial] = block
         self.live += nbytes
@@ -375,7 +377,13 @@ class DryRunTrace(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         if node is not None and node.name().endswith("AccumulateGrad"):
             self.tag(out, "gradients")  # autograd accumulating a parameter's gradient
-        for t in tree_leaves(out):
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no pytree walk
+            leaves: Any = (out,)
+        elif isinstance(out, tuple | list) and all(isinstance(t, torch.Tensor | None) for t in out):
+            leaves = out
+        else:
+            leaves = tree_leaves(out)
+        for t in leaves:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 try:
                     storage = t.untyped_storage()
