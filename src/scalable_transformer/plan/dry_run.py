@@ -75,10 +75,6 @@ class DryRun:
     def peak_memory_bytes(self) -> int:
         return max(r.peak_memory_bytes for r in self.ranks)
 
-    @property
-    def peak_rank(self) -> RankDryRun:
-        return max(self.ranks, key=lambda r: r.peak_memory_bytes)
-
     def to_dict(self) -> dict[str, Any]:
         first = self.ranks[0]
         return {
@@ -109,8 +105,10 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as e:  # pragma: no cover - depends on the torch build
+        import torch
+
         raise DryRunError(
-            f"this torch ({_torch_version()}) has no fake process group "
+            f"this torch ({torch.__version__}) has no fake process group "
             "(torch.testing._internal.distributed.fake_pg): dry runs need it"
         ) from e
     if dist.is_initialized():
@@ -120,12 +118,6 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 # ------------------------------------------------------------------ one rank
@@ -188,7 +180,7 @@ def _summarize_collectives(calls: list[Any], step: int) -> list[dict[str, Any]]:
 
 def _summarize_reads(reads: list[Any], step: int) -> list[dict[str, Any]]:
     counts = Counter(r.where for r in reads if r.step == step)
-    logging = any(r.logging_step for r in reads if r.step == step)
+    logging = step % DRY_RUN_STEPS == 0  # dry_run_config logs every DRY_RUN_STEPS steps
     return [{"where": w, "logging_step": logging, "count": n} for w, n in sorted(counts.items())]
 
 
@@ -255,7 +247,7 @@ def run_rank(
                     num_devices=world_size,
                     dims=dims,
                     pipeline=pipeline,
-                    callbacks=[_StepMarker(trace, cfg.logging.log_interval)],  # type: ignore[list-item]
+                    callbacks=[_StepMarker(trace)],  # type: ignore[list-item]
                 )
                 trainer.timers = _PhaseTimers(trace, trainer.timers)  # type: ignore[assignment]
                 trace.phase = "train"
@@ -271,11 +263,8 @@ def run_rank(
                 f"{type(e).__name__}: {first_line}"
             ) from e
         peak = trace.peak
-        logging_step = DRY_RUN_STEPS
-        plain_step = 1
-        reads = _summarize_reads(trace.host_reads, plain_step) + _summarize_reads(
-            trace.host_reads, logging_step
-        )
+        plain_step, logging_step = 1, DRY_RUN_STEPS
+        plain = _summarize_reads(trace.host_reads, plain_step)
         return RankDryRun(
             rank=rank,
             stage=dims.pp_rank,
@@ -283,8 +272,8 @@ def run_rank(
             memory_breakdown_bytes=trace.breakdown_at_peak(),
             peak_at={"phase": peak.phase, "module": peak.module, "op": peak.op, "step": peak.step},
             collectives=_summarize_collectives(trace.collectives, plain_step),
-            host_syncs=reads,
-            host_syncs_per_step=trace.syncs_by_step().get(plain_step, 0),
+            host_syncs=plain + _summarize_reads(trace.host_reads, logging_step),
+            host_syncs_per_step=sum(r["count"] for r in plain),
             zero1_shard_numel=_zero1_partition(optimizer) if cfg.parallel.zero_stage == 1 else None,
         )
 
@@ -306,16 +295,13 @@ def _zero1_partition(optimizer: Any) -> list[int] | None:
 
 
 class _StepMarker:
-    """Tells the trace which step runs, and whether it logs."""
+    """Tells the trace which step runs."""
 
-    def __init__(self, trace: Any, log_interval: int) -> None:
-        self.trace, self.log_interval = trace, log_interval
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace
 
     def on_step_start(self, trainer: Any) -> None:
-        step = trainer.iteration + 1
-        self.trace.step = step
-        if step % self.log_interval == 0:
-            self.trace.logging_steps.add(step)
+        self.trace.step = trainer.iteration + 1
 
     def __getattr__(self, name: str) -> Any:  # the other Callback hooks: nothing to do
         if name.startswith("on_"):

@@ -34,10 +34,8 @@ bookkeeping is ours. Two of MemTracker's findings are followed: DTensor ops are 
 
 from __future__ import annotations
 
-import math
 import traceback
 import weakref
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,11 +85,8 @@ _KINDS = {
 # with torch's CPU allocator (measured with the profiler on 2 processes, torch 2.13: reduce_scatter_tensor
 # and all_gather_into_tensor each peaked one full-size buffer above their input and output; all_reduce
 # and broadcast none). NCCL works in the output buffer. The buffer lives while the collective runs
-# (a synchronous op on the issuing thread here): counted as a spike. Measuring a real gloo run, note
-# that gloo's worker thread sometimes drops the last reference to this buffer (and to a functional
-# collective's output or input), and the profiler's memory reporting is per thread: such a free is
-# never subtracted from `total_allocated`, which then stays above the live bytes (by up to 14 % on
-# the benchmark's layouts, varying run to run).
+# (a synchronous op on the issuing thread here): counted as a spike. (A real gloo run's worker thread
+# often frees it, out of the profiler's sight: metrics/tensor_memory.replay_allocations dates those.)
 _GLOO_STAGED = {
     "_allgather_base_",
     "_reduce_scatter_base_",
@@ -100,8 +95,6 @@ _GLOO_STAGED = {
 }
 # ops whose output shape depends on tensor values (the fake mode cannot run them)
 _DATA_DEPENDENT = {_aten.nonzero.default, _aten.masked_select.default}
-# ops that only wait for or describe a collective: not counted as one
-_NOT_COLLECTIVES = {"wait_tensor", "monitored_barrier_"}
 
 # breakdown keys, in the planner's vocabulary (plan/memory.py), in the order they are assigned
 CATEGORIES = (
@@ -133,7 +126,6 @@ class Block:
 class HostRead:
     where: str  # path:line of the first frame in this package (else the first outside torch)
     step: int  # the training step it happened in (0: before the first)
-    logging_step: bool
 
 
 @dataclass
@@ -175,7 +167,6 @@ class DryRunTrace(TorchDispatchMode):
         self.live = 0
         self.peak = Peak()
         self.step = 0
-        self.logging_steps: set[int] = set()
         self.phase = "build"
         self.module_tracker: Any = None  # torch's ModTracker: the module running now
         self.host_reads: list[HostRead] = []
@@ -351,8 +342,8 @@ class DryRunTrace(TorchDispatchMode):
 
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        reads = func is _aten._local_scalar_dense.default or _data_dependent(func, args)
-        if self._fake_mode is None and reads:
+        dependent = _data_dependent(func, args)
+        if self._fake_mode is None and (dependent or func is _aten._local_scalar_dense.default):
             # on real tensors (a real run observed with this trace): record the read, run the op
             self._host_read(None)
             out = func(*args, **kwargs)
@@ -365,7 +356,7 @@ class DryRunTrace(TorchDispatchMode):
             # mode has no kernel for; an ordinary host copy has the same shape and is not counted
             with self._fake_mode:
                 return args[0].clone()
-        if _data_dependent(func, args):
+        if dependent:
             return self._data_dependent(func, args, kwargs)
         self._last_read_key = None
         self.op = str(func)
@@ -462,7 +453,7 @@ class DryRunTrace(TorchDispatchMode):
         where = _caller()
         key = (where, self.step, self.seq)
         if key != self._last_read_key:  # one .tolist() reads every element: one synchronization
-            self.host_reads.append(HostRead(where, self.step, self.step in self.logging_steps))
+            self.host_reads.append(HostRead(where, self.step))
         self._last_read_key = key
         if tensor is None:
             return None
@@ -494,9 +485,6 @@ class DryRunTrace(TorchDispatchMode):
         if not block.backward and block.phase in ("forward-compute", "forward-backward"):
             return "activations"  # made in a forward and still alive at the peak: saved for backward
         return "other_temporaries"
-
-    def syncs_by_step(self) -> Counter:
-        return Counter(r.step for r in self.host_reads)
 
 
 def _completed(out: Any) -> Any:
@@ -577,9 +565,3 @@ def _caller() -> str:
         if not frame.filename.startswith((_TORCH, _PLAN)):
             return f"{frame.filename}:{frame.lineno}"
     return "?"
-
-
-def fmt_bytes(n: float) -> str:
-    if not math.isfinite(n):
-        return str(n)
-    return f"{n / 2**30:,.2f} GiB"
