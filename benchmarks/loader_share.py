@@ -31,7 +31,7 @@ from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.loader import build_datasets, build_loader, eval_batches
 from scalable_transformer.data.tokenizers import load_tokenizer
 from scalable_transformer.metrics.environment import record_sections
-from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
+from scalable_transformer.metrics.flops import step_flops
 from scalable_transformer.metrics.hardware import resolve_peak
 from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters
@@ -68,12 +68,7 @@ def run_once(cfg: ResolvedConfig, tokenizer, datasets, num_workers: int, warmup:
     model = parallelize(build_model(cfg.model).to(device), cfg)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
-    flops = flops_per_iteration(
-        ModelShape.from_config(cfg.model, count_parameters(cfg.model)),
-        cfg.train.global_batch_size,
-        cfg.logging.flops_convention,
-        cfg.parallel.activation_checkpointing,
-    )
+    flops = step_flops(cfg, count_parameters(cfg.model))
     trainer = Trainer(
         cfg,
         model,

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import MFUError
 
 if TYPE_CHECKING:
-    from scalable_transformer.config.schema import ModelConfig
+    from scalable_transformer.config.schema import ModelConfig, ResolvedConfig
 
 _log = logging.getLogger(__name__)
 
@@ -227,6 +227,17 @@ def flops_per_iteration(
     _check(convention, recompute, samples)
     model, hardware = _FORMULAS[convention](shape, samples, recompute)
     return FlopsCount(model_flops=float(model), hardware_flops=float(hardware), convention=convention)
+
+
+def step_flops(cfg: ResolvedConfig, num_params: int) -> FlopsCount:
+    """FLOPs of one optimizer step of a resolved run config: its global batch, its
+    `logging.flops_convention` and recompute mode; `num_params` is `models.count_parameters(cfg.model)`."""
+    return flops_per_iteration(
+        ModelShape.from_config(cfg.model, num_params),
+        cfg.train.global_batch_size,
+        cfg.logging.flops_convention,
+        cfg.parallel.activation_checkpointing,
+    )
 
 
 # Impossible-utilisation warnings already given in this process, so a run warns once, not at every

@@ -192,7 +192,7 @@ def run_rank(
     from torch.distributed._tools.mod_tracker import ModTracker
 
     from ..config.validate import resolve
-    from ..metrics.flops import ModelShape, flops_per_iteration
+    from ..metrics.flops import step_flops
     from ..metrics.sinks import Sinks
     from ..models import count_parameters
     from ..parallel.dims import ParallelDims
@@ -227,12 +227,7 @@ def run_rank(
                 zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
                 optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
                 scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
-                flops = flops_per_iteration(
-                    ModelShape.from_config(cfg.model, count_parameters(cfg.model)),
-                    cfg.train.global_batch_size,
-                    cfg.logging.flops_convention,
-                    cfg.parallel.activation_checkpointing,
-                )
+                flops = step_flops(cfg, count_parameters(cfg.model))
                 trainer = Trainer(
                     cfg,  # type: ignore[arg-type]
                     model,

@@ -27,7 +27,7 @@ from ..config.validate import resolve
 from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
 from ..errors import ConfigError
-from ..metrics.flops import ModelShape, flops_per_iteration
+from ..metrics.flops import step_flops
 from ..metrics.hardware import cpu_precision_warning, resolve_peak
 from ..metrics.sinks import Sink, Sinks
 from ..models import build_model, count_parameters
@@ -152,12 +152,7 @@ def _run(
     optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
 
-    flops = flops_per_iteration(
-        ModelShape.from_config(cfg.model, num_params),
-        cfg.train.global_batch_size,
-        cfg.logging.flops_convention,
-        cfg.parallel.activation_checkpointing,
-    )
+    flops = step_flops(cfg, num_params)
 
     run_dir: Path | None = None
     sinks: list[Sink] = []
