@@ -164,3 +164,24 @@ def test_fake_batches_have_the_loaders_keys_shapes_and_dtypes(preset):
     assert {k: (tuple(v.shape), v.dtype) for k, v in fake.items()} == {
         k: (tuple(v.shape), v.dtype) for k, v in real.items()
     }
+
+
+def test_every_simulated_pipeline_rank_gets_its_prediction_after_a_search(monkeypatch):
+    """A search predicts only the first and last pipeline ranks; the middle ones a dry run simulates
+    are compared with their own analytic figure."""
+    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.search import search_layouts
+
+    cfg = load_config("tiny-gpt", [*TINY, "model.num_layers=4", "train.global_batch_size=16"])
+    cluster = table_cluster("a100-80gb", 1, 8)
+    searched = next(r for r in search_layouts(cfg, cluster) if r.layout.pp == 4)
+    assert len(searched.stages) == 2
+
+    def simulated(layout_cfg, world, device_type, per_node):
+        ranks = [{"rank": 2 * s, "stage": s, "peak_memory_bytes": 2**20} for s in range(4)]
+        return {"peak_memory_bytes": 2**20, "ranks": ranks}
+
+    monkeypatch.setattr(dry, "dry_run_isolated", simulated)
+    ranks = dry.verify(searched, cfg, cluster).dry_run["ranks"]
+    assert [r["stage"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["predicted_bytes"] and r["difference"] is not None for r in ranks)

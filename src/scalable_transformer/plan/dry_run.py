@@ -519,18 +519,23 @@ def verify(prediction: Any, cfg: Config, cluster: Any) -> Any:
     A dry run that fails inside the engine is reported in `dry_run["error"]`; the analytic result
     stands either way."""
     from ..config.validate import resolve
-    from .search import prepare
+    from .search import predict, prepare
 
     world = cluster.world_size
     device_type = "cpu" if cluster.kind == "cpu" else "cuda"
-    layout_cfg = resolve(prediction.layout.apply(prepare(cfg, world)), world)
+    candidate = prediction.layout.apply(prepare(cfg, world))
+    layout_cfg = resolve(candidate, world)
     try:
         out = dry_run_isolated(layout_cfg, world, device_type, cluster.devices_per_node)
     except DryRunError as e:
         return dataclasses.replace(prediction, dry_run={"error": str(e), "device": device_type})
     # the dry run counts live tensor bytes: compare them with the prediction less its reserve (CUDA
     # context, allocator slack), which no tensor holds
-    predicted = {st.pp_rank: st.total - st.breakdown.get("reserve", 0) for st in prediction.stages}
+    # a search predicts the first and last pipeline ranks only; the dry run simulates every one
+    stages = prediction.stages
+    if len(stages) < prediction.layout.pp:
+        stages = predict(candidate, cluster).stages
+    predicted = {st.pp_rank: st.total - st.breakdown.get("reserve", 0) for st in stages}
     for entry in out["ranks"]:
         analytic = predicted.get(entry["stage"])
         entry["predicted_bytes"] = analytic
