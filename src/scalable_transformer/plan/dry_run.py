@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 import time
 import warnings
 from collections import Counter
@@ -50,6 +52,7 @@ class RankDryRun:
     host_syncs: list[dict[str, Any]]
     host_syncs_per_step: int
     zero1_shard_numel: list[int] | None = None  # ZeRO-1: elements of the optimizer shard per dp rank
+    saved_for_backward_bytes: int = 0  # the first micro-batch's forward, alive at its backward
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,7 @@ class RankDryRun:
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_breakdown_bytes": self.memory_breakdown_bytes,
             "peak_at": self.peak_at,
+            "saved_for_backward_bytes": self.saved_for_backward_bytes,
         }
 
 
@@ -270,6 +274,7 @@ def run_rank(
             host_syncs=plain + _summarize_reads(trace.host_reads, logging_step),
             host_syncs_per_step=sum(r["count"] for r in plain),
             zero1_shard_numel=_zero1_partition(optimizer) if cfg.parallel.zero_stage == 1 else None,
+            saved_for_backward_bytes=trace.saved_for_backward(),
         )
 
 
@@ -511,6 +516,12 @@ def _worker_main(argv: list[str]) -> None:
     except StxError as e:
         out = {"error": str(e)}
     Path(result_path).write_text(json.dumps(out), encoding="utf-8")
+    # The result is written. Skip the interpreter's teardown: after a fake-CUDA run the autograd
+    # engine's device thread outlives fake CUDA's guard, and destroying it at exit can abort in C++
+    # ("terminate called without an active exception"), which would only add noise to stderr.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def verify(prediction: Any, cfg: Config, cluster: Any) -> Any:

@@ -104,6 +104,7 @@ CATEGORIES = (
     "gathered_parameters",
     "communication_buffers",
     "activations",
+    "compute_dtype_weights",
     "batch",
     "other_temporaries",
 )
@@ -173,6 +174,7 @@ class DryRunTrace(TorchDispatchMode):
         self._last_read_key: tuple[str, int, int] | None = None
         self.collectives: list[CollectiveCall] = []
         self.tags: dict[int, str] = {}  # serial -> category, for tags known when the storage is alive
+        self.cast_from: dict[int, int] = {}  # serial of a dtype cast's output -> serial of its input
         self._fake_mode: Any = None
         self._orig_resize: Any = None
         self.op = ""  # the op running now (the peak's `op`)
@@ -308,6 +310,17 @@ class DryRunTrace(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return None
 
+    def adopt(self, tensors: Any, category: str) -> None:
+        """Track tensors made before the trace began (a real run's parameters, observed from its
+        first step) as blocks of `category`, so that views of them (a weight's `.t()`) are not taken
+        for new storage."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                local = getattr(t, "_local_tensor", t)
+                if local.device.type == self.device_type:
+                    self._track(local.untyped_storage())
+        self.tag(tensors, category)
+
     def tag(self, tensors: Any, category: str, overwrite: bool = False) -> None:
         """Mark the storages of `tensors` (DTensors: their local shards) as `category`."""
         for t in tree_leaves(tensors):
@@ -362,6 +375,10 @@ class DryRunTrace(TorchDispatchMode):
         self.op = str(func)
         out = func(*args, **kwargs)
         self._record_outputs(out)
+        if func is _aten._to_copy.default and isinstance(out, torch.Tensor):
+            source, cast = self.serial(args[0]), self.serial(out)
+            if source is not None and cast is not None:
+                self.cast_from[cast] = source  # a parameter's autocast copy, once the tags say so
         return out
 
     def _record_outputs(self, out: Any) -> None:
@@ -385,6 +402,8 @@ class DryRunTrace(TorchDispatchMode):
     def _collective(self, func: Any, args: Any, kwargs: Any) -> Any:
         name = func._opname
         if name == "wait_tensor":
+            if self._fake_mode is None:  # a real run observed: the wait releases the collective's work
+                func(*args, **kwargs)
             return args[0]  # eager returns its input; the fake kernel would count a new tensor
         out = func(*args, **kwargs)
         if self._fake_mode is not None:  # a real backend's Work completes by itself
@@ -396,10 +415,25 @@ class DryRunTrace(TorchDispatchMode):
             self.collectives.append(CollectiveCall(self.step, self._group_of(args, kwargs), kind, nbytes))
             if self.backend == "gloo" and name in _GLOO_STAGED:
                 self._transient(nbytes)
+            in_backward = torch._C._current_autograd_node() is not None
             for t in tree_leaves((args, kwargs)):  # buffers that only exist for the collective
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and not (in_backward and self._saved_in_forward(t)):
                     self.tag(t, "communication_buffers")
         return out
+
+    def _saved_in_forward(self, t: torch.Tensor) -> bool:
+        """Whether t's storage was made in a forward and is still alive: an activation kept for
+        backward (a distributed checkpoint input, a saved 1/t slice) that a backward gathers."""
+        try:
+            serial = self._serial_of.get(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            return False
+        block = None if serial is None else self._open.get(serial)
+        return (
+            block is not None
+            and not block.backward
+            and block.phase in ("forward-compute", "forward-backward")
+        )
 
     def _group_of(self, args: Any, kwargs: Any) -> str:
         """The label of the process group a collective runs on: c10d ops take the group as a boxed
@@ -476,10 +510,20 @@ class DryRunTrace(TorchDispatchMode):
             out[self.category(block)] += block.bytes
         return {k: v for k, v in out.items() if v}
 
+    def saved_for_backward(self) -> int:
+        """Bytes made in a forward and alive when autograd first allocates in a backward: what the
+        first micro-batch keeps for its backward (its outputs, logits and loss, included)."""
+        first = next((b.born for b in self.blocks if b.backward), None)
+        if first is None:
+            return 0
+        return sum(b.bytes for b in self.live_at(first) if self.category(b) == "activations")
+
     def category(self, block: Block) -> str:
         tag = self.tags.get(block.serial)
         if tag is not None:
             return tag
+        if self.tags.get(self.cast_from.get(block.serial, -1)) == "parameters":
+            return "compute_dtype_weights"  # autocast's cached low-precision copy of a weight
         if block.phase == "batch-generator":
             return "batch"
         if not block.backward and block.phase in ("forward-compute", "forward-backward"):
