@@ -81,7 +81,26 @@ TWO = {
         "parallel.offload_optimizer=true",
     ],
     "tp2": ["parallel.tp=2"],
-    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],  # saved inputs as 1/t slices
+    "tp2-sp-selective": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing=selective",
+    ],
+    "tp2-recompute-distributed": [
+        "parallel.tp=2",
+        "parallel.activation_checkpointing=full",
+        "parallel.distribute_saved_activations=true",
+    ],
+    "tp2-recompute-distributed-host-chunks": [
+        "parallel.tp=2",
+        "parallel.activation_checkpointing=full",
+        "parallel.checkpoint_num_layers=2",
+        "parallel.distribute_saved_activations=true",
+        "parallel.cpu_checkpointing=true",
+    ],
+    "dp2-zero2-reduce-each": ["parallel.zero_stage=2", "parallel.reduce_each_micro_batch=true"],
+    "dp2-zero3-reduce-each": ["parallel.zero_stage=3", "parallel.reduce_each_micro_batch=true"],
     "pp2-gpipe": ["parallel.pp=2", "parallel.pipeline_schedule=gpipe"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pipeline_schedule=1f1b"],
     "pp2-interleaved": [
@@ -102,6 +121,27 @@ FOUR = {
     "dp2-pp2-zero0": ["parallel.pp=2", "parallel.zero_stage=0"],
     "dp2-pp2-zero3": ["parallel.pp=2", "parallel.zero_stage=3"],
     "tp2-pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "dp2-tp2-sp-zero3-reduce-each": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.zero_stage=3",
+        "parallel.reduce_each_micro_batch=true",
+    ],
+    "dp2-tp2-zero3-offload-recompute-distributed": [
+        "parallel.tp=2",
+        "parallel.zero_stage=3",
+        "parallel.offload_param=true",
+        "parallel.offload_optimizer=true",
+        "parallel.activation_checkpointing=full",
+        "parallel.distribute_saved_activations=true",
+    ],
+    "tp2-pp2-recompute-distributed-host": [
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.activation_checkpointing=full",
+        "parallel.distribute_saved_activations=true",
+        "parallel.cpu_checkpointing=true",
+    ],
 }
 SINGLE = {  # numerics-neutral options on one process, and the mixed precisions (LOW_PRECISION_RTOL)
     "bf16": ["train.precision=bf16"],

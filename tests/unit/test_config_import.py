@@ -153,7 +153,9 @@ def test_import_keeps_an_existing_file_unless_forced(tmp_path, capsys):
     )
     assert code == 0, cap.err
     data = yaml.safe_load(out.read_text(encoding="utf-8"))
-    assert data == {"base": "tiny-gpt", "parallel": {"zero_stage": 2}, "train": {"precision": "bf16"}}
+    # DeepSpeed partitions gradients every micro-batch at stage 2: the import says so
+    parallel = {"zero_stage": 2, "reduce_each_micro_batch": True}
+    assert data == {"base": "tiny-gpt", "parallel": parallel, "train": {"precision": "bf16"}}
     assert sorted(os.listdir(tmp_path)) == ["c.yaml", "ds.json"]
 
 

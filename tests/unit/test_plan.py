@@ -58,7 +58,7 @@ def test_korthikanti_per_layer_formulas() -> None:
     assert korthikanti(b, s, h, a, t=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert korthikanti(b, s, h, a, t=t, sp=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
     assert korthikanti(b, s, h, a, t=t, sp=True, selective=True) == pytest.approx(sbh * 34 / t)
-    paper = ActivationModel(2, 1, flash=False, sp_gathers_saved=False)
+    paper = ActivationModel(2, 1, flash=False)
     full = layer_activation_bytes(b, s, h, a, 4 * h, t, True, "full", paper)
     assert full == pytest.approx(2 * sbh / t)  # the layer input only, sequence-sharded
 
@@ -73,7 +73,7 @@ def test_engine_terms_found_by_the_cuda_dry_runs() -> None:
     # bf16 autocast, fp32 parameters: the norm inputs and the residual stream are fp32; SP shards them
     tp = cfg_of(["parallel.tp=4", "parallel.sequence_parallel=true"], 8)
     am = activation_model(tp, "cuda")
-    assert (am.norm_input_bytes, am.residual_bytes, am.sp_shards_stream) == (4, 4, True)
+    assert (am.norm_input_bytes, am.residual_bytes) == (4, 4)
     # FSDP2's bf16 param_dtype makes the stream bf16 (the norms still save an fp32 copy)
     z3 = activation_model(cfg_of(["parallel.zero_stage=3"], 8), "cuda")
     assert (z3.norm_input_bytes, z3.residual_bytes) == (4, 2)

@@ -210,6 +210,10 @@ def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
         k = norm_key(sub)
         if k == "stage":
             out.append(Assignment("parallel.zero_stage", v, source))
+            if isinstance(v, int) and v >= 2:
+                # DeepSpeed partitions the gradients of every micro-batch (its
+                # reduce_scatter / contiguous_gradients path), which is what these users expect
+                out.append(Assignment("parallel.reduce_each_micro_batch", True, source))
         elif k in ("offload_optimizer", "offload_param"):
             out.append(Assignment(f"parallel.{k}", _offload_device(v, source, f"{key}.{sub}"), source))
         elif k in ("cpu_offload", "cpu_offload_params"):  # DeepSpeed's older boolean spellings
@@ -218,6 +222,28 @@ def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
         else:
             warnings.warn(
                 ConfigWarning(source, f"{key}.{sub}", "is a DeepSpeed tuning knob with no equivalent here"),
+                stacklevel=2,
+            )
+    return out
+
+
+def _ds_activation_checkpointing(value: Any, source: str, key: str) -> list[Assignment]:
+    """DeepSpeed `activation_checkpointing` block (partition_activations, cpu_checkpointing), or a flat
+    `activation_checkpointing: none|full|selective` (`parallel.activation_checkpointing`)."""
+    if not isinstance(value, dict):
+        return [Assignment("parallel.activation_checkpointing", value, source)]
+    out = []
+    for sub, v in value.items():
+        k = norm_key(sub)
+        if k == "partition_activations":
+            out.append(Assignment("parallel.distribute_saved_activations", v, source))
+        elif k == "cpu_checkpointing":
+            out.append(Assignment("parallel.cpu_checkpointing", v, source))
+        elif v not in (False, None):
+            warnings.warn(
+                ConfigWarning(
+                    source, f"{key}.{sub}", "is a DeepSpeed buffer/profiling knob with no equivalent here"
+                ),
                 stacklevel=2,
             )
     return out
@@ -253,6 +279,7 @@ SPECIAL_KEYS = {
     "optimizer": _ds_optimizer,
     "scheduler": _ds_scheduler,
     "zero_optimization": _ds_zero,
+    "activation_checkpointing": _ds_activation_checkpointing,
     "gradient_clipping": _flag_value("optim.clip_grad"),
     "min_scale": _flag_value("train.min_loss_scale", "Megatron/NeoX"),
     "initial_loss_scale": _initial_loss_scale,
@@ -283,12 +310,8 @@ IGNORED_KEYS: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
-            "distribute_checkpointed_activations",
             "deepspeed_activation_checkpointing",
-            "partition_activations",
             "contigious_checkpointing",
-            "checkpoint_in_cpu",
-            "activation_checkpointing",
         ),
         _ACT_CKPT,
     ),

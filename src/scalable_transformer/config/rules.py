@@ -294,6 +294,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.virtual_pipeline_stages must be >= 1, got {p.virtual_pipeline_stages}")
     _check_zero(cfg)
     _check_tensor_parallel(cfg)
+    _check_recompute(cfg)
     if p.pp > 1:
         _check_pipeline(cfg, t.gradient_accumulation_steps or 1)
     elif p.virtual_pipeline_stages != 1 or p.pipeline_layers is not None:
@@ -351,6 +352,17 @@ def _check_zero(cfg: Config) -> None:
             "offload is FSDP2's CPUOffloadPolicy, which moves sharded parameters, gradients and optimizer "
             "state together; ZeRO-0/1 keep them unsharded on the device"
         )
+    if p.reduce_each_micro_batch and p.zero_stage < 2:
+        raise ConfigError(
+            f"parallel.reduce_each_micro_batch needs parallel.zero_stage 2 or 3 (got {p.zero_stage}): "
+            "ZeRO-0/1 keep whole gradients on every rank, so there is no sharded gradient to reduce into"
+        )
+    if p.reduce_each_micro_batch and p.pp > 1:
+        raise ConfigError(
+            "parallel.reduce_each_micro_batch with pipeline parallel (parallel.pp > 1): "
+            "torch.distributed.pipelining accumulates a stage's gradients unsharded until its last "
+            "micro-batch; set parallel.reduce_each_micro_batch = false"
+        )
     if p.zero_stage == 1 and p.dp > 1 and p.tp > 1:
         raise ConfigError(
             f"parallel.zero_stage = 1 with dp = {p.dp} and tp = {p.tp}: ZeroRedundancyOptimizer cannot "
@@ -361,6 +373,23 @@ def _check_zero(cfg: Config) -> None:
         raise ConfigError(
             "parallel.zero_stage = 1 with pipeline parallel: ZeroRedundancyOptimizer over pipeline stage "
             "modules is not supported; use parallel.zero_stage = 2 or 3 (FSDP2 composes with pipelining)"
+        )
+
+
+def _check_recompute(cfg: Config) -> None:
+    """Where checkpointed inputs are kept only means something for full recompute."""
+    p = cfg.parallel
+    for key in ("distribute_saved_activations", "cpu_checkpointing"):
+        if getattr(p, key) and p.activation_checkpointing != "full":
+            raise ConfigError(
+                f"parallel.{key} places the inputs that full recompute keeps; set "
+                f"parallel.activation_checkpointing = full (it is {p.activation_checkpointing!r})"
+            )
+    if p.distribute_saved_activations and p.sequence_parallel:
+        raise ConfigError(
+            "parallel.distribute_saved_activations with parallel.sequence_parallel: sequence "
+            "parallelism already keeps 1/tp of every checkpointed layer input on each rank; set one "
+            "of them (as Megatron requires)"
         )
 
 

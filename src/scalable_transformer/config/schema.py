@@ -204,6 +204,27 @@ class ParallelConfig:
         aliases=("checkpoint-num-layers",),
         ge=1,
     )
+    distribute_saved_activations: bool = opt(
+        False,
+        "Full recompute with tp > 1: each tensor-parallel rank keeps 1/tp of every checkpointed layer "
+        "input and the layer all-gathers it before recomputing (Megatron "
+        "--distribute-saved-activations, DeepSpeed partition_activations). Sequence parallelism "
+        "already shards those inputs.",
+        aliases=("distribute-checkpointed-activations", "partition_activations"),
+    )
+    cpu_checkpointing: bool = opt(
+        False,
+        "Full recompute: keep the checkpointed layer inputs in host memory and copy each back before "
+        "its layer is recomputed (DeepSpeed cpu_checkpointing; NeoX checkpoint_in_cpu).",
+        aliases=("checkpoint_in_cpu",),
+    )
+    reduce_each_micro_batch: bool = opt(
+        False,
+        "ZeRO-2/3 with gradient accumulation: reduce-scatter every micro-batch's gradients into the "
+        "sharded gradients (DeepSpeed's behaviour; 1/dp of the gradient memory, one reduce-scatter per "
+        "micro-batch) instead of accumulating unsharded gradients and reducing once per step. A "
+        "DeepSpeed zero_optimization block with stage 2 or 3 sets it.",
+    )
     compile: bool = opt(False, "Wrap each transformer block in torch.compile (cold start 10-30 s).")
 
 

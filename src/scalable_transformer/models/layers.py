@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -293,11 +293,14 @@ def run_blocks(
     mask_b11s: torch.Tensor | None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     recompute_chunk: int = 0,
+    checkpoint_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run transformer blocks in order. recompute_chunk = k > 1: Megatron's uniform full recompute,
     each run of k consecutive blocks is one non-reentrant checkpoint (only every k-th block's input
     is kept; the k blocks are recomputed together in backward). 0 or 1: plain calls (per-block
-    checkpointing, when configured, is a wrapper around each block instead)."""
+    checkpointing, when configured, is a wrapper around each block instead). `checkpoint_fn(fn, x,
+    *args)` checkpoints a chunk (default torch's non-reentrant checkpoint, which keeps x whole;
+    parallel/recompute.py's keeps it distributed or in host memory)."""
     blocks = list(blocks)
     if recompute_chunk <= 1 or not torch.is_grad_enabled():
         for block in blocks:
@@ -305,13 +308,16 @@ def run_blocks(
         return x_bsh
     for start in range(0, len(blocks), recompute_chunk):
         chunk = blocks[start : start + recompute_chunk]
-        x_bsh = torch.utils.checkpoint.checkpoint(
-            _run_chunk, chunk, x_bsh, mask_b11s, rotary, use_reentrant=False
-        )
+        if checkpoint_fn is None:
+            x_bsh = torch.utils.checkpoint.checkpoint(
+                _run_chunk, x_bsh, chunk, mask_b11s, rotary, use_reentrant=False
+            )
+        else:
+            x_bsh = checkpoint_fn(_run_chunk, x_bsh, chunk, mask_b11s, rotary)
     return x_bsh
 
 
-def _run_chunk(chunk, x_bsh, mask_b11s, rotary):
+def _run_chunk(x_bsh, chunk, mask_b11s, rotary):
     for block in chunk:
         x_bsh = block(x_bsh, mask_b11s, rotary)
     return x_bsh

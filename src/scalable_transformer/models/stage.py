@@ -71,5 +71,5 @@ def make_stage(
             stage.register_module(name, copy.deepcopy(child))
     # plain attributes of the family's class (nn.Module's typing only knows submodules and tensors);
     # recompute_chunk is set by parallel.apply for chunked full recompute
-    vars(stage).update(has_embedding=first, has_head=last, recompute_chunk=0)
+    vars(stage).update(has_embedding=first, has_head=last, recompute_chunk=0, recompute_checkpoint=None)
     return stage

@@ -15,6 +15,8 @@ trainer multiplies the loss by dp so the step's gradient is the global token-wei
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,16 +52,21 @@ def _replace_block(model: nn.Module, name: str, new: nn.Module) -> None:
     model.get_submodule("layers").register_module(name, new)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, num_layers: int) -> None:
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, num_layers: int, checkpoint_fn: Callable[..., Any] | None = None
+) -> None:
     """Recompute activations in backward (non-reentrant checkpointing).
 
     `full` wraps every block (checkpoint_num_layers = 1) or checkpoints chunks of checkpoint_num_layers
     consecutive blocks (Megatron's uniform method: fewer saved inputs, the chunk recomputed at once);
     `selective` wraps only the attention core of each block (the s^2 part whose activations are
-    largest and cheapest to recompute).
+    largest and cheapest to recompute). `checkpoint_fn(fn, x, *args)`: where full recompute keeps each
+    region's input (parallel/recompute.py; None: torch's checkpoint, whole on the device).
     """
     if mode == "none":
         return
+    wrapper_fn = None if checkpoint_fn is None else partial(_checkpoint_module, checkpoint_fn)
+    setattr(model, "recompute_checkpoint", checkpoint_fn)  # noqa: B010 (read by models.layers.run_blocks)
     if mode == "full" and num_layers > 1:
         # Megatron's uniform method: the model runs its blocks in checkpointed chunks
         # (models.layers.run_blocks)
@@ -73,13 +80,24 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, num_layers: int)
     for name, block in blocks(model):
         if mode == "full":
             _replace_block(
-                model, name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                model,
+                name,
+                checkpoint_wrapper(
+                    block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=wrapper_fn
+                ),
             )
         else:
             attention = block.get_submodule("attention")
             attention.core = checkpoint_wrapper(  # type: ignore[assignment]
                 attention.get_submodule("core"), checkpoint_impl=CheckpointImpl.NO_REENTRANT
             )
+
+
+def _checkpoint_module(
+    checkpoint_fn: Callable[..., Any], module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """The form `checkpoint_wrapper(checkpoint_fn=...)` calls: the module and its arguments."""
+    return checkpoint_fn(module, x, *args, **kwargs)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -169,9 +187,15 @@ def parallelize(
         from .rng import apply_dropout_streams
         from .tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+        # full recompute saves only block inputs, which SP already shards
+        shard_saved = p.activation_checkpointing != "full"
+        apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel, shard_saved)
         apply_dropout_streams(model, mesh["tp"].get_local_rank(), p.sequence_parallel, device)
-    apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers)
+    from .recompute import checkpoint_function
+
+    tp_group = mesh["tp"].get_group() if mesh is not None and p.tp > 1 else None
+    stash = checkpoint_function(tp_group, p.distribute_saved_activations, p.cpu_checkpointing)
+    apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers, stash)
     if p.compile:
         apply_compile(model)
     if mesh is not None and p.zero_stage >= 2:

@@ -200,9 +200,76 @@ def _check_divisible(module: nn.Module, tp: int) -> None:
             raise ValueError(f"tensor parallel over {tp} ranks: {name} = {size} is not divisible by {tp}")
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+class SavedShards:
+    """Saved-tensor hooks that keep 1/t of every tp-replicated activation autograd saves.
+
+    With sequence parallelism, DTensor all-gathers the sequence-sharded norm output into a Replicate
+    DTensor before each column-parallel linear (attention.qkv, mlp.up), and that linear saves the
+    gathered [b, s, h] input for its weight gradient: whole on every rank, 2 x 2sbh per layer that
+    Korthikanti et al. (2022) count as 1/t. As Megatron does, each rank keeps its 1/t slice (of the
+    flattened tensor) instead and the slices are all-gathered again when backward needs them: one
+    all-gather per such input in backward. Parameters are never touched.
+    """
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.mesh = tp_mesh
+        self.group = tp_mesh.get_group()
+        self.t = tp_mesh.size()
+        self.rank = tp_mesh.get_local_rank()
+        self._contexts: list[AbstractContextManager[None]] = []
+
+    def pack(self, saved: torch.Tensor) -> object:
+        if not (
+            isinstance(saved, DTensor)
+            and saved.device_mesh == self.mesh
+            and all(p.is_replicate() for p in saved.placements)
+            and not (saved.is_leaf and saved.requires_grad)
+        ):
+            return saved
+        flat = saved.to_local().reshape(-1)
+        if flat.numel() % self.t:
+            flat = F.pad(flat, (0, self.t - flat.numel() % self.t))
+        # a copy: a view would keep the gathered tensor's whole storage alive
+        return _Slice(flat.chunk(self.t)[self.rank].clone(), saved.shape)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if not isinstance(packed, _Slice):
+            return packed  # type: ignore[return-value]
+        part = packed.part
+        full = torch.empty(part.numel() * self.t, dtype=part.dtype, device=part.device)
+        torch.distributed.all_gather_single(full, part, group=self.group)
+        local = full[: packed.shape.numel()].view(packed.shape)
+        return DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
+
+    def enter(self, *_: object) -> None:
+        context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        context.__enter__()
+        self._contexts.append(context)
+
+    def exit(self, *_: object) -> None:
+        self._contexts.pop().__exit__(None, None, None)
+
+    def attach(self, module: nn.Module) -> None:
+        """Active during every forward of `module` (also one that raises)."""
+        module.register_forward_pre_hook(self.enter)
+        module.register_forward_hook(self.exit, always_call=True)
+
+
+class _Slice:
+    """This rank's slice of a saved tp-replicated tensor of `shape`."""
+
+    def __init__(self, part: torch.Tensor, shape: torch.Size) -> None:
+        self.part, self.shape = part, shape
+
+
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_saved: bool = True
+) -> None:
     """Shard `module` (a BERT/GPT model or a pipeline stage of one) in place over the 1-D `tp_mesh`
     as described in this module's docstring. A mesh of size 1 leaves the module untouched.
+    With sequence parallelism and `shard_saved`, the gathered inputs the column-parallel linears save
+    are kept as 1/t slices (`SavedShards`); the caller turns that off under full recompute, whose
+    checkpoints save only the (already sharded) block inputs and must own the saved-tensor hooks.
 
     Afterwards the logits are DTensors sharded on the vocabulary: run forward, loss and backward
     inside `loss_parallel_context(tp)`. Raises ValueError if heads, MLP width or vocabulary rows
@@ -216,6 +283,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
     _check_divisible(module, tp)
     for name, style in tensor_parallel_plan(module, sequence_parallel):
         parallelize_module(module, tp_mesh, {name: style})
+    if sequence_parallel and shard_saved:
+        saved = SavedShards(tp_mesh)
+        for _, block in _blocks(module):
+            saved.attach(block.get_submodule("attention"))
+            saved.attach(block.get_submodule("mlp"))
     names = _names(module)
     if names is not None and names.output_bias is not None:
         owner_name, _, bias_name = names.output_bias.rpartition(".")

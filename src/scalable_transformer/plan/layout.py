@@ -25,6 +25,9 @@ class Layout:
     pipeline_schedule: str
     virtual_pipeline_stages: int
     sequence_parallel: bool = False
+    reduce_each_micro_batch: bool = False
+    distribute_saved_activations: bool = False
+    cpu_checkpointing: bool = False
 
     @property
     def world_size(self) -> int:
@@ -56,6 +59,9 @@ class Layout:
             pipeline_schedule=p.pipeline_schedule,
             virtual_pipeline_stages=p.virtual_pipeline_stages,
             sequence_parallel=p.sequence_parallel,
+            reduce_each_micro_batch=p.reduce_each_micro_batch,
+            distribute_saved_activations=p.distribute_saved_activations,
+            cpu_checkpointing=p.cpu_checkpointing,
         )
 
     def apply(self, cfg: Config) -> Config:
@@ -72,6 +78,9 @@ class Layout:
             pipeline_schedule=self.pipeline_schedule,
             virtual_pipeline_stages=self.virtual_pipeline_stages,
             sequence_parallel=self.sequence_parallel,
+            reduce_each_micro_batch=self.reduce_each_micro_batch,
+            distribute_saved_activations=self.distribute_saved_activations,
+            cpu_checkpointing=self.cpu_checkpointing,
             pipeline_layers=cfg.parallel.pipeline_layers if self.pp == cfg.parallel.pp else None,
         )
         train = dataclasses.replace(
@@ -94,6 +103,9 @@ class Layout:
             "parallel.activation_checkpointing": self.activation_checkpointing,
             "parallel.pipeline_schedule": self.pipeline_schedule,
             "parallel.virtual_pipeline_stages": self.virtual_pipeline_stages,
+            "parallel.reduce_each_micro_batch": self.reduce_each_micro_batch,
+            "parallel.distribute_saved_activations": self.distribute_saved_activations,
+            "parallel.cpu_checkpointing": self.cpu_checkpointing,
             "train.micro_batch_size": self.micro_batch_size,
             "train.gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
@@ -110,6 +122,16 @@ class Layout:
                 + (f"x{self.virtual_pipeline_stages}" if self.virtual_pipeline_stages > 1 else "")
             )
         parts.append(f"mb={self.micro_batch_size}x{self.gradient_accumulation_steps}")
+        if self.reduce_each_micro_batch:
+            parts.append("reduce-each-mb")
         if self.activation_checkpointing != "none":
-            parts.append(f"recompute={self.activation_checkpointing}")
+            where = [
+                w
+                for w, on in (
+                    ("distributed", self.distribute_saved_activations),
+                    ("host", self.cpu_checkpointing),
+                )
+                if on
+            ]
+            parts.append(f"recompute={self.activation_checkpointing}" + "".join(f"+{w}" for w in where))
         return " ".join(parts)

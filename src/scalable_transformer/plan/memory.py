@@ -8,6 +8,7 @@ t tensor-parallel size, e bytes of a saved activation element, P parameters held
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config.model_shapes import StageParams, stage_params, vocab
@@ -77,13 +78,10 @@ class ActivationModel:
                    q, k, v, output and the fp32 log-sum-exp); false = the math path (attention
                    dropout > 0 on CPU, or the paper's unfused kernel): softmax output, dropout mask
                    and dropout output, each a x s x s per sample
-    sp_gathers_saved with sequence parallelism, the all-gathered input of qkv and up is what is
-                   saved (DTensor's redistribution before the column-parallel linear); Megatron
-                   saves the shard and re-gathers in backward (the paper's 34 / t)
-    sp_shards_stream with sequence parallelism, the norm inputs and the hidden-dropout masks are
-                   1/t per rank (the paper). The dry run's per-tensor trace shows our engine's
-                   DTensor SP does this (CPU tp 2 and CUDA tp 16: the residual adds and the dropout
-                   masks are [b, s/t, h]); an earlier whole-peak measurement had suggested not.
+    With sequence parallelism every per-position tensor a layer keeps is 1/t per rank, as in the
+    paper: the norm inputs and hidden-dropout masks run on the sequence shard, and the gathered
+    inputs of qkv and up are kept as 1/t slices and gathered again in backward
+    (parallel/tensor.py SavedShards; before it, DTensor's gathered copy was saved whole).
     norm_bytes     bytes of a saved norm input (None: act_bytes): 4 under autocast (norms in fp32)
     stream_bytes   bytes of the residual stream (None: act_bytes): 4 with fp32 parameters under
                    autocast, FSDP2's param_dtype bytes otherwise
@@ -92,8 +90,6 @@ class ActivationModel:
     act_bytes: int
     mask_bytes: int
     flash: bool
-    sp_gathers_saved: bool = True
-    sp_shards_stream: bool = True
     norm_bytes: int | None = None
     stream_bytes: int | None = None
 
@@ -123,7 +119,7 @@ def layer_activation_bytes(
     gated: bool = False,
 ) -> float:
     """Bytes one layer keeps for backward for one micro-batch (Korthikanti et al. 2022 section 4,
-    generalised). With am = (2, 1, flash=False, sp_gathers_saved=False) this is the paper's exactly:
+    generalised). With am = (2, 1, flash=False) this is the paper's exactly:
     sbh(34 + 5as/h) without TP, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP + SP,
     sbh 34/t (TP + SP + selective); full recompute keeps the layer input, 2sbh (/t with SP)."""
     e, m = am.act_bytes, am.mask_bytes
@@ -134,9 +130,9 @@ def layer_activation_bytes(
         return am.residual_bytes * sbh / seq_shard
     # norm inputs (2, saved in fp32 under autocast) and the two hidden-dropout masks: sequence-sharded
     # with SP, else replicated
-    replicated = (2 * am.norm_input_bytes + 2 * m) * sbh / (seq_shard if am.sp_shards_stream else 1)
-    # qkv and up inputs: the norm outputs
-    inputs = 2 * e * sbh / (seq_shard if (sp and not am.sp_gathers_saved) else 1)
+    replicated = (2 * am.norm_input_bytes + 2 * m) * sbh / seq_shard
+    # qkv and up inputs: the norm outputs (with SP, kept as 1/t slices)
+    inputs = 2 * e * sbh / seq_shard
     # q, k, v (3), attention output into proj (1), MLP activation input and output
     sharded = e * sbh * (4 + (up + f) / h) / t
     core = 0.0
@@ -153,7 +149,7 @@ def korthikanti(
     b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, selective: bool = False
 ) -> float:
     """The paper's per-layer bytes (16-bit activations, 1-byte masks, unfused attention)."""
-    paper = ActivationModel(act_bytes=2, mask_bytes=1, flash=False, sp_gathers_saved=False)
+    paper = ActivationModel(act_bytes=2, mask_bytes=1, flash=False)
     return layer_activation_bytes(b, s, h, a, 4 * h, t, sp, "selective" if selective else "none", paper) - (
         2 * 2 * 4 * s * b / (t if sp else 1)
     )
@@ -175,7 +171,6 @@ def activation_model(cfg: Config, device_kind: str) -> ActivationModel:
         act_bytes=e,
         mask_bytes=mask,
         flash=flash,
-        sp_shards_stream=True,
         norm_bytes=4,
         stream_bytes=e if fsdp_low or not mixed else 4,
     )
@@ -294,7 +289,11 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         # (FSDP2 accumulates them in its reduce dtype when that differs from param_dtype:
         # `unsharded_accumulated_grad`, fp32 by default)
         accumulate_bytes = DTYPE_BYTES[p.grad_reduce_dtype] if gather_bytes != 4 else gather_bytes
-        unsharded_grads = accumulate_bytes * P if accumulating else 0
+        # parallel.reduce_each_micro_batch: every micro-batch is reduce-scattered into the sharded
+        # fp32 gradients (DeepSpeed's way), so no unsharded gradient outlives its unit's backward
+        reduce_each = accumulating and p.reduce_each_micro_batch
+        unsharded_grads = accumulate_bytes * P if accumulating and not reduce_each else 0
+        sharded_grads = sharded if reduce_each and not offload else 0
         reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
         if offload:
             host = 2 * sharded + states
@@ -317,7 +316,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
                 "optimizer_temporaries": int(4 * largest_param_group(cfg, sp_) / dp) if k else 0,
             }
         backward["gathered_parameters"] = int(gathered)
-        backward["gradients"] = int(unsharded_grads)
+        backward["gradients"] = int(unsharded_grads + sharded_grads)
     # The first micro-batch's backward has no gradient yet; a later one (with accumulation) has the
     # accumulated gradients but, under GPipe, one micro-batch fewer in flight: the larger counts.
     variants = []
@@ -336,6 +335,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
             moment["logits_and_loss"] = int(loss_buffers)
         variants.append(moment)
     backward = max(variants, key=lambda d: sum(d.values()))
+    host += int(host_checkpoint_bytes(cfg, sp_, pp_rank, device_kind))
     if optimizer and sp_.last and p.pp == 1:
         # the trainer still holds the last micro-batch's outputs (logits) during the step
         optimizer["logits_and_loss"] = int(t.micro_batch_size * mc.seq_length * vocab(mc) / p.tp * e)
@@ -344,6 +344,41 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
     if sum(optimizer.values()) > sum(backward.values()):
         return StageMemory(pp_rank, optimizer, host, "optimizer")
     return StageMemory(pp_rank, backward, host, "backward")
+
+
+def kept_input_fraction(cfg: Config, device_kind: str) -> float:
+    """The share of each checkpointed layer input full recompute keeps on the device: 1/tp with
+    parallel.distribute_saved_activations, 0 with cpu_checkpointing on a GPU (host memory; on a CPU
+    the host is the device), else 1."""
+    p = cfg.parallel
+    if p.activation_checkpointing != "full":
+        return 1.0
+    if p.cpu_checkpointing and device_kind != "cpu":
+        return 0.0
+    return 1.0 / p.tp if p.distribute_saved_activations else 1.0
+
+
+def host_checkpoint_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str) -> float:
+    """Host bytes of the checkpointed layer inputs under cpu_checkpointing on a GPU (per device)."""
+    p = cfg.parallel
+    if p.activation_checkpointing != "full" or not p.cpu_checkpointing or device_kind == "cpu":
+        return 0.0
+    on_device = dataclasses.replace(cfg, parallel=dataclasses.replace(p, cpu_checkpointing=False))
+    return layer_input_bytes(on_device, sp_, pp_rank, device_kind)
+
+
+def layer_input_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str) -> float:
+    """Device bytes of the layer inputs full recompute keeps, for the rank's in-flight micro-batches."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert t.gradient_accumulation_steps is not None
+    am = activation_model(cfg, device_kind)
+    seq_shard = p.tp if p.sequence_parallel else 1
+    per_layer = am.residual_bytes * t.micro_batch_size * mc.seq_length * mc.hidden_size / seq_shard
+    inflight = inflight_microbatches(
+        p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank
+    )
+    chunks = sp_.layers / p.checkpoint_num_layers
+    return per_layer * kept_input_fraction(cfg, device_kind) * chunks * inflight
 
 
 def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
@@ -366,7 +401,10 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
     gated = mc.activation == "geglu"
     full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
     if mode == "full":
-        return full_layer * min(p.checkpoint_num_layers, sp_.layers)
+        # a distributed or host-kept input is rebuilt whole on the device for the recomputation
+        rebuilt = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "full", am, gated)
+        rebuilt *= 1 - kept_input_fraction(cfg, device_kind)
+        return full_layer * min(p.checkpoint_num_layers, sp_.layers) + rebuilt
     return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
 
 
@@ -392,8 +430,8 @@ def activation_bytes(
         p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank, later
     )
     layers = sp_.layers
-    if mode == "full" and p.checkpoint_num_layers > 1:
-        per_layer = per_layer / p.checkpoint_num_layers
+    if mode == "full":
+        per_layer = per_layer * kept_input_fraction(cfg, device_kind) / p.checkpoint_num_layers
     total = per_layer * layers * inflight
     # the embedding's dropout mask (its output is the first block's input, counted there)
     seq_shard = p.tp if p.sequence_parallel else 1

@@ -48,10 +48,14 @@ class Prediction:
         return self.peak_stage.total
 
     def to_dict(self) -> dict[str, Any]:
-        """The object `stx plan --json` prints per layout (issue 13's shape), plus per-stage totals."""
+        """The object `stx plan --json` prints per layout (issue 13's shape), plus per-stage totals
+        and the memory options beside "layout" (sequence parallelism, where gradients and checkpointed
+        inputs are kept)."""
+        layout = self.layout.to_dict()
+        extra = {k: layout.pop(k) for k in MEMORY_OPTIONS}
         return {
-            "layout": {k: v for k, v in self.layout.to_dict().items() if k != "sequence_parallel"},
-            "sequence_parallel": self.layout.sequence_parallel,
+            "layout": layout,
+            **extra,
             "label": self.layout.label(),
             "fits": self.fits,
             "reason": self.reason,
@@ -102,7 +106,7 @@ def predict(
             f"(largest: {what})"
         )
     host_total: int | None = None
-    if p.offload_optimizer or p.offload_param:
+    if any(st.host_bytes for st in stages):  # offloaded states, host-kept checkpointed inputs
         per_node = min(cluster.devices_per_node, layout.world_size)
         host_total = int(max(st.host_bytes for st in stages) * per_node)
         if cluster.host_memory_bytes is not None and host_total > cluster.host_memory_bytes:
@@ -223,7 +227,31 @@ def candidate_layouts(cfg: Config, world_size: int, global_batch: int) -> list[L
                 if (dp == 1 and zero in (1, 2)) or (dp == 1 and zero == 3 and not off_opt):
                     continue  # nothing to shard
                 acc = per_replica // mb
-                out.append(Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp))
+                layout = Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp)
+                out += _memory_variants(layout)
+    return out
+
+
+# Layout fields printed beside --json's "layout" object (whose keys issue 13 fixed)
+MEMORY_OPTIONS = (
+    "sequence_parallel",
+    "reduce_each_micro_batch",
+    "distribute_saved_activations",
+    "cpu_checkpointing",
+)
+
+
+def _memory_variants(layout: Layout) -> list[Layout]:
+    """The layout with each memory option that changes something in it: per-micro-batch
+    reduce-scatter (ZeRO-2/3 with accumulation, no pipeline), and for full recompute the checkpointed
+    inputs distributed over tp (without SP) and/or kept in host memory."""
+    out = [layout]
+    if layout.zero_stage >= 2 and layout.gradient_accumulation_steps > 1 and layout.pp == 1:
+        out += [dataclasses.replace(v, reduce_each_micro_batch=True) for v in out]
+    if layout.activation_checkpointing == "full":
+        if layout.tp > 1 and not layout.sequence_parallel:
+            out += [dataclasses.replace(v, distribute_saved_activations=True) for v in out]
+        out += [dataclasses.replace(v, cpu_checkpointing=True) for v in out]
     return out
 
 
@@ -235,6 +263,8 @@ def search_layouts(cfg: Config, cluster: Cluster, global_batch: int | None = Non
     assert gbs is not None
     results: list[Prediction] = []
     for layout in candidate_layouts(base, cluster.world_size, gbs):
+        if layout.cpu_checkpointing and cluster.kind == "cpu":
+            continue  # the host is the device: nothing moves
         candidate = layout.apply(base)
         try:
             rules.check_layout(candidate, cluster.world_size)

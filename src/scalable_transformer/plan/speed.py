@@ -134,8 +134,28 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         if p.sequence_parallel:
             one = _ring("all-gather", per, tp, bw, lat) + _ring("reduce-scatter", per, tp, bw, lat)
             parts["tp_communication"] = n_coll / 2 * one * m
+            if p.activation_checkpointing != "full":
+                # the qkv and up inputs, kept as 1/t slices, gathered again in backward
+                again = 2 * layers_per_rank * _ring("all-gather", per, tp, bw, lat) * m
+                parts["tp_communication"] += again
         else:
             parts["tp_communication"] = n_coll * _ring("all-reduce", per, tp, bw, lat) * m
+        if p.activation_checkpointing == "full" and p.distribute_saved_activations:
+            # each checkpointed input gathered from its 1/t slices before the recomputation
+            inputs = layers_per_rank / p.checkpoint_num_layers
+            whole = am.residual_bytes * b * s * h
+            parts["tp_communication"] += inputs * _ring("all-gather", whole, tp, bw, lat) * m
+    if p.activation_checkpointing == "full" and p.cpu_checkpointing and cluster.kind == "gpu":
+        # each checkpointed input to the host in forward and back before its recomputation
+        inputs = layers_per_rank / p.checkpoint_num_layers
+        kept = (
+            am.residual_bytes
+            * b
+            * s
+            * h
+            / (tp if p.sequence_parallel or p.distribute_saved_activations else 1)
+        )
+        parts["checkpoint_transfers"] = 2 * inputs * kept * m / cluster.device.host_link_bandwidth
     # data parallel: gradients once per step; FSDP2 gathers parameters every micro-batch
     stage = max(
         (
@@ -155,7 +175,8 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
                 comm += _ring("all-gather", 4 * P, dp, bw, lat)  # ZeroRedundancyOptimizer's broadcast
         else:
             gathers = m * (2 if p.zero_stage == 3 else 1)
-            comm = _ring("reduce-scatter", grad_bytes, dp, bw, lat) + gathers * _ring(
+            scatters = m if p.reduce_each_micro_batch else 1
+            comm = scatters * _ring("reduce-scatter", grad_bytes, dp, bw, lat) + gathers * _ring(
                 "all-gather", gather, dp, bw, lat
             )
         overlap = GPU_OVERLAP if cluster.kind == "gpu" else 0.0

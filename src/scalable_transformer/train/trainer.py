@@ -118,7 +118,9 @@ class Callback:
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Skip the data-parallel gradient reduction on all but the last micro-batch of a step."""
+    """Skip the data-parallel gradient reduction on all but the last micro-batch of a step (unless
+    parallel.reduce_each_micro_batch: then ZeRO-2/3 reduce-scatter every micro-batch into the sharded
+    gradients)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -209,7 +211,8 @@ class Trainer:
             totals = {}
             last = len(micro_batches) - 1
             for i, micro in enumerate(micro_batches):
-                with gradient_sync(self.model, i == last), loss_parallel_context(dims.tp):
+                sync = i == last or self.cfg.parallel.reduce_each_micro_batch
+                with gradient_sync(self.model, sync), loss_parallel_context(dims.tp):
                     with (
                         self.timers("forward-compute"),
                         autocast_context(self.cfg.train.precision, self.device),

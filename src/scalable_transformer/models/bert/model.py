@@ -63,6 +63,7 @@ class BertModel(nn.Module):
             else None
         )
         self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
+        self.recompute_checkpoint = None  # and where such a chunk keeps its input
         self.layers = nn.ModuleList(TransformerBlock(cfg, causal=False) for _ in range(cfg.num_layers))
         # Post-LN blocks already end on a norm.
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
@@ -88,7 +89,9 @@ class BertModel(nn.Module):
         mask_b11s = None if attention_mask_bs is None else attention_mask_bs[:, None, None, :].bool()
         seq = rotary_length(inputs, self.has_embedding, attention_mask_bs, self.cfg.seq_length)
         rotary = None if self.rotary is None else self.rotary(seq)
-        x_bsh = run_blocks(blocks_of(self.layers), x_bsh, mask_b11s, rotary, self.recompute_chunk)
+        x_bsh = run_blocks(
+            blocks_of(self.layers), x_bsh, mask_b11s, rotary, self.recompute_chunk, self.recompute_checkpoint
+        )
         if not self.has_head:
             return x_bsh
         if self.final_norm is not None:

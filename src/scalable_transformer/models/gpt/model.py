@@ -44,6 +44,7 @@ class GPTModel(nn.Module):
             else None
         )
         self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
+        self.recompute_checkpoint = None  # and where such a chunk keeps its input
         self.layers = nn.ModuleList(TransformerBlock(cfg, causal=True) for _ in range(cfg.num_layers))
         # Post-LN blocks already end on a norm.
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
@@ -62,7 +63,9 @@ class GPTModel(nn.Module):
         x_bsh = self.embedding(inputs) if self.has_embedding else inputs
         seq = rotary_length(inputs, self.has_embedding, None, self.cfg.seq_length)
         rotary = None if self.rotary is None else self.rotary(seq)
-        x_bsh = run_blocks(blocks_of(self.layers), x_bsh, None, rotary, self.recompute_chunk)
+        x_bsh = run_blocks(
+            blocks_of(self.layers), x_bsh, None, rotary, self.recompute_chunk, self.recompute_checkpoint
+        )
         if not self.has_head:
             return x_bsh
         if self.final_norm is not None:
