@@ -260,3 +260,23 @@ def test_classification_is_what_the_loader_does(tmp_path, capsys):
     path.write_text("rpe-num-buckets: 32\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(path))
+
+
+def test_import_reads_deepspeeds_activation_checkpointing_block(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        '{"zero_optimization": {"stage": 3}, "activation_checkpointing": {"partition_activations": true, '
+        '"cpu_checkpointing": true, "contiguous_memory_optimization": false, "profile": false}}',
+        encoding="utf-8",
+    )
+    out = tmp_path / "c.yaml"
+    megatron = "--checkpoint-activations --tensor-model-parallel-size 2"
+    code, cap = _import(tmp_path, capsys, "--deepspeed", str(ds), "--megatron-args", megatron, "-o", str(out))
+    assert code == 0, cap.err
+    p = load_config(str(out)).parallel
+    assert (p.activation_checkpointing, p.distribute_saved_activations, p.cpu_checkpointing) == (
+        "full",
+        True,
+        True,
+    )
+    assert p.zero_stage == 3 and p.reduce_each_micro_batch

@@ -524,6 +524,17 @@ def _worker_main(argv: list[str]) -> None:
     os._exit(0)
 
 
+def saved_bytes_per_layer(cfg: Config, world_size: int, device_type: str = "cpu") -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch on rank 0, by dry run: what the
+    first micro-batch keeps at its backward with 2 layers minus with 1 (all else cancels). cfg: a
+    layout without pipelining (one stage holds both layers)."""
+    runs = []
+    for layers in (1, 2):
+        one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
+        runs.append(dry_run_isolated(one, world_size, device_type)["ranks"][0]["saved_for_backward_bytes"])
+    return float(runs[1] - runs[0])
+
+
 def verify(prediction: Any, cfg: Config, cluster: Any) -> Any:
     """`prediction` (plan/search.py) with its `dry_run` filled: the dry run of its layout on the
     cluster's world size, each simulated rank beside the analytic prediction for its pipeline rank.

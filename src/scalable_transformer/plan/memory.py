@@ -85,6 +85,9 @@ class ActivationModel:
     norm_bytes     bytes of a saved norm input (None: act_bytes): 4 under autocast (norms in fp32)
     stream_bytes   bytes of the residual stream (None: act_bytes): 4 with fp32 parameters under
                    autocast, FSDP2's param_dtype bytes otherwise
+    math_bytes     the math path's q, k, v and its a s^2 tensors (softmax output, dropout mask and
+                   output) in these bytes (None: e, and m for the mask): CPU autocast runs the math
+                   path in fp32 (4; measured by dry run at gpt-13b shapes)
     """
 
     act_bytes: int
@@ -92,6 +95,7 @@ class ActivationModel:
     flash: bool
     norm_bytes: int | None = None
     stream_bytes: int | None = None
+    math_bytes: int | None = None
 
     @property
     def norm_input_bytes(self) -> int:
@@ -133,13 +137,17 @@ def layer_activation_bytes(
     replicated = (2 * am.norm_input_bytes + 2 * m) * sbh / seq_shard
     # qkv and up inputs: the norm outputs (with SP, kept as 1/t slices)
     inputs = 2 * e * sbh / seq_shard
-    # q, k, v (3), attention output into proj (1), MLP activation input and output
-    sharded = e * sbh * (4 + (up + f) / h) / t
+    # q, k, v (3), attention output into proj (1), MLP activation input and output; the math path
+    # keeps its own (fp32 on CPU) copies of q, k, v unless selective recompute drops the core's
+    math_copies = not am.flash and recompute != "selective" and am.math_bytes is not None
+    qkv = 3 * (am.math_bytes if math_copies and am.math_bytes else e)
+    sharded = (sbh * (qkv + e) + e * sbh * (up + f) / h) / t
     core = 0.0
     if recompute != "selective":
         # flash: the fp32 log-sum-exp per (sample, head, position); math path: softmax output,
         # dropout mask and dropout output
-        core = 4 * b * a * s / t if am.flash else (2 * e + m) * b * a * s * s / t
+        math = (2 * e + m) if am.math_bytes is None else 3 * am.math_bytes
+        core = 4 * b * a * s / t if am.flash else math * b * a * s * s / t
     # LayerNorm mean and rstd (fp32 per position, two norms)
     stats = 2 * 2 * 4 * s * b / seq_shard
     return replicated + inputs + sharded + core + stats
@@ -171,6 +179,7 @@ def activation_model(cfg: Config, device_kind: str) -> ActivationModel:
         act_bytes=e,
         mask_bytes=mask,
         flash=flash,
+        math_bytes=4 if on_cpu and not flash else None,
         norm_bytes=4,
         stream_bytes=e if fsdp_low or not mixed else 4,
     )

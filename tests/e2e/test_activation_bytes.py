@@ -1,0 +1,69 @@
+"""Per-layer activation bytes of the real engine, by dry run at gpt-13b shapes (tp 8, seq 2048, bf16),
+against Korthikanti et al. 2022 adapted to our attention and dtypes (plan/memory.py
+`layer_activation_bytes`; with the paper's choices it is the paper's formula, test_plan.py checks
+that): flash attention on CUDA, SDPA's math path on CPU with attention dropout (the a s^2 terms)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scalable_transformer.config.load import load_config
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.plan.dry_run import saved_bytes_per_layer
+from scalable_transformer.plan.memory import activation_model, layer_activation_bytes
+
+pytestmark = pytest.mark.slow
+
+SHAPE = [
+    "model.seq_length=2048",
+    "train.precision=bf16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
+CASES = {
+    "no TP, no recompute": (1, "cuda", []),
+    "TP": (8, "cuda", ["parallel.tp=8"]),
+    "TP + SP": (8, "cuda", ["parallel.tp=8", "parallel.sequence_parallel=true"]),
+    "TP + SP + selective": (
+        8,
+        "cuda",
+        ["parallel.tp=8", "parallel.sequence_parallel=true", "parallel.activation_checkpointing=selective"],
+    ),
+    "TP + full": (8, "cuda", ["parallel.tp=8", "parallel.activation_checkpointing=full"]),
+    "TP + full, distributed": (
+        8,
+        "cuda",
+        [
+            "parallel.tp=8",
+            "parallel.activation_checkpointing=full",
+            "parallel.distribute_saved_activations=true",
+        ],
+    ),
+    "TP, math path (CPU, dropout)": (
+        8,
+        "cpu",
+        ["parallel.tp=8", "model.attention_dropout=0.1", "model.hidden_dropout=0.1"],
+    ),
+}
+
+
+def model_bytes(cfg, device: str) -> float:
+    m, p = cfg.model, cfg.parallel
+    base = layer_activation_bytes(
+        cfg.train.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads,
+        m.ffn_hidden_size, p.tp, p.sequence_parallel, p.activation_checkpointing,
+        activation_model(cfg, device),
+    )  # fmt: skip
+    distributed = p.activation_checkpointing == "full" and p.distribute_saved_activations
+    return base / p.tp if distributed else base
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_per_layer_bytes_match_the_adapted_formula(name):
+    world, device, overrides = CASES[name]
+    cfg = resolve(load_config("gpt-13b", [*SHAPE, *overrides]), world)
+    measured = saved_bytes_per_layer(cfg, world, device)
+    want = model_bytes(cfg, device)
+    assert measured == pytest.approx(want, rel=0.10), (
+        f"{name}: {measured / 2**20:.1f} vs {want / 2**20:.1f} MiB"
+    )
