@@ -59,7 +59,12 @@ GRID = [  # (tp, micro-batch, accumulation); dp = 64 / tp
 ]
 AFTER = ["parallel.distribute_saved_activations=true", "parallel.reduce_each_micro_batch=true"]
 SP_LAYOUTS = [("gpt-13b", 2), ("gpt-13b", 4), ("gpt-13b", 8), ("gpt-7b", 2), ("gpt-7b", 8)]
-SP_BASE = ["train.precision=bf16", "model.seq_length=2048", "train.micro_batch_size=1"]
+SP_BASE = [
+    "train.precision=bf16",
+    "model.seq_length=2048",
+    "train.micro_batch_size=4",
+    "parallel.zero_stage=3",
+]
 NO_SLICES = (
     "import scalable_transformer.parallel.tensor as T; T.SavedShards.attach = lambda self, module: None"
 )
@@ -131,17 +136,34 @@ def peak_of(result: dict[str, Any]) -> float | None:
     return None if "error" in result else float(result["peak_memory_bytes"])
 
 
+def dry_cell(result: dict[str, Any]) -> str:
+    """The dry run's peak GiB and the phase it is in (`build`: materializing the model)."""
+    if "error" in result:
+        return f"error: {result['error'][:120]}"
+    phase = result["ranks"][0]["peak_at"]["phase"]
+    return f"{gib(peak_of(result))} ({phase})"
+
+
+def tensors(prediction: Any) -> float:
+    """The planner's peak without its allocator/context reserve: what a dry run counts."""
+    return float(prediction.peak_memory_bytes - prediction.peak_stage.breakdown.get("reserve", 0))
+
+
 def grid_section() -> list[str]:
     cluster = table_cluster(DEVICE, WORLD // PER_NODE, PER_NODE)
     lines = [
         "## The seeds' 175B grid (bert-175b, 64 x A100-40GB, ZeRO-3 + parameter and optimizer offload, full "
         "recompute)",
         "",
-        "Per-GPU peak GiB (device capacity 40 GB = 37.3 GiB less the planner's reserve). *before*: the "
+        "Per-GPU peak GiB of tensors (the planner's figure without its 2 GiB context/allocator reserve, "
+        "which it adds before comparing with the 37.3 GiB of an A100-40GB; the dry run's with the phase of "
+        "its peak). *before*: the "
         "engine's defaults; *after*: `parallel.distribute_saved_activations=true "
         "parallel.reduce_each_micro_batch=true` "
         "(what a DeepSpeed config with `partition_activations` and a `zero_optimization` block asks for). "
-        "Saved: the planner's breakdown terms that changed.",
+        "Saved: the planner's breakdown terms that changed. The dry runs run 2 micro-batches per step where "
+        "the layout accumulates more (without pipelining the second micro-batch's backward already holds "
+        "what accumulates; 32 would take a dry run 30 minutes here).",
         "",
         "| tp | dp | micro-batch x accumulation | planner before | dry run before | planner after "
         "| dry run after | fits after (planner) | saved (planner) |",
@@ -161,13 +183,17 @@ def grid_section() -> list[str]:
             pred = predict(cfg, cluster)
             predictions.append(pred)
             t0 = time.perf_counter()
-            result = dry_run(resolve(cfg, WORLD), WORLD, "cuda")
+            # two micro-batches stand for any accumulation: without pipelining the second one's backward
+            # already holds whatever accumulates (32 would take the dry run 30 minutes)
+            short = [*batch[:2], f"train.global_batch_size={mb * min(acc, 2) * dp}"]
+            result = dry_run(
+                resolve(prepare(load_config("bert-175b", [*SEEDS, *short, *extra]), WORLD), WORLD),
+                WORLD,
+                "cuda",
+            )
             print(f"  grid tp {tp} mb {mb} x {acc} {'after' if extra else 'before'}: "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
-            row += [
-                gib(pred.peak_memory_bytes),
-                gib(peak_of(result)) if "error" not in result else result["error"],
-            ]
+            row += [gib(tensors(pred)), dry_cell(result)]
         before, after = (p.peak_stage.breakdown for p in predictions)
         saved = {k: before.get(k, 0) - after.get(k, 0) for k in set(before) | set(after)}
         what = ", ".join(
@@ -192,11 +218,13 @@ def grid_section() -> list[str]:
 
 def sp_section() -> list[str]:
     lines = [
-        "## Sequence parallelism at 7B-13B (bf16, seq 2048, micro-batch 1, one GPU of tp, A100-80GB shapes)",
+        "## Sequence parallelism at 7B-13B (8 GPUs: tp x dp, ZeRO-3, bf16, seq 2048, micro-batch 4, "
+        "A100-80GB)",
         "",
         "Per-GPU peak by dry run (fake CUDA) before (the gathered qkv/up inputs saved whole, `SavedShards` "
         "off) "
-        "and after, and the planner's figure for the engine as it is now.",
+        "and after (with the phase of the peak), and the planner's figure for the engine as it is now "
+        "(without its reserve).",
         "",
         "| model | tp | dry run before GiB | dry run after GiB | saved GiB | planner GiB |",
         "|---|---|---|---|---|---|",
@@ -207,13 +235,16 @@ def sp_section() -> list[str]:
             *SP_BASE,
             f"parallel.tp={tp}",
             "parallel.sequence_parallel=true",
-            f"train.global_batch_size={8 // tp}",
+            f"train.global_batch_size={32 // tp}",
         ]
         cfg = resolve(prepare(load_config(name, over), 8), 8)
-        before, after = (peak_of(dry_run(cfg, 8, "cuda", prelude)) for prelude in (NO_SLICES, ""))
-        planned = predict(prepare(load_config(name, over), 8), cluster).peak_memory_bytes
-        saved = None if before is None or after is None else before - after
-        lines.append(f"| {name} | {tp} | {gib(before)} | {gib(after)} | {gib(saved)} | {gib(planned)} |")
+        before, after = (dry_run(cfg, 8, "cuda", prelude) for prelude in (NO_SLICES, ""))
+        planned = tensors(predict(prepare(load_config(name, over), 8), cluster))
+        b, a = peak_of(before), peak_of(after)
+        saved = None if b is None or a is None else b - a
+        lines.append(
+            f"| {name} | {tp} | {dry_cell(before)} | {dry_cell(after)} | {gib(saved)} | {gib(planned)} |"
+        )
     return [*lines, ""]
 
 
