@@ -244,6 +244,9 @@ def _flag_value(path: str, origin: str = "DeepSpeed"):
 SPECIAL_KEYS = {
     "openai_gelu": _flag("model.activation", "openai-gelu"),
     "geglu": _flag("model.activation", "geglu"),
+    "swiglu": _flag("model.activation", "swiglu"),
+    "disable_bias_linear": _flag("model.add_bias_linear", False, True),
+    "untie_embeddings_and_output_weights": _flag("model.tie_word_embeddings", False, True),
     "rms_norm": _flag("model.norm", "rmsnorm"),
     "no_weight_tying": _flag("model.tie_word_embeddings", False, True),
     "sinusoidal_pos_emb": _flag("model.position_embedding_type", "sinusoidal"),
@@ -308,6 +311,7 @@ IGNORED_KEYS: dict[str, str] = {
         ),
         _RETRIEVAL,
     ),
+    "group_query_attention": "switches Megatron's model.num_query_groups on (set the number of groups)",
     "onnx_safe": "is an ONNX-export workaround (stx export writes Hugging Face checkpoints)",
     "distributed_backend": "picks the collective backend (gloo on CPU, nccl on GPU, chosen by the device)",
     "ddp_impl": "picks Megatron's DDP implementation (parallel.zero_stage picks ours)",

@@ -121,7 +121,7 @@ class ModelShape:
             vocab_size=vocab,
             num_params=int(num_params),
             ffn_hidden_size=model_cfg.ffn_hidden_size,
-            gated_mlp=model_cfg.activation == "geglu",
+            gated_mlp=model_cfg.activation in ("geglu", "swiglu"),
         )
 
     def to_dict(self) -> dict[str, Any]:

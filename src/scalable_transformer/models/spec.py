@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalable_transformer.config.model_shapes import gated_mlp
 from scalable_transformer.config.schema import ModelConfig
 
 Batch = dict[str, torch.Tensor]
@@ -228,7 +229,7 @@ class ModelSpec:
             vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
             num_params=self.num_params(cfg),
             ffn_hidden_size=cfg.ffn_hidden_size,
-            gated_mlp=cfg.activation == "geglu",
+            gated_mlp=gated_mlp(cfg),
         )
 
     def stage(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:

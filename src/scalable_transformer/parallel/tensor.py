@@ -12,7 +12,8 @@ sequence_parallel:
                              communication); the whole module, because positions are added after the lookup.
   layers.<i>.norm1/norm2     SP only: SequenceParallel (weights Replicate, run on the local Shard(1)).
   layers.<i>.attention       SP only: PrepareModuleInput x Shard(1) -> Replicate (all-gather).
-  layers.<i>.attention.qkv   ColwiseParallel: weight/bias Shard(0), i.e. whole heads per rank.
+  layers.<i>.attention.qkv   ColwiseParallel: weight/bias Shard(0), i.e. whole key/value groups (each
+                             with its query heads; a group is one head without grouped-query attention).
   layers.<i>.attention.proj  RowwiseParallel: weight Shard(1); output Replicate (all-reduce), with SP
                              Shard(1) (reduce-scatter).
   layers.<i>.mlp             SP only: PrepareModuleInput x Shard(1) -> Replicate (all-gather).
@@ -37,13 +38,15 @@ stage's embedding output and every boundary between stages carry the local [b, s
 only the stage holding the model's end gathers back to [b, s, h] (after final_norm, or after its last
 block for post-LN models) before the heads, which also lets BERT's pooler read x[:, 0].
 
-Requirements the caller (config validation, parallel/dims.py) guarantees: heads, ffn_hidden_size and
-the padded vocabulary divisible by t; with SP, the sequence length divisible by t (DTensor.from_local
-assumes even shards). The plan is applied to a meta-device model as to a materialized one: on meta,
-parallel/init.py fills each rank's shards afterwards with values that depend only on the seed and the
-parameter name (identical replicas, the single-process values). Dropout: replicated activations draw
-the same mask on every tp rank; the head shards (attention dropout) and, with SP, the sequence shards
-draw from per-tp-rank streams (parallel/rng.py), as Megatron's tensor-parallel RNG tracker does.
+Requirements the caller (config validation, parallel/dims.py) guarantees: heads, key/value groups
+(model.num_query_groups; t > groups would need replicated key/value heads, which is refused as in
+Megatron), ffn_hidden_size and the padded vocabulary divisible by t; with SP, the sequence length
+divisible by t (DTensor.from_local assumes even shards). The plan is applied to a meta-device model as
+to a materialized one: on meta, parallel/init.py fills each rank's shards afterwards with values that
+depend only on the seed and the parameter name (identical replicas, the single-process values). Dropout:
+replicated activations draw the same mask on every tp rank; the head shards (attention dropout) and,
+with SP, the sequence shards draw from per-tp-rank streams (parallel/rng.py), as Megatron's tensor-
+parallel RNG tracker does.
 """
 
 from __future__ import annotations
@@ -186,10 +189,8 @@ def _check_divisible(module: nn.Module, tp: int) -> None:
     for name, block in _blocks(module):
         attention = block.get_submodule("attention")
         assert isinstance(attention, Attention)
-        head_dim = attention.head_dim
-        sizes.append(
-            (f"layers.{name} attention heads", _rows_cols(block, "attention.qkv")[0] // (3 * head_dim))
-        )
+        group_rows = (attention.heads_per_group + 2) * attention.head_dim
+        sizes.append((f"layers.{name} key/value groups", _rows_cols(block, "attention.qkv")[0] // group_rows))
         sizes.append((f"layers.{name}.mlp.down input features", _rows_cols(block, "mlp.down")[1]))
     names = _names(module)
     for name in () if names is None else (names.word_embedding, *names.untied_outputs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.model_shapes import StageParams, stage_params, vocab
+from ..config.model_shapes import StageParams, gated_mlp, stage_params, vocab
 from ..config.schema import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -55,7 +55,7 @@ def largest_param_group(cfg: Config, sp_: StageParams) -> int:
         return sp_.total
     assert mc.ffn_hidden_size is not None
     h, f = mc.hidden_size, mc.ffn_hidden_size
-    up = 2 * f if mc.activation == "geglu" else f
+    up = 2 * f if gated_mlp(mc) else f
     largest = sp_.layers * max(3 * h * h, h * h, h * up, f * h) // tp
     if sp_.first or sp_.last:
         largest = max(largest, vocab(mc) * h // tp)
@@ -363,7 +363,7 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
         mc.num_attention_heads,
         mc.ffn_hidden_size,
     )
-    gated = mc.activation == "geglu"
+    gated = gated_mlp(mc)
     full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
     if mode == "full":
         return full_layer * min(p.checkpoint_num_layers, sp_.layers)
@@ -385,7 +385,7 @@ def activation_bytes(
         mc.num_attention_heads,
         mc.ffn_hidden_size,
     )
-    gated = mc.activation == "geglu"
+    gated = gated_mlp(mc)
     mode = p.activation_checkpointing
     per_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
     inflight = inflight_microbatches(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.model_shapes import stage_params, total_params, vocab
+from ..config.model_shapes import gated_mlp, stage_params, total_params, vocab
 from ..config.schema import Config
 from ..metrics.flops import ModelShape, flops_per_iteration
 from .hardware import Cluster
@@ -102,7 +102,7 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         vocab_size=vocab(mc),
         num_params=n_params,
         ffn_hidden_size=f,
-        gated_mlp=mc.activation == "geglu",
+        gated_mlp=gated_mlp(mc),
     )
     flops = flops_per_iteration(
         shape, t.global_batch_size or b * m * dp, "megatron", p.activation_checkpointing

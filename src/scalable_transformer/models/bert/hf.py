@@ -25,6 +25,12 @@ def bert_unsupported(cfg: ModelConfig) -> list[str]:
         reasons.append(f"model.norm = {cfg.norm} (BERT uses LayerNorm)")
     if cfg.activation not in ("gelu", "openai-gelu"):
         reasons.append(f"model.activation = {cfg.activation} (BERT has an ungated MLP)")
+    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
+        reasons.append(
+            f"model.num_query_groups = {cfg.num_query_groups} (BERT has one key/value head per head)"
+        )
+    if not cfg.add_bias_linear:
+        reasons.append("model.add_bias_linear = false (BERT's linear layers have biases)")
     if not cfg.apply_residual_connection_post_layernorm:
         reasons.append(
             "pre-LN blocks (Megatron's default); BertForPreTraining is post-LN: "

@@ -32,6 +32,12 @@ def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
         reasons.append(f"model.activation = {cfg.activation} (GPT-2 has an ungated MLP)")
     if cfg.apply_residual_connection_post_layernorm:
         reasons.append("model.apply_residual_connection_post_layernorm = true (GPT-2 is pre-LN)")
+    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
+        reasons.append(
+            f"model.num_query_groups = {cfg.num_query_groups} (GPT-2 has one key/value head per head)"
+        )
+    if not cfg.add_bias_linear:
+        reasons.append("model.add_bias_linear = false (GPT-2's linear layers have biases)")
     return reasons
 
 
