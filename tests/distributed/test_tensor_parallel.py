@@ -118,6 +118,10 @@ def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> di
             loss.backward()
         if not grads:
             grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+            for name, p in model.named_parameters():
+                # replicated key/value groups (MQA): a Partial gradient would be a reduction left undone
+                if isinstance(p, DTensor) and ".qkv." in name:
+                    assert not any(pl.is_partial() for pl in p.grad.placements), (name, p.grad.placements)
         optimizer.step()
         losses.append(loss.item())
         correct.append(metrics.get("mlm_correct", torch.tensor(0.0)).item())
@@ -249,3 +253,22 @@ def test_plan_skips_children_a_pipeline_stage_lacks():
     assert "layers.1" in [name for name, _ in tensor_parallel_plan(stage, sequence_parallel=True)]
     full = [name for name, _ in tensor_parallel_plan(model, sequence_parallel=False)]
     assert {"embedding.word", "lm_head.logits", "layers.1.mlp.down"} <= set(full)
+
+
+LLAMA = dict(
+    position_embedding_type="rotary",
+    norm="rmsnorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize("groups", [2, 1], ids=["gqa-2-groups", "mqa"])
+def test_gpt_llama_shape_tp2(tmp_path, groups, sequence_parallel):
+    # 2 groups: each rank holds one whole group; 1 group (MQA): the qkv projection is replicated
+    # and each rank keeps half the query heads and the shared key/value head.
+    check_equivalent(tmp_path, tiny("gpt", num_query_groups=groups, **LLAMA), sequence_parallel)

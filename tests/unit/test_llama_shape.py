@@ -153,12 +153,17 @@ def test_derived_ffn_size_follows_llama():
             ("num_attention_heads", "num_query_groups"),
         ),
         (
-            ["model.num_attention_heads=4", "model.num_query_groups=1", "parallel.tp=2"],
+            [
+                "model.hidden_size=48",
+                "model.num_attention_heads=6",
+                "model.num_query_groups=3",
+                "parallel.tp=2",
+            ],
             ("num_query_groups", "tp"),
         ),
         (
-            ["model.num_attention_heads=4", "model.num_query_groups=2", "parallel.tp=4"],
-            ("num_query_groups", "tp"),
+            ["model.num_attention_heads=4", "model.num_query_groups=2", "parallel.tp=8"],
+            ("num_attention_heads", "tp"),
         ),
         (["model.rope_scaling=true"], ("rope_scaling", "position_embedding_type")),
     ],
@@ -169,6 +174,15 @@ def test_bad_group_settings_name_both_keys(overrides, keys):
         resolve(cfg, world_size=cfg.parallel.tp)
     for key in keys:
         assert key in str(err.value)
+
+
+@pytest.mark.parametrize(("groups", "tp"), [(1, 2), (1, 4), (2, 4), (2, 2), (4, 2)])
+def test_tp_dividing_or_multiple_of_the_groups_is_valid(groups, tp):
+    cfg = load_config(
+        None, ["model.type=gpt", "model.num_attention_heads=4", f"model.num_query_groups={groups}"]
+    )
+    cfg = resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp)), world_size=tp)
+    assert cfg.parallel.tp == tp
 
 
 def test_neox_and_hf_names_set_the_groups():

@@ -76,13 +76,16 @@ def vocab(m: ModelConfig) -> int:
 
 def block_numel(m: ModelConfig, tp: int = 1) -> int:
     """One TransformerBlock on one tp rank: qkv and up column-sharded (weight and bias), proj and
-    down row-sharded (weight; bias replicated), norms replicated. Biases only with add_bias_linear."""
+    down row-sharded (weight; bias replicated), norms replicated. Biases only with add_bias_linear.
+    With more tp ranks than key/value groups the qkv projection is replicated (parallel/tensor.py)."""
     assert m.ffn_hidden_size is not None
     h, f, qkv = m.hidden_size, m.ffn_hidden_size, qkv_width(m)
     up = 2 * f if gated_mlp(m) else f
     bias = 1 if m.add_bias_linear else 0
-    sharded = (h * qkv + bias * qkv) + h * h + (h * up + bias * up) + f * h
-    return sharded // tp + bias * 2 * h + 2 * norm_numel(m)
+    qkv_numel = h * qkv + bias * qkv
+    replicated = qkv_numel if query_groups(m) % tp else 0
+    sharded = qkv_numel - replicated + h * h + (h * up + bias * up) + f * h
+    return sharded // tp + replicated + bias * 2 * h + 2 * norm_numel(m)
 
 
 def embedding_numel(m: ModelConfig, tp: int = 1) -> int:

@@ -387,12 +387,12 @@ def _check_tensor_parallel(cfg: Config) -> None:
             f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by parallel.tp ({p.tp})"
         )
     groups = m.num_query_groups or m.num_attention_heads
-    if groups % p.tp:
+    if groups % p.tp and p.tp % groups:
         raise ConfigError(
-            f"model.num_query_groups ({groups}) is not divisible by parallel.tp ({p.tp}): tensor "
-            "parallelism gives each rank whole key/value groups with their query heads (as Megatron "
-            f"does; model.num_attention_heads is {m.num_attention_heads}); use a tp dividing "
-            f"{groups} or more query groups"
+            f"model.num_query_groups ({groups}) and parallel.tp ({p.tp}): tensor parallelism gives each "
+            "rank whole key/value groups with their query heads (tp divides the groups, as in Megatron), "
+            f"or a share of one replicated group (tp a multiple of the groups); "
+            f"model.num_attention_heads is {m.num_attention_heads}"
         )
     if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
         raise ConfigError(
