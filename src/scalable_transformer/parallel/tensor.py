@@ -109,7 +109,15 @@ class ReplicatedGroups(ParallelStyle):
         self.groups, self.heads_per_group, self.head_dim = groups, heads_per_group, head_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._replicate, self._input, self._output)
+        # torch annotates input_fn/output_fn as returning None, yet uses what they return (as
+        # ColwiseParallel's do)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._replicate,
+            self._input,  # type: ignore[arg-type]
+            self._output,  # type: ignore[arg-type]
+        )
 
     @staticmethod
     def _replicate(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
