@@ -194,3 +194,62 @@ def test_neox_and_hf_names_set_the_groups():
         "swiglu",
         False,
     )
+
+
+# ---------------------------------------------------------------- FLOPs and the planner
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.num_query_groups=2", "model.activation=swiglu", "model.add_bias_linear=false"],
+        ["model.num_query_groups=1", "model.activation=gelu"],
+        ["model.activation=geglu"],
+    ],
+)
+def test_megatron_dense_term_is_six_flops_per_block_matrix_parameter(overrides):
+    from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
+
+    cfg = resolve(
+        load_config(
+            None, ["model.type=gpt", "model.hidden_size=64", "model.num_attention_heads=4", *overrides]
+        )
+    )
+    m = cfg.model
+    model = build_model(m)
+    shape = ModelShape.from_config(m, count_parameters(m))
+    s, h, L, v = m.seq_length, m.hidden_size, m.num_layers, shape.vocab_size
+    matrices = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
+    per_sample = flops_per_iteration(shape, 1, "megatron").model_flops
+    # the convention's attention core (12 s^2 L h, not halved for causal) and logit layer (4.5 s h V)
+    assert per_sample - 12 * s * s * L * h - 4.5 * s * h * v == pytest.approx(6 * matrices * s, rel=1e-12)
+
+
+def test_llama_8b_flops_at_seq_8192_by_hand():
+    from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
+
+    m = resolve(load_config("llama-8b", ["model.seq_length=8192"])).model
+    n = count_parameters(m)
+    assert n == 8_030_261_248  # Meta's published count for Llama 3.1 8B
+    h, L, F, s, V = 4096, 32, 14336, 8192, 128256
+    block = h * h + 2 * h * (8 * 128) + h * h + 3 * h * F  # q, k and v of 8 groups, o, SwiGLU's three
+    assert block == 218_103_808
+    shape = ModelShape.from_config(m, n)
+    by_hand = {
+        "megatron": 6 * L * block * s + 12 * s * s * L * h + 4.5 * s * h * V,
+        "6n": (6 * n + 12 * L * h * s) * s,
+        "mosaic": 3 * 2 * n * s + 2 * L * 2 * h * s * s,
+    }
+    for convention, flops in by_hand.items():
+        assert flops_per_iteration(shape, 1, convention).model_flops == pytest.approx(flops, rel=1e-12)
+    assert by_hand["megatron"] == pytest.approx(467_966.75e9, rel=1e-8)
+
+
+def test_planner_searches_llama_8b_on_8_h100():
+    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.search import search_layouts
+
+    results = search_layouts(load_config("llama-8b"), table_cluster("h100-80gb", 1, 8))
+    fits = [r for r in results if r.fits]
+    assert fits and len(fits) < len(results)
+    assert {r.layout.tp for r in fits} >= {1, 2}
