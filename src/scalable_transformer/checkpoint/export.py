@@ -19,6 +19,7 @@ from ..config.schema import ModelConfig
 from ..models import build_model, spec_for
 from ..models.bert.hf import bert_unsupported, to_bert
 from ..models.gpt.hf import gpt2_unsupported, to_gpt2
+from ..models.registry import hf_unsupported
 from ..models.spec import HFMapping
 from .manager import CheckpointError, _quiet_single_process, find_checkpoint, read_metadata
 
@@ -53,11 +54,12 @@ def load_model(checkpoint: str) -> tuple[torch.nn.Module, ModelConfig, dict[str,
 
 
 def hf_mapping(cfg: ModelConfig) -> HFMapping:
-    """The Hugging Face mapping of cfg's family, or CheckpointError if it has none."""
-    spec = spec_for(cfg)
-    if spec.hf is None:
-        raise CheckpointError(f"no Hugging Face equivalent for model.type = {spec.name}")
-    return spec.hf
+    """The first Hugging Face mapping of cfg's family that holds its shape, or CheckpointError naming,
+    per candidate class, the settings that prevent it."""
+    for mapping in spec_for(cfg).hf:
+        if not mapping.unsupported(cfg):
+            return mapping
+    raise CheckpointError("no Hugging Face equivalent for this model: " + " | ".join(hf_unsupported(cfg)))
 
 
 def export_hf(checkpoint: str, output: str) -> Path:

@@ -27,9 +27,9 @@ _SHIFT = float(2**40)
 
 def _hf_classes() -> dict[str, str]:
     """Hugging Face config.model_type -> transformers class, for every family with a mapping."""
-    from ..models import SPECS
+    from ..models.registry import hf_mappings
 
-    return {s.hf.model_type: s.hf.hf_class for s in SPECS.values() if s.hf is not None}
+    return {m.model_type: m.hf_class for m in hf_mappings()}
 
 
 def _hf_config(hf_dir: Path) -> Any:
@@ -55,12 +55,12 @@ def _hf_config(hf_dir: Path) -> Any:
 
 def model_overrides_from_hf(hf_dir: str | Path) -> dict[str, Any]:
     """The model.* settings (as `key: value`) that describe the Hugging Face model in `hf_dir`."""
-    from ..models.registry import spec_for_hf
+    from ..models.registry import hf_mapping_for_type
 
     hf = _hf_config(Path(hf_dir))
-    spec = spec_for_hf(hf.model_type)
-    assert spec is not None and spec.hf is not None  # _hf_config accepted only mapped types
-    return spec.hf.overrides(hf)
+    mapping = hf_mapping_for_type(hf.model_type)
+    assert mapping is not None  # _hf_config accepted only mapped types
+    return mapping.overrides(hf)
 
 
 def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
