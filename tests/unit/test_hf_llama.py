@@ -105,3 +105,47 @@ def test_foreign_rope_type_is_refused_naming_it(tmp_path):
     )
     with pytest.raises(Exception, match=r"rope_type = 'linear'"):
         model_overrides_from_hf(path)
+
+
+def test_config_from_hf_reads_a_llama_3_config_json(tmp_path):
+    """Meta's Llama 3.1 8B config.json (written by transformers, no weights): the same model as llama-8b."""
+    from scalable_transformer.cli.config import config_from_hf
+    from scalable_transformer.models import count_parameters
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "llama-3.1-8b")  # fmt: skip
+    model = config_from_hf(tmp_path / "llama-3.1-8b")["model"]
+    assert model["seq_length"] == 8192  # the pretraining context, not the scaled 131072
+    ours = resolve(load_config(None, [f"model.{k}={v}" for k, v in model.items()])).model
+    preset = resolve(load_config("llama-8b")).model
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "vocab_size", "activation", "norm", "rotary_base", "rope_scaling", "rope_scaling_factor",
+                "add_bias_linear", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(ours, key) == getattr(preset, key), key
+    assert count_parameters(ours) == count_parameters(preset) == 8_030_261_248
+
+
+def test_shape_without_hf_equivalent_is_refused_by_validate_and_warned_by_train(tmp_path, capsys):
+    from scalable_transformer.cli import main
+
+    no_hf = ["model.activation=geglu", f"checkpoint.save={tmp_path / 'ckpt'}"]
+    assert main(["config", "validate", "tiny-gpt", *no_hf]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.save" in err and "model.activation = geglu" in err and "LlamaForCausalLM" in err
+    assert main(["config", "validate", "tiny-gpt", "model.activation=geglu"]) == 0  # nothing saved: fine
+    assert main(["config", "validate", "llama-tiny", f"checkpoint.save={tmp_path / 'ckpt'}"]) == 0
+    capsys.readouterr()
+    short = [
+        "train.train_iters=1",
+        "train.eval_iters=0",
+        "logging.tensorboard=false",
+        f"logging.run_dir={tmp_path}",
+    ]
+    assert main(["train", "tiny-gpt", *no_hf, *short]) == 0
+    out = capsys.readouterr().out
+    assert "warning" in out and "model.activation = geglu" in out and "stx export --format hf" in out

@@ -1,9 +1,11 @@
 """`stx export CHECKPOINT --format hf --output DIR`: a checkpoint as a Hugging Face `transformers` model.
 
-The weight mapping belongs to the model family (`ModelSpec.hf`, models/<family>/hf.py): GPT-shaped
-models (learned positions, LayerNorm, pre-LN, GELU) become `GPT2LMHeadModel`; post-LN BERTs with
-learned positions, GELU and tied embeddings become `BertForPreTraining`. The vocabulary is exported
-padded, as trained. Other architectures get an error that says which setting has no equivalent. The
+The weight mappings belong to the model family (`ModelSpec.hf`, models/<family>/hf.py), tried in order:
+GPTs become `GPT2LMHeadModel` (learned positions, LayerNorm, GELU) or `LlamaForCausalLM` (rotary,
+RMSNorm, SwiGLU, grouped-query attention); BERTs with learned positions, GELU and tied embeddings
+become `BertForPreTraining` (post-LN) or `MegatronBertForPreTraining` (pre-LN). The vocabulary is
+exported padded, as trained. Other architectures get an error that says, per class, which settings
+have no equivalent. The
 reverse, initialising from a Hugging Face model, is `hf_import.py` (`checkpoint.init_from_hf`).
 """
 
@@ -93,4 +95,7 @@ def _save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     except Exception as e:  # the model is exported either way; say why the tokenizer is not
         (out / "TOKENIZER-NOT-EXPORTED.txt").write_text(f"the training tokenizer could not be loaded: {e}\n")
         return
-    PreTrainedTokenizerFast(tokenizer_object=tok.hf).save_pretrained(out)
+    # name the special tokens the tokenizer has, so transformers' pipelines (fill-mask) find them
+    roles = ("pad", "unk", "cls", "sep", "mask")
+    special = {f"{role}_token": token for role, token in tok.role_tokens().items() if role in roles}
+    PreTrainedTokenizerFast(tokenizer_object=tok.hf, **special).save_pretrained(out)

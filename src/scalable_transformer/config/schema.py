@@ -518,7 +518,8 @@ class CheckpointConfig:
     )
     init_from_hf: str | None = opt(
         None,
-        "Start from the weights of a local Hugging Face GPT2LMHeadModel / BertForPreTraining directory "
+        "Start from the weights of a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM / "
+        "BertForPreTraining / MegatronBertForPreTraining directory "
         "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
         "settings.",
     )

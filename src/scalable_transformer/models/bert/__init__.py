@@ -107,6 +107,14 @@ SPEC = ModelSpec(
             overrides=hf.overrides_from_hf,
             vocab_keys=("embedding.word.weight", "lm_head.bias", "lm_head.decoder.weight"),
         ),
+        HFMapping(
+            model_type="megatron-bert",
+            hf_class="MegatronBertForPreTraining",
+            unsupported=hf.megatron_bert_unsupported,
+            to_hf=hf.to_megatron_bert,
+            overrides=hf.overrides_from_megatron_bert,
+            vocab_keys=("embedding.word.weight", "lm_head.bias", "lm_head.decoder.weight"),
+        ),
     ),
 )
 
