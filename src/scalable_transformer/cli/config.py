@@ -30,7 +30,9 @@ class ConfigOptions:
             )
         if args.action == "from-hf":  # one directory, whatever it looks like
             if len(args.items) != 1:
-                raise ValueError("stx config from-hf takes one argument: a Hugging Face model directory")
+                raise ValueError(
+                    "stx config from-hf takes one argument: a Hugging Face model directory or its config.json"
+                )
             return cls(args.action, args.items[0], (), args.world_size)
         config, overrides = split_config_args(args.items)
         update = tuple(args.update) if args.update is not None else None
