@@ -54,6 +54,18 @@ def test_gpt2_export_has_our_logits(tmp_path, extra):
         export_hf(str(ckpt), str(out))
 
 
+@pytest.mark.parametrize("extra", [[], ["model.activation=openai-gelu", "model.tie_word_embeddings=false"]])
+def test_rotary_layernorm_gpt_exports_to_gpt_neox_with_our_logits(tmp_path, extra):
+    ckpt = save(tmp_path, "ckpt", "model.position_embedding_type=rotary", *extra)
+    out = export_hf(str(ckpt), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "GPTNeoXForCausalLM"
+    ours, cfg, _ = load_model(str(ckpt))
+    ids = torch.randint(0, cfg.vocab_size or 1, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_no_hf_equivalent_is_a_clear_error(tmp_path):
     ckpt = save(tmp_path, "rotary", "model.position_embedding_type=rotary", "model.norm=rmsnorm")
     # GPT-2 needs learned positions and LayerNorm; Llama a SwiGLU MLP: each class says what it lacks
@@ -170,8 +182,9 @@ def _logits(model, cfg, ids):
             "model.num_query_groups=2",
             "model.add_bias_linear=false",
         ],
+        ["model.position_embedding_type=rotary", "model.tie_word_embeddings=false"],
     ],
-    ids=["gpt", "bert", "pre-ln-bert", "llama"],
+    ids=["gpt", "bert", "pre-ln-bert", "llama", "gpt-neox"],
 )
 def test_init_from_hf_is_the_export_run_backwards(tmp_path, extra):
     """Export a trained checkpoint, initialise a fresh model from it: every weight comes back exactly,

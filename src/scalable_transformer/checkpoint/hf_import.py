@@ -1,5 +1,5 @@
-"""Initialise our model from a local Hugging Face GPT2LMHeadModel / BertForPreTraining directory
-(`checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and `stx config from-hf`.
+"""Initialise our model from a local Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM,
+GPTNeoXForCausalLM, BertForPreTraining, MegatronBertForPreTraining: `checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and `stx config from-hf`.
 
 The weight mapping is not written a second time: it is the family's export mapping (`ModelSpec.hf`,
 models/<family>/hf.py) run backwards. A float64 copy of our model whose every element holds its own index is
@@ -164,6 +164,11 @@ def _layer_key(key: str, i: int, layer_part: str) -> str:
     return f"{head}{layer_part}.{i}.{tail}" if sep else key
 
 
+# Names transformers writes to files for a tensor its model holds under another name (its save-time
+# renaming for older checkpoints): GPT-NeoX's output matrix is `lm_head` in the model, `embed_out` on disk.
+_SAVED_AS = {"lm_head.weight": ("embed_out.weight",)}
+
+
 class _HFTensors:
     """The tensors of a Hugging Face model directory, read one at a time (safetensors `safe_open`;
     a PyTorch .bin is memory-mapped). Keys with or without the base-model prefix are accepted."""
@@ -189,7 +194,7 @@ class _HFTensors:
                 self.where[key] = state
 
     def get(self, key: str) -> torch.Tensor | None:
-        for name in (key, key.removeprefix(self.prefix), self.prefix + key):
+        for name in (key, key.removeprefix(self.prefix), self.prefix + key, *_SAVED_AS.get(key, ())):
             source = self.where.get(name)
             if source is not None:
                 return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]

@@ -519,7 +519,7 @@ class CheckpointConfig:
     init_from_hf: str | None = opt(
         None,
         "Start from the weights of a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM / "
-        "BertForPreTraining / MegatronBertForPreTraining directory "
+        "GPTNeoXForCausalLM / BertForPreTraining / MegatronBertForPreTraining directory "
         "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
         "settings.",
     )

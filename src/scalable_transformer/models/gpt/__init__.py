@@ -77,6 +77,14 @@ SPEC = ModelSpec(
             overrides=hf.overrides_from_llama,
             vocab_keys=("embedding.word.weight", "output.weight"),
         ),
+        HFMapping(
+            model_type="gpt_neox",
+            hf_class="GPTNeoXForCausalLM",
+            unsupported=hf.neox_unsupported,
+            to_hf=hf.to_neox,
+            overrides=hf.overrides_from_neox,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
     ),
 )
 
