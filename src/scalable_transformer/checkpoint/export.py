@@ -1,12 +1,12 @@
 """`stx export CHECKPOINT --format hf --output DIR`: a checkpoint as a Hugging Face `transformers` model.
 
 The weight mappings belong to the model family (`ModelSpec.hf`, models/<family>/hf.py), tried in order:
-GPTs become `GPT2LMHeadModel` (learned positions, LayerNorm, GELU), `LlamaForCausalLM` (rotary,
-RMSNorm, SwiGLU, grouped-query attention) or `GPTNeoXForCausalLM` (rotary, LayerNorm, GELU); BERTs with learned positions, GELU and tied embeddings
-become `BertForPreTraining` (post-LN) or `MegatronBertForPreTraining` (pre-LN). The vocabulary is
-exported padded, as trained. Other architectures get an error that says, per class, which settings
-have no equivalent. The
-reverse, initialising from a Hugging Face model, is `hf_import.py` (`checkpoint.init_from_hf`).
+GPTs become `GPT2LMHeadModel` (learned positions, LayerNorm, GELU), `LlamaForCausalLM` (rotary, RMSNorm,
+SwiGLU, grouped-query attention) or `GPTNeoXForCausalLM` (rotary, LayerNorm, GELU); BERTs with learned
+positions, GELU and tied embeddings become `BertForPreTraining` (post-LN) or
+`MegatronBertForPreTraining` (pre-LN). The vocabulary is exported padded, as trained. Other
+architectures get an error that says, per class, which settings have no equivalent. The reverse,
+initialising from a Hugging Face model, is `hf_import.py` (`checkpoint.init_from_hf`).
 """
 
 from __future__ import annotations

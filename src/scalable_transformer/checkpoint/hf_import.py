@@ -1,5 +1,6 @@
 """Initialise our model from a local Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM,
-GPTNeoXForCausalLM, BertForPreTraining, MegatronBertForPreTraining: `checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and `stx config from-hf`.
+GPTNeoXForCausalLM, BertForPreTraining, MegatronBertForPreTraining: `checkpoint.init_from_hf`), the
+reverse of `stx export --format hf`; and `stx config from-hf`.
 
 The weight mapping is not written a second time: it is the family's export mapping (`ModelSpec.hf`,
 models/<family>/hf.py) run backwards. A float64 copy of our model whose every element holds its own index is
