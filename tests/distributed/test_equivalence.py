@@ -204,3 +204,43 @@ def test_layouts_match_single_process(model, world, cases, reference, tmp_path):
     assert results[0] is not None
     for name, got in results[0].items():
         assert_same(name, got, reference[model])
+
+
+# The Llama shape (GPT options): grouped-query attention with 2 groups on tp 2 (one whole group per
+# rank) and multi-query attention on tp 2 (the single group replicated), through every kind of layout.
+LLAMA = [
+    "model.type=gpt",
+    "model.num_attention_heads=4",
+    "model.position_embedding_type=rotary",
+    "model.norm=rmsnorm",
+    "model.activation=swiglu",
+    "model.add_bias_linear=false",
+    "model.tie_word_embeddings=false",
+]
+LLAMA_MODELS = {
+    "llama-gqa": [*LLAMA, "model.num_query_groups=2"],
+    "llama-mqa": [*LLAMA, "model.num_query_groups=1"],
+}
+LLAMA_TWO = {
+    name: TWO[name]
+    for name in ("tp2", "tp2-sp", "dp2-zero1", "dp2-zero3", "dp2-zero3-offload", "pp2-1f1b", "pp2-zbv")
+} | {"tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]}
+LLAMA_FOUR = {name: FOUR[name] for name in ("dp2-tp2-zero3", "tp2-pp2")}
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama-reference")
+    return {model: train(overrides, root / model) for model, overrides in LLAMA_MODELS.items()}
+
+
+@pytest.mark.parametrize("model", list(LLAMA_MODELS))
+@pytest.mark.parametrize(
+    "world, cases", [(2, LLAMA_TWO), (4, LLAMA_FOUR)], ids=["2-processes", "4-processes"]
+)
+def test_llama_shape_layouts_match_single_process(model, world, cases, llama_reference, tmp_path):
+    cases = {name: [*LLAMA_MODELS[model], *overrides] for name, overrides in cases.items()}
+    results = run_distributed(_layouts, world, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
+    assert results[0] is not None
+    for name, got in results[0].items():
+        assert_same(name, got, llama_reference[model])

@@ -177,22 +177,37 @@ def _hf_logits(rank: int, world: int, overrides: list[str], ids: torch.Tensor) -
     return {"logits": logits, "weights": _full_weights(model)}
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.zero_stage=3"]], ids=["tp2", "dp2-zero3"])
-def test_hf_import_into_shards_matches_one_process(layout, tmp_path):
+def _hf_model(arch: str):
+    """A randomly initialised transformers model (no download): GPT-2, or a Llama with grouped-query
+    attention (4 heads, 2 key/value groups), untied output and Llama 3.1 rotary scaling."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hf_cfg = transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=64, n_layer=2, n_head=4)
-    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
-    hf.save_pretrained(tmp_path / "gpt2")
+    if arch == "gpt2":
+        hf_cfg = transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+        return transformers.GPT2LMHeadModel(hf_cfg).eval()
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, rope_parameters=rope,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(hf_cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.zero_stage=3"]], ids=["tp2", "dp2-zero3"])
+def test_hf_import_into_shards_matches_one_process(layout, arch, tmp_path):
+    hf = _hf_model(arch)
+    hf.save_pretrained(tmp_path / arch)
     from scalable_transformer.checkpoint.hf_import import model_overrides_from_hf
 
-    settings = model_overrides_from_hf(tmp_path / "gpt2")
+    settings = model_overrides_from_hf(tmp_path / arch)
     base = [
         *(f"model.{k}={v}" for k, v in settings.items()),
         "model.seq_length=32",
         "model.hidden_dropout=0",
         "model.attention_dropout=0",
-        f"checkpoint.init_from_hf={tmp_path / 'gpt2'}",
+        f"checkpoint.init_from_hf={tmp_path / arch}",
     ]
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
     cfg = _config(base, 1)
@@ -206,6 +221,7 @@ def test_hf_import_into_shards_matches_one_process(layout, tmp_path):
         for key, value in reference.items():
             assert torch.equal(r["weights"][key], value), f"rank {rank}: {key}"
         torch.testing.assert_close(r["logits"], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["logits"][..., :500], hf(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- half-precision FSDP gathers

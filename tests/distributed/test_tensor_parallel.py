@@ -31,6 +31,7 @@ from harness import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from scalable_transformer.config.model_shapes import block_numel
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models import build_model, compute_loss, model_inputs
 from scalable_transformer.parallel.tensor import (
@@ -103,6 +104,9 @@ def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> di
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
     initial = {name: _full(p) for name, p in model.named_parameters()}
+    block_local = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.layers[0].parameters()
+    )
     # foreach=False: the foreach kernels reject lists mixing DTensor and plain parameters.
     # eps=1e-6: gradients that are zero in exact arithmetic (the key bias: softmax ignores a per-query
     # constant) hold ~1e-10 of rounding noise, which Adam with eps=1e-8 would turn into 1e-5 steps.
@@ -118,6 +122,10 @@ def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> di
             loss.backward()
         if not grads:
             grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+            for name, p in model.named_parameters():
+                # replicated key/value groups (MQA): a Partial gradient would be a reduction left undone
+                if isinstance(p, DTensor) and ".qkv." in name:
+                    assert not any(pl.is_partial() for pl in p.grad.placements), (name, p.grad.placements)
         optimizer.step()
         losses.append(loss.item())
         correct.append(metrics.get("mlm_correct", torch.tensor(0.0)).item())
@@ -136,6 +144,7 @@ def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> di
         "weights": weights,
         "argmax": argmax,
         "initial": initial,
+        "block_local": block_local,
     }
 
 
@@ -172,6 +181,8 @@ def check_equivalent(tmp_path, cfg: ModelConfig, sequence_parallel: bool) -> Non
     assert _max_diff(plain["weights"], plain["initial"]) > 20 * WEIGHT_ATOL  # at least one lr-sized step
     for rank, result in enumerate(per_rank):
         where = f"rank {rank}"
+        # the planner's torch-free count of a block's local shard (config/model_shapes.py)
+        assert result["block_local"] == block_numel(cfg, tp=2), where
         assert result["losses"] == pytest.approx(plain["losses"], rel=LOSS_RTOL, abs=0), where
         assert result["correct"] == plain["correct"], where
         if plain["argmax"] is not None:
@@ -249,3 +260,22 @@ def test_plan_skips_children_a_pipeline_stage_lacks():
     assert "layers.1" in [name for name, _ in tensor_parallel_plan(stage, sequence_parallel=True)]
     full = [name for name, _ in tensor_parallel_plan(model, sequence_parallel=False)]
     assert {"embedding.word", "lm_head.logits", "layers.1.mlp.down"} <= set(full)
+
+
+LLAMA = dict(
+    position_embedding_type="rotary",
+    norm="rmsnorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize("groups", [2, 1], ids=["gqa-2-groups", "mqa"])
+def test_gpt_llama_shape_tp2(tmp_path, groups, sequence_parallel):
+    # 2 groups: each rank holds one whole group; 1 group (MQA): the qkv projection is replicated
+    # and each rank keeps half the query heads and the shared key/value head.
+    check_equivalent(tmp_path, tiny("gpt", num_query_groups=groups, **LLAMA), sequence_parallel)

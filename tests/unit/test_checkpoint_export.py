@@ -54,9 +54,25 @@ def test_gpt2_export_has_our_logits(tmp_path, extra):
         export_hf(str(ckpt), str(out))
 
 
+@pytest.mark.parametrize("extra", [[], ["model.activation=openai-gelu", "model.tie_word_embeddings=false"]])
+def test_rotary_layernorm_gpt_exports_to_gpt_neox_with_our_logits(tmp_path, extra):
+    ckpt = save(tmp_path, "ckpt", "model.position_embedding_type=rotary", *extra)
+    out = export_hf(str(ckpt), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "GPTNeoXForCausalLM"
+    ours, cfg, _ = load_model(str(ckpt))
+    ids = torch.randint(0, cfg.vocab_size or 1, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_no_hf_equivalent_is_a_clear_error(tmp_path):
     ckpt = save(tmp_path, "rotary", "model.position_embedding_type=rotary", "model.norm=rmsnorm")
-    with pytest.raises(CheckpointError, match=r"position_embedding_type = rotary .*model.norm = rmsnorm"):
+    # GPT-2 needs learned positions and LayerNorm; Llama a SwiGLU MLP: each class says what it lacks
+    with pytest.raises(
+        CheckpointError,
+        match=r"GPT2LMHeadModel: .*position_embedding_type = rotary .*LlamaForCausalLM: .*activation",
+    ):
         export_hf(str(ckpt), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
 
@@ -86,10 +102,61 @@ def test_bert_export_has_our_logits(tmp_path):
     torch.testing.assert_close(got.seq_relationship_logits, binary, rtol=1e-5, atol=1e-5)
 
 
-def test_pre_ln_bert_is_a_clear_error(tmp_path):
-    ckpt = save(tmp_path, "pre-ln", "model.type=bert")
-    with pytest.raises(CheckpointError, match="apply_residual_connection_post_layernorm = true"):
-        export_hf(str(ckpt), str(tmp_path / "hf"))
+def test_tiny_bert_as_it_ships_exports_to_megatron_bert_with_our_logits(tmp_path):
+    """tiny-bert's defaults (pre-LN, Megatron's): MegatronBertForPreTraining, and fill-mask runs on it."""
+    ckpt = tmp_path / "tiny-bert"
+    overrides = [
+        "train.train_iters=2",
+        "train.eval_interval=0",
+        "train.eval_iters=1",
+        "logging.tensorboard=false",
+    ]
+    run_training(
+        load_config(
+            "tiny-bert", [*overrides, f"logging.run_dir={tmp_path / 'runs'}", f"checkpoint.save={ckpt}"]
+        )
+    )
+    out = export_hf(str(ckpt), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForPreTraining.from_pretrained(out).eval()
+    assert type(hf).__name__ == "MegatronBertForPreTraining"
+    ours, cfg, _ = load_model(str(ckpt))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size or 1, (2, 32), generator=gen)
+    types, mask = torch.zeros_like(ids), torch.ones_like(ids)
+    mask[1, 20:] = 0
+    with torch.no_grad():
+        mlm = ours(ids, types, mask)[0]
+        got = hf(input_ids=ids, token_type_ids=types, attention_mask=mask).prediction_logits
+    diff = max((got[0] - mlm[0]).abs().max().item(), (got[1, :20] - mlm[1, :20]).abs().max().item())
+    print(f"tiny-bert: max |HF - ours| = {diff:.2e}")
+    assert diff <= 1e-5
+    fill = transformers.pipeline("fill-mask", model=str(out), tokenizer=str(out))
+    predictions = fill("the function returns a [MASK] of the values.")
+    assert len(predictions) == 5 and all("[MASK]" not in p["sequence"] for p in predictions)
+
+
+def test_bert_345m_defaults_map_to_megatron_bert_with_our_logits():
+    """bert-345m's model as the preset defines it (24 x 1024, pre-LN, binary head), built in fp32."""
+    from scalable_transformer.checkpoint.export import hf_mapping
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.models import build_model
+
+    cfg = resolve(load_config("bert-345m")).model
+    torch.manual_seed(0)
+    ours = build_model(cfg).eval()
+    mapping = hf_mapping(cfg)
+    assert mapping.hf_class == "MegatronBertForPreTraining"
+    hf = mapping.to_hf(ours, cfg)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size or 1, (1, 16), generator=gen)
+    types, mask = torch.randint(0, 2, (1, 16), generator=gen), torch.ones_like(ids)
+    with torch.no_grad():
+        mlm, binary = ours(ids, types, mask)
+        got = hf(input_ids=ids, token_type_ids=types, attention_mask=mask)
+    diff = (got.prediction_logits - mlm).abs().max().item()
+    print(f"bert-345m: max |HF - ours| = {diff:.2e}")
+    assert diff <= 1e-5
+    torch.testing.assert_close(got.seq_relationship_logits, binary, rtol=1e-5, atol=1e-5)
 
 
 def _logits(model, cfg, ids):
@@ -107,8 +174,17 @@ def _logits(model, cfg, ids):
             "model.apply_residual_connection_post_layernorm=true",
             "model.bert_binary_head=true",
         ],
+        ["model.type=bert", "model.bert_binary_head=true"],
+        [
+            "model.position_embedding_type=rotary",
+            "model.norm=rmsnorm",
+            "model.activation=swiglu",
+            "model.num_query_groups=2",
+            "model.add_bias_linear=false",
+        ],
+        ["model.position_embedding_type=rotary", "model.tie_word_embeddings=false"],
     ],
-    ids=["gpt", "bert"],
+    ids=["gpt", "bert", "pre-ln-bert", "llama", "gpt-neox"],
 )
 def test_init_from_hf_is_the_export_run_backwards(tmp_path, extra):
     """Export a trained checkpoint, initialise a fresh model from it: every weight comes back exactly,

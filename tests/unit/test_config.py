@@ -50,6 +50,10 @@ def test_presets_cover_the_issue_list():
         "gpt-3b",
         "gpt-7b",
         "gpt-13b",
+        "llama-tiny",
+        "llama-1b",
+        "llama-8b",
+        "llama-70b",
     }
     assert expected <= set(preset_names())
     shapes = {
@@ -65,6 +69,21 @@ def test_presets_cover_the_issue_list():
     for name, (layers, hidden) in shapes.items():
         cfg = load_config(name)
         assert (cfg.model.num_layers, cfg.model.hidden_size) == (layers, hidden), name
+    llama = {  # layers, hidden, heads, key/value groups, FFN, vocabulary (the published Llama 3 shapes)
+        "llama-1b": (16, 2048, 32, 8, 8192, 128256),
+        "llama-8b": (32, 4096, 32, 8, 14336, 128256),
+        "llama-70b": (80, 8192, 64, 8, 28672, 128256),
+    }
+    for name, shape in llama.items():
+        m = resolve(load_config(name)).model
+        got = (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size)
+        assert (*got, m.vocab_size) == shape, name
+        assert (m.activation, m.norm, m.position_embedding_type, m.add_bias_linear) == (
+            "swiglu",
+            "rmsnorm",
+            "rotary",
+            False,
+        ), name
 
 
 def test_unknown_key_names_file_key_and_nearest(tmp_path):

@@ -280,3 +280,21 @@ def test_import_reads_deepspeeds_activation_checkpointing_block(tmp_path, capsys
         True,
     )
     assert p.zero_stage == 3 and p.reduce_each_micro_batch
+
+
+def test_megatron_llama_command_line():
+    """Megatron's Llama switches: GQA, SwiGLU, no linear biases, RMSNorm, RoPE with Llama 3.1 scaling."""
+    imported = import_configs(
+        ImportSources(
+            megatron_args="pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+            "--group-query-attention --num-query-groups 2 --swiglu --disable-bias-linear "
+            "--normalization RMSNorm --position-embedding-type rope --use-rope-scaling --rotary-base 500000 "
+            "--untie-embeddings-and-output-weights"
+        )
+    )
+    values = {path: v for path, (v, _) in imported.values.items()}
+    assert values["model.num_query_groups"] == 2
+    assert values["model.activation"] == "swiglu" and values["model.add_bias_linear"] is False
+    assert values["model.norm"] == "rmsnorm" and values["model.position_embedding_type"] == "rotary"
+    assert values["model.rope_scaling"] is True and values["model.rotary_base"] == 500000
+    assert values["model.tie_word_embeddings"] is False

@@ -1,10 +1,12 @@
 """`stx export CHECKPOINT --format hf --output DIR`: a checkpoint as a Hugging Face `transformers` model.
 
-The weight mapping belongs to the model family (`ModelSpec.hf`, models/<family>/hf.py): GPT-shaped
-models (learned positions, LayerNorm, pre-LN, GELU) become `GPT2LMHeadModel`; post-LN BERTs with
-learned positions, GELU and tied embeddings become `BertForPreTraining`. The vocabulary is exported
-padded, as trained. Other architectures get an error that says which setting has no equivalent. The
-reverse, initialising from a Hugging Face model, is `hf_import.py` (`checkpoint.init_from_hf`).
+The weight mappings belong to the model family (`ModelSpec.hf`, models/<family>/hf.py), tried in order:
+GPTs become `GPT2LMHeadModel` (learned positions, LayerNorm, GELU), `LlamaForCausalLM` (rotary, RMSNorm,
+SwiGLU, grouped-query attention) or `GPTNeoXForCausalLM` (rotary, LayerNorm, GELU); BERTs with learned
+positions, GELU and tied embeddings become `BertForPreTraining` (post-LN) or
+`MegatronBertForPreTraining` (pre-LN). The vocabulary is exported padded, as trained. Other
+architectures get an error that says, per class, which settings have no equivalent. The reverse,
+initialising from a Hugging Face model, is `hf_import.py` (`checkpoint.init_from_hf`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..config.schema import ModelConfig
 from ..models import build_model, spec_for
 from ..models.bert.hf import bert_unsupported, to_bert
 from ..models.gpt.hf import gpt2_unsupported, to_gpt2
+from ..models.registry import hf_unsupported
 from ..models.spec import HFMapping
 from .manager import CheckpointError, _quiet_single_process, find_checkpoint, read_metadata
 
@@ -53,11 +56,12 @@ def load_model(checkpoint: str) -> tuple[torch.nn.Module, ModelConfig, dict[str,
 
 
 def hf_mapping(cfg: ModelConfig) -> HFMapping:
-    """The Hugging Face mapping of cfg's family, or CheckpointError if it has none."""
-    spec = spec_for(cfg)
-    if spec.hf is None:
-        raise CheckpointError(f"no Hugging Face equivalent for model.type = {spec.name}")
-    return spec.hf
+    """The first Hugging Face mapping of cfg's family that holds its shape, or CheckpointError naming,
+    per candidate class, the settings that prevent it."""
+    for mapping in spec_for(cfg).hf:
+        if not mapping.unsupported(cfg):
+            return mapping
+    raise CheckpointError("no Hugging Face equivalent for this model: " + " | ".join(hf_unsupported(cfg)))
 
 
 def export_hf(checkpoint: str, output: str) -> Path:
@@ -91,4 +95,7 @@ def _save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     except Exception as e:  # the model is exported either way; say why the tokenizer is not
         (out / "TOKENIZER-NOT-EXPORTED.txt").write_text(f"the training tokenizer could not be loaded: {e}\n")
         return
-    PreTrainedTokenizerFast(tokenizer_object=tok.hf).save_pretrained(out)
+    # name the special tokens the tokenizer has, so transformers' pipelines (fill-mask) find them
+    roles = ("pad", "unk", "cls", "sep", "mask")
+    special = {f"{role}_token": token for role, token in tok.role_tokens().items() if role in roles}
+    PreTrainedTokenizerFast(tokenizer_object=tok.hf, **special).save_pretrained(out)

@@ -1,5 +1,6 @@
-"""Initialise our model from a local Hugging Face GPT2LMHeadModel / BertForPreTraining directory
-(`checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and `stx config from-hf`.
+"""Initialise our model from a local Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM,
+GPTNeoXForCausalLM, BertForPreTraining, MegatronBertForPreTraining: `checkpoint.init_from_hf`), the
+reverse of `stx export --format hf`; and `stx config from-hf`.
 
 The weight mapping is not written a second time: it is the family's export mapping (`ModelSpec.hf`,
 models/<family>/hf.py) run backwards. A float64 copy of our model whose every element holds its own index is
@@ -27,9 +28,9 @@ _SHIFT = float(2**40)
 
 def _hf_classes() -> dict[str, str]:
     """Hugging Face config.model_type -> transformers class, for every family with a mapping."""
-    from ..models import SPECS
+    from ..models.registry import hf_mappings
 
-    return {s.hf.model_type: s.hf.hf_class for s in SPECS.values() if s.hf is not None}
+    return {m.model_type: m.hf_class for m in hf_mappings()}
 
 
 def _hf_config(hf_dir: Path) -> Any:
@@ -55,12 +56,12 @@ def _hf_config(hf_dir: Path) -> Any:
 
 def model_overrides_from_hf(hf_dir: str | Path) -> dict[str, Any]:
     """The model.* settings (as `key: value`) that describe the Hugging Face model in `hf_dir`."""
-    from ..models.registry import spec_for_hf
+    from ..models.registry import hf_mapping_for_type
 
     hf = _hf_config(Path(hf_dir))
-    spec = spec_for_hf(hf.model_type)
-    assert spec is not None and spec.hf is not None  # _hf_config accepted only mapped types
-    return spec.hf.overrides(hf)
+    mapping = hf_mapping_for_type(hf.model_type)
+    assert mapping is not None  # _hf_config accepted only mapped types
+    return mapping.overrides(hf)
 
 
 def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
@@ -164,6 +165,11 @@ def _layer_key(key: str, i: int, layer_part: str) -> str:
     return f"{head}{layer_part}.{i}.{tail}" if sep else key
 
 
+# Names transformers writes to files for a tensor its model holds under another name (its save-time
+# renaming for older checkpoints): GPT-NeoX's output matrix is `lm_head` in the model, `embed_out` on disk.
+_SAVED_AS = {"lm_head.weight": ("embed_out.weight",)}
+
+
 class _HFTensors:
     """The tensors of a Hugging Face model directory, read one at a time (safetensors `safe_open`;
     a PyTorch .bin is memory-mapped). Keys with or without the base-model prefix are accepted."""
@@ -189,7 +195,7 @@ class _HFTensors:
                 self.where[key] = state
 
     def get(self, key: str) -> torch.Tensor | None:
-        for name in (key, key.removeprefix(self.prefix), self.prefix + key):
+        for name in (key, key.removeprefix(self.prefix), self.prefix + key, *_SAVED_AS.get(key, ())):
             source = self.where.get(name)
             if source is not None:
                 return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]

@@ -30,7 +30,9 @@ class ConfigOptions:
             )
         if args.action == "from-hf":  # one directory, whatever it looks like
             if len(args.items) != 1:
-                raise ValueError("stx config from-hf takes one argument: a Hugging Face model directory")
+                raise ValueError(
+                    "stx config from-hf takes one argument: a Hugging Face model directory or its config.json"
+                )
             return cls(args.action, args.items[0], (), args.world_size)
         config, overrides = split_config_args(args.items)
         update = tuple(args.update) if args.update is not None else None
@@ -111,12 +113,23 @@ def run(args: argparse.Namespace) -> int:
             print(reference_markdown())
         return 0
     if opts.action == "from-hf":
-        _print_from_hf(Path(str(opts.config)).resolve())
+        hf_path = Path(str(opts.config)).resolve()
+        _print_from_hf(hf_path.parent if hf_path.is_file() else hf_path)  # a config.json or its directory
         return 0
     from ..config.load import load_config, to_yaml
     from ..config.validate import resolve
 
     cfg = resolve(load_config(opts.config, list(opts.overrides)), world_size=opts.world_size)
+    if opts.action == "validate":
+        from ..errors import ConfigError
+        from ..train.run import export_warning
+
+        no_export = export_warning(cfg)
+        if no_export is not None:
+            raise ConfigError(
+                no_export
+                + "; change those settings, or unset checkpoint.save if the run is not meant to be kept"
+            )
     if opts.action == "show":
         print(to_yaml(cfg), end="")
     else:
@@ -134,7 +147,13 @@ def config_from_hf(hf_dir: Path) -> dict[str, Any]:
     from ..checkpoint.hf_import import model_overrides_from_hf
 
     model = model_overrides_from_hf(hf_dir)
-    model["seq_length"] = model["max_position_embeddings"]  # the longest the model was trained for
+    # the longest the model was trained for: Llama 3.1's scaled rotary extends a pretraining context
+    # of 8192 positions (models.layers.LLAMA3_ORIGINAL_POSITIONS)
+    model["seq_length"] = (
+        min(model["max_position_embeddings"], 8192)
+        if model.get("rope_scaling")
+        else (model["max_position_embeddings"])
+    )
     config: dict[str, Any] = {"model": model, "checkpoint": {"init_from_hf": str(hf_dir)}}
     if (hf_dir / "tokenizer.json").is_file():
         config["data"] = {"vocab_file": str(hf_dir / "tokenizer.json")}

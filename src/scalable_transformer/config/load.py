@@ -267,12 +267,31 @@ def _flag_value(path: str, origin: str = "DeepSpeed"):
     return expand
 
 
+def _megatron_value(path: str, names: dict[str, str]):
+    """A Megatron option whose values are spelled differently here (`rope` for `rotary`); other values
+    pass through to the field's own check, which names the valid ones."""
+
+    def expand(value: Any, source: str, key: str) -> list[Assignment]:
+        return [Assignment(path, names.get(str(value).lower(), value), source)]
+
+    spellings = ", ".join(f"{k} -> {v}" for k, v in names.items())
+    expand.__doc__ = f"Megatron option: sets `{path}` ({spellings})."
+    return expand
+
+
 SPECIAL_KEYS = {
     "openai_gelu": _flag("model.activation", "openai-gelu"),
     "geglu": _flag("model.activation", "geglu"),
+    "swiglu": _flag("model.activation", "swiglu"),
+    "disable_bias_linear": _flag("model.add_bias_linear", False, True),
+    "untie_embeddings_and_output_weights": _flag("model.tie_word_embeddings", False, True),
     "rms_norm": _flag("model.norm", "rmsnorm"),
     "no_weight_tying": _flag("model.tie_word_embeddings", False, True),
     "sinusoidal_pos_emb": _flag("model.position_embedding_type", "sinusoidal"),
+    "position_embedding_type": _megatron_value(
+        "model.position_embedding_type", {"rope": "rotary", "learned_absolute": "learned"}
+    ),
+    "normalization": _megatron_value("model.norm", {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}),
     "checkpoint_activations": _flag("parallel.activation_checkpointing", "full", "none"),
     "fp16": _precision_block("fp16"),
     "bf16": _precision_block("bf16"),
@@ -331,6 +350,7 @@ IGNORED_KEYS: dict[str, str] = {
         ),
         _RETRIEVAL,
     ),
+    "group_query_attention": "switches Megatron's model.num_query_groups on (set the number of groups)",
     "onnx_safe": "is an ONNX-export workaround (stx export writes Hugging Face checkpoints)",
     "distributed_backend": "picks the collective backend (gloo on CPU, nccl on GPU, chosen by the device)",
     "ddp_impl": "picks Megatron's DDP implementation (parallel.zero_stage picks ours)",

@@ -2,7 +2,8 @@
 rank, without torch (tests/unit/test_plan.py checks them against the built modules). In config/, as
 the family rules a torch-free caller (the planner) needs: only models/ and config/ look at model.type.
 
-Legend: h hidden, f MLP inner size, v padded vocabulary, t tensor-parallel size.
+Legend: h hidden, f MLP inner size, v padded vocabulary, t tensor-parallel size, n attention heads,
+g key/value groups, d head dim.
 """
 
 from __future__ import annotations
@@ -37,6 +38,33 @@ class StageParams:
         return self.blocks + self.root
 
 
+GATED_ACTIVATIONS = ("geglu", "swiglu")
+
+
+def gated_mlp(m: ModelConfig) -> bool:
+    """Whether the MLP has a gate matrix beside its value matrix (up projects to 2 f)."""
+    return m.activation in GATED_ACTIVATIONS
+
+
+def query_groups(m: ModelConfig) -> int:
+    """g: key/value heads (num_query_groups, which defaults to the number of heads)."""
+    return m.num_query_groups or m.num_attention_heads
+
+
+def qkv_width(m: ModelConfig) -> int:
+    """Output features of the fused qkv projection: n query heads and g key and value heads, (n + 2 g) d."""
+    return (m.num_attention_heads + 2 * query_groups(m)) * (m.hidden_size // m.num_attention_heads)
+
+
+def default_ffn_hidden_size(m: ModelConfig) -> int:
+    """The derived MLP inner size: 4 h, or Llama's int(2/3 * 4 h) with swiglu (the parameters of an
+    ungated 4 h MLP), rounded up to a multiple of model.ffn_multiple_of."""
+    f = 4 * m.hidden_size
+    if m.activation == "swiglu":
+        f = int(2 * f / 3)
+    return -(-f // m.ffn_multiple_of) * m.ffn_multiple_of
+
+
 def norm_numel(m: ModelConfig) -> int:
     return m.hidden_size * (1 if m.norm == "rmsnorm" else 2)
 
@@ -48,12 +76,16 @@ def vocab(m: ModelConfig) -> int:
 
 def block_numel(m: ModelConfig, tp: int = 1) -> int:
     """One TransformerBlock on one tp rank: qkv and up column-sharded (weight and bias), proj and
-    down row-sharded (weight; bias replicated), norms replicated."""
+    down row-sharded (weight; bias replicated), norms replicated. Biases only with add_bias_linear.
+    With more tp ranks than key/value groups the qkv projection is replicated (parallel/tensor.py)."""
     assert m.ffn_hidden_size is not None
-    h, f = m.hidden_size, m.ffn_hidden_size
-    up = 2 * f if m.activation == "geglu" else f
-    sharded = (h * 3 * h + 3 * h) + h * h + (h * up + up) + f * h
-    return sharded // tp + h + h + 2 * norm_numel(m)
+    h, f, qkv = m.hidden_size, m.ffn_hidden_size, qkv_width(m)
+    up = 2 * f if gated_mlp(m) else f
+    bias = 1 if m.add_bias_linear else 0
+    qkv_numel = h * qkv + bias * qkv
+    replicated = qkv_numel if query_groups(m) % tp else 0
+    sharded = qkv_numel - replicated + h * h + (h * up + bias * up) + f * h
+    return sharded // tp + replicated + bias * 2 * h + 2 * norm_numel(m)
 
 
 def embedding_numel(m: ModelConfig, tp: int = 1) -> int:
@@ -102,6 +134,7 @@ def stage_params(
     for the same stages thousands of times)."""
     key = (
         m.type, m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.make_vocab_size_divisible_by,
+        m.num_attention_heads, m.num_query_groups, m.add_bias_linear,
         m.max_position_embeddings, m.position_embedding_type, m.num_tokentypes, m.norm, m.activation,
         m.apply_residual_connection_post_layernorm, m.tie_word_embeddings, m.bert_binary_head,
         tp, pp, pp_rank, virtual, schedule, pipeline_layers,

@@ -30,6 +30,17 @@ def check_model(m: ModelConfig) -> None:
             f"model.hidden_size ({m.hidden_size}) must be divisible by "
             f"model.num_attention_heads ({m.num_attention_heads})"
         )
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        raise ConfigError(
+            f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+            f"model.num_query_groups ({groups}): every key/value group serves the same number of query heads"
+        )
+    if m.rope_scaling and m.position_embedding_type != "rotary":
+        raise ConfigError(
+            f"model.rope_scaling scales rotary frequencies; model.position_embedding_type is "
+            f"{m.position_embedding_type}, set it to rotary or rope_scaling to false"
+        )
     head_dim = m.hidden_size // m.num_attention_heads
     if m.position_embedding_type == "rotary" and head_dim % 2:
         raise ConfigError(
@@ -403,6 +414,14 @@ def _check_tensor_parallel(cfg: Config) -> None:
     if m.num_attention_heads % p.tp:
         raise ConfigError(
             f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by parallel.tp ({p.tp})"
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    if groups % p.tp and p.tp % groups:
+        raise ConfigError(
+            f"model.num_query_groups ({groups}) and parallel.tp ({p.tp}): tensor parallelism gives each "
+            "rank whole key/value groups with their query heads (tp divides the groups, as in Megatron), "
+            f"or a share of one replicated group (tp a multiple of the groups); "
+            f"model.num_attention_heads is {m.num_attention_heads}"
         )
     if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
         raise ConfigError(

@@ -53,10 +53,25 @@ class ModelConfig:
         aliases=("num-attention-heads",),
         gt=0,
     )
+    num_query_groups: int | None = opt(
+        None,
+        "Key/value heads (grouped-query attention): each group of num_attention_heads / num_query_groups "
+        "query heads shares one key and one value head; 1 is multi-query attention. Default "
+        "num_attention_heads (plain multi-head attention). Must divide num_attention_heads.",
+        aliases=("num-query-groups", "num_key_value_heads", "num-kv-heads"),
+        gt=0,
+    )
     ffn_hidden_size: int | None = opt(
         None,
-        "MLP inner size; default 4 * hidden_size.",
+        "MLP inner size; default 4 * hidden_size, or with activation = swiglu Llama's 2/3 of it (the "
+        "parameters of an ungated 4 * hidden_size MLP), rounded up to a multiple of ffn_multiple_of.",
         aliases=("ffn-hidden-size",),
+        gt=0,
+    )
+    ffn_multiple_of: int = opt(
+        1,
+        "Round a derived ffn_hidden_size up to a multiple of this (Llama's multiple_of, 256 there); an "
+        "ffn_hidden_size given explicitly is used as it is.",
         gt=0,
     )
     seq_length: int = opt(
@@ -106,14 +121,35 @@ class ModelConfig:
     )
     activation: str = opt(
         "gelu",
-        "MLP activation. openai-gelu is the tanh approximation; geglu a gated GELU.",
-        choices=("gelu", "openai-gelu", "geglu"),
+        "MLP activation. openai-gelu is the tanh approximation; geglu a gated GELU; swiglu a gated SiLU "
+        "(Llama, Megatron --swiglu). Gated MLPs have three matrices (gate, value, down).",
+        choices=("gelu", "openai-gelu", "geglu", "swiglu"),
+    )
+    add_bias_linear: bool = opt(
+        True,
+        "Biases on the linear layers of every transformer block (qkv, proj, MLP); false as in Llama "
+        "(Megatron --disable-bias-linear). Norms keep theirs (RMSNorm has none).",
+        aliases=("add-bias-linear",),
     )
     norm: str = opt("layernorm", "Normalisation layer.", choices=("layernorm", "rmsnorm"))
     position_embedding_type: str = opt(
         "learned", "Position encoding.", choices=("learned", "sinusoidal", "rotary"), aliases=("pos-emb",)
     )
-    rotary_base: int = opt(10000, "Base of the rotary frequencies (rotary only).", gt=0)
+    rotary_base: int = opt(
+        10000,
+        "Base of the rotary frequencies (rotary only; Llama 3: 500000).",
+        aliases=("rotary-base",),
+        gt=0,
+    )
+    rope_scaling: bool = opt(
+        False,
+        "Llama 3.1's rotary frequency scaling (rotary only): wavelengths longer than 8192 positions are "
+        "stretched by rope_scaling_factor, shorter than 2048 kept, smoothly in between.",
+        aliases=("use-rope-scaling",),
+    )
+    rope_scaling_factor: float = opt(
+        8.0, "Stretch of the long wavelengths under rope_scaling.", aliases=("rope-scaling-factor",), ge=1
+    )
     tie_word_embeddings: bool = opt(True, "Share the input embedding with the output (LM) layer.")
     apply_residual_connection_post_layernorm: bool = opt(
         False,
@@ -503,7 +539,8 @@ class CheckpointConfig:
     )
     init_from_hf: str | None = opt(
         None,
-        "Start from the weights of a local Hugging Face GPT2LMHeadModel / BertForPreTraining directory "
+        "Start from the weights of a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM / "
+        "GPTNeoXForCausalLM / BertForPreTraining / MegatronBertForPreTraining directory "
         "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
         "settings.",
     )
@@ -538,6 +575,7 @@ class _Frozen:
 
 @dataclass
 class ResolvedModelConfig(ModelConfig, _Frozen):
+    num_query_groups: int = 0  # derived: never None once resolved
     ffn_hidden_size: int = 0  # derived: never None once resolved
     max_position_embeddings: int = 0
 

@@ -14,7 +14,7 @@ import dataclasses
 
 from ..errors import ConfigError
 from . import rules
-from .model_shapes import family_options
+from .model_shapes import default_ffn_hidden_size, family_options
 from .schema import RESOLVED_SECTIONS, SECTIONS, Config, ResolvedConfig, check_fields, freeze
 
 
@@ -25,8 +25,10 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     check_fields(cfg)  # every field's own rule (bounds, finite); the loader checked them with sources
 
     # model: derived sizes, then its internal consistency
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
     if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
+        m.ffn_hidden_size = default_ffn_hidden_size(m)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.vocab_size is None and cfg.data.tokenizer == "embedded" and cfg.data.vocab_file is None:

@@ -97,6 +97,11 @@ class Tokenizer:
     def eod_id(self) -> int:
         return self._id("eod")
 
+    def role_tokens(self) -> dict[str, str]:
+        """The special tokens this tokenizer has, by role (pad, unk, cls, sep, mask, eod)."""
+        tokens = {role: self.hf.id_to_token(i) for role, i in self._ids.items() if i is not None}
+        return {role: token for role, token in tokens.items() if token is not None}
+
     @property
     def special_ids(self) -> frozenset[int]:
         """Ids of all special (added) tokens, which masking never selects or draws."""

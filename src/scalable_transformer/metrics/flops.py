@@ -14,8 +14,12 @@ megatron -- Narayanan et al. 2021 (arXiv 2104.04473) eq. 3, as computed by Megat
       24 * f * B * s * L * h^2 * (1 + s/(6h) + V/(16*L*h)),  f = 4 with --checkpoint-activations, else 3.
   We use f = 3 for model FLOPs; hardware FLOPs use f = 4 for full recompute, f = 3 for none, and for
   selective recompute add one forward of the attention core (QK^T and AV: 4*B*s^2*h per layer).
-  Generalised (reduces to the formula above for F = 4h): the leading "1" becomes
-  1/3 + F*(1 + u)/(12h) with u = 2 for a gated MLP (GeGLU: up-projection h -> 2F) else 1.
+  Generalised (reduces to the formula above for F = 4h and no grouped-query attention): the leading "1"
+  becomes (1 + g/n)/6 + F*(1 + u)/(12h) with u = 2 for a gated MLP (GeGLU/SwiGLU: gate and value,
+  h -> 2F, then F -> h: three matrices) else 1, and g/n the key/value heads per query head (grouped-
+  query attention: K and V project to g*d = h*g/n features; 1 without it), as Megatron-LM's
+  `num_floating_point_operations` counts both. That leading term is exactly 6 FLOPs per token per
+  matrix parameter of the blocks (6 x the parameters without embeddings, norms and biases).
   Differences from NVIDIA Megatron-LM's current `training.py::num_floating_point_operations`:
   (a) Megatron-LM reports model FLOPs only (no recompute factor, no HFU);
   (b) it counts the logit layer as 6*B*s*h*V, while scaling eq. 3 by f/4 gives 4.5*B*s*h*V at f = 3
@@ -56,6 +60,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..config.model_shapes import gated_mlp, query_groups
 from ..errors import MFUError
 
 if TYPE_CHECKING:
@@ -73,8 +78,10 @@ class ModelShape:
 
     vocab_size is the padded vocabulary (Megatron pads to a multiple of make_vocab_size_divisible_by
     * tp); num_params is the total parameter count N (a tied embedding counted once);
-    ffn_hidden_size None means 4 * hidden_size; gated_mlp marks a GeGLU-style MLP whose
-    up-projection is h -> 2 * ffn_hidden_size.
+    ffn_hidden_size None means 4 * hidden_size; gated_mlp marks a GeGLU/SwiGLU MLP whose
+    up-projection is h -> 2 * ffn_hidden_size; kv_heads_ratio is num_query_groups /
+    num_attention_heads (grouped-query attention: K and V have that fraction of Q's features).
+    The conventions counting 2*N per token see both through num_params.
     """
 
     num_layers: int
@@ -84,8 +91,11 @@ class ModelShape:
     num_params: int
     ffn_hidden_size: int | None = None
     gated_mlp: bool = False
+    kv_heads_ratio: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 < self.kv_heads_ratio <= 1:
+            raise ValueError(f"ModelShape.kv_heads_ratio must be in (0, 1], got {self.kv_heads_ratio!r}")
         for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "num_params"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -121,7 +131,8 @@ class ModelShape:
             vocab_size=vocab,
             num_params=int(num_params),
             ffn_hidden_size=model_cfg.ffn_hidden_size,
-            gated_mlp=model_cfg.activation == "geglu",
+            gated_mlp=gated_mlp(model_cfg),
+            kv_heads_ratio=query_groups(model_cfg) / model_cfg.num_attention_heads,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +144,7 @@ class ModelShape:
             "num_params": self.num_params,
             "ffn_hidden_size": self.ffn,
             "gated_mlp": self.gated_mlp,
+            "kv_heads_ratio": self.kv_heads_ratio,
         }
 
 
@@ -158,7 +170,8 @@ def _check(convention: str, recompute: str, samples: float) -> None:
 def _megatron(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
     b, s, n_l, h, v = samples, shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
     up = 2 if shape.gated_mlp else 1
-    dense = 1 / 3 + shape.ffn * (1 + up) / (12 * h)  # = 1 for a plain MLP with F = 4h
+    # = 1 for a plain MLP with F = 4h and one K/V head per head
+    dense = (1 + shape.kv_heads_ratio) / 6 + shape.ffn * (1 + up) / (12 * h)
     bracket = dense + s / (6 * h) + v / (16 * n_l * h)
     model = 24 * 3 * b * s * n_l * h * h * bracket
     if recompute == "full":

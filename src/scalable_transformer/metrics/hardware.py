@@ -147,6 +147,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
 
 _NAME_ALIASES = {
     "h100": "h100-sxm",
+    "h100-80gb": "h100-sxm",  # as a100-80gb names the A100 by its memory; the SXM part is the common one
     "h200": "h200-sxm",
     "a6000": "rtx-a6000",
     "3090": "rtx-3090",

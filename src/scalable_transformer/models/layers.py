@@ -1,7 +1,8 @@
 """Building blocks shared by BERT and GPT: embeddings, attention, MLP, transformer block, init.
 
 Shape legend: b batch, s sequence, h hidden, n heads (local: tensor parallel may give fewer),
-d head dim, f MLP inner size, v padded vocabulary, p max positions.
+g key/value groups (local too), r query heads per group, d head dim, f MLP inner size, v padded
+vocabulary, p max positions.
 
 Block contract, relied on by parallel/ (activation checkpointing, FSDP, pipeline stages):
     TransformerBlock.forward(x_bsh, attention_mask_b11s_or_None, rotary_or_None) -> x_bsh
@@ -22,11 +23,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from scalable_transformer.config.model_shapes import gated_mlp, qkv_width, query_groups
 from scalable_transformer.config.rules import check_model, padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig, check_section
 
 _CHOICES = {
-    "activation": ("gelu", "openai-gelu", "geglu"),
+    "activation": ("gelu", "openai-gelu", "geglu", "swiglu"),
     "norm": ("layernorm", "rmsnorm"),
     "position_embedding_type": ("learned", "sinusoidal", "rotary"),
 }
@@ -73,15 +75,37 @@ def embedding_numel(cfg: ModelConfig, num_tokentypes: int) -> int:
 def block_numel(cfg: ModelConfig) -> int:
     """Parameters of one `TransformerBlock`: attention (qkv + proj), MLP (up, down), two norms."""
     assert cfg.ffn_hidden_size is not None
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    up = 2 * f if cfg.activation == "geglu" else f
-    attention = (h * 3 * h + 3 * h) + (h * h + h)
-    mlp = (h * up + up) + (f * h + h)
+    h, f, qkv = cfg.hidden_size, cfg.ffn_hidden_size, qkv_width(cfg)
+    up = 2 * f if gated_mlp(cfg) else f
+    bias = 1 if cfg.add_bias_linear else 0
+    attention = (h * qkv + bias * qkv) + (h * h + bias * h)
+    mlp = (h * up + bias * up) + (f * h + bias * h)
     return attention + mlp + 2 * norm_numel(cfg)
 
 
-def _frequencies(dim: int, base: float, positions: int) -> torch.Tensor:
+# Llama 3.1's rotary scaling constants (Megatron hard-codes the same; only the factor is an option).
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_POSITIONS = 1.0, 4.0, 8192
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: wavelengths above original/low_freq_factor are divided by
+    `factor`, those below original/high_freq_factor kept, and the band between interpolated."""
+    low_wavelen = LLAMA3_ORIGINAL_POSITIONS / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_POSITIONS / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (LLAMA3_ORIGINAL_POSITIONS / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _frequencies(dim: int, base: float, positions: int, llama3_factor: float | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if llama3_factor is not None:
+        inv_freq = llama3_scaled(inv_freq, llama3_factor)
     return torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)  # [p, dim/2]
 
 
@@ -137,20 +161,24 @@ class Embedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of rotate-half RoPE over the full head dim; no parameters."""
+    """cos/sin tables of rotate-half RoPE over the full head dim; no parameters. llama3_factor:
+    Llama 3.1's frequency scaling with that factor (`llama3_scaled`), None for plain RoPE."""
 
     cos_pd: torch.Tensor
     sin_pd: torch.Tensor
 
-    def __init__(self, head_dim: int, base: float, max_positions: int) -> None:
+    def __init__(
+        self, head_dim: int, base: float, max_positions: int, llama3_factor: float | None = None
+    ) -> None:
         super().__init__()
         self.head_dim, self.base, self.max_positions = head_dim, base, max_positions
+        self.llama3_factor = llama3_factor
         cos_pd, sin_pd = self._tables()
         self.register_buffer("cos_pd", cos_pd, persistent=False)
         self.register_buffer("sin_pd", sin_pd, persistent=False)
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = _frequencies(self.head_dim, self.base, self.max_positions)
+        angles = _frequencies(self.head_dim, self.base, self.max_positions, self.llama3_factor)
         angles_pd = torch.cat([angles, angles], dim=-1)  # rotate-half pairs channel i with i + d/2
         return angles_pd.cos(), angles_pd.sin()
 
@@ -164,6 +192,16 @@ class RotaryEmbedding(nn.Module):
         return self.cos_pd[:seq], self.sin_pd[:seq]
 
 
+def rotary_for(cfg: ModelConfig) -> RotaryEmbedding | None:
+    """The model's rotary tables (with Llama 3.1 scaling if configured), or None without rotary."""
+    if cfg.position_embedding_type != "rotary":
+        return None
+    assert cfg.max_position_embeddings is not None
+    factor = cfg.rope_scaling_factor if cfg.rope_scaling else None
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return RotaryEmbedding(head_dim, cfg.rotary_base, cfg.max_position_embeddings, factor)
+
+
 def apply_rotary(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
     x1, x2 = x_bnsd.chunk(2, dim=-1)
     rotated_bnsd = torch.cat([-x2, x1], dim=-1)
@@ -171,22 +209,26 @@ def apply_rotary(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tenso
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with dropout: the activation-heavy part (O(s^2) per head)."""
+    """softmax(q k^T / sqrt(d)) v with dropout: the activation-heavy part (O(s^2) per head). k and v
+    may have fewer heads (g groups, grouped-query attention): each serves n / g consecutive q heads."""
 
     def __init__(self, dropout: float, causal: bool) -> None:
         super().__init__()
         self.dropout, self.causal = dropout, causal
 
     def forward(
-        self, q_bnsd: torch.Tensor, k_bnsd: torch.Tensor, v_bnsd: torch.Tensor, mask_b11s: torch.Tensor | None
+        self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, mask_b11s: torch.Tensor | None
     ) -> torch.Tensor:
+        # SDPA's enable_gqa rather than repeating k/v heads: 2-7% faster here (CPU fp32, fwd+bwd,
+        # b4 n8 g2 s256 d64: 12.7 vs 13.0 ms; b2 n16 g4 s512: 51.5 vs 55.4 ms) and no copies.
         return F.scaled_dot_product_attention(
             q_bnsd,
-            k_bnsd,
-            v_bnsd,
+            k_bgsd,
+            v_bgsd,
             attn_mask=mask_b11s,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=self.causal,
+            enable_gqa=k_bgsd.shape[1] != q_bnsd.shape[1],
         )
 
 
@@ -194,11 +236,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, causal: bool) -> None:
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        # Columns are laid out per head as [q_d | k_d | v_d] (Megatron), so a column-parallel split
-        # gives each tensor-parallel rank whole heads with their own q, k and v.
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.heads_per_group = cfg.num_attention_heads // query_groups(cfg)
+        # Columns are laid out per key/value group as [q of its r heads | k_d | v_d] (Megatron; with
+        # one head per group the per-head [q_d | k_d | v_d]), so a column-parallel split gives each
+        # tensor-parallel rank whole groups with their own q, k and v.
+        bias = cfg.add_bias_linear
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_width(cfg), bias=bias)
         self.core = CoreAttention(cfg.attention_dropout, causal)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -207,11 +252,14 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         b, s, _ = x_bsh.shape
-        qkv_bsn3d = self.qkv(x_bsh).view(b, s, -1, 3 * self.head_dim)
-        q_bnsd, k_bnsd, v_bnsd = (t.transpose(1, 2) for t in qkv_bsn3d.chunk(3, dim=-1))
+        d, r = self.head_dim, self.heads_per_group
+        qkv_bsgx = self.qkv(x_bsh).view(b, s, -1, (r + 2) * d)
+        q_bsgx, k_bsgd, v_bsgd = qkv_bsgx.split([r * d, d, d], dim=-1)
+        q_bnsd = q_bsgx.reshape(b, s, -1, d).transpose(1, 2)
+        k_bgsd, v_bgsd = k_bsgd.transpose(1, 2), v_bsgd.transpose(1, 2)
         if rotary is not None:
-            q_bnsd, k_bnsd = apply_rotary(q_bnsd, *rotary), apply_rotary(k_bnsd, *rotary)
-        out_bnsd = self.core(q_bnsd, k_bnsd, v_bnsd, mask_b11s)
+            q_bnsd, k_bgsd = apply_rotary(q_bnsd, *rotary), apply_rotary(k_bgsd, *rotary)
+        out_bnsd = self.core(q_bnsd, k_bgsd, v_bgsd, mask_b11s)
         return self.proj(out_bnsd.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -220,16 +268,17 @@ class MLP(nn.Module):
         super().__init__()
         assert cfg.ffn_hidden_size is not None
         self.activation = cfg.activation
-        up = 2 * cfg.ffn_hidden_size if cfg.activation == "geglu" else cfg.ffn_hidden_size
-        self.up = nn.Linear(cfg.hidden_size, up)
-        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        up = 2 * cfg.ffn_hidden_size if gated_mlp(cfg) else cfg.ffn_hidden_size
+        self.up = nn.Linear(cfg.hidden_size, up, bias=cfg.add_bias_linear)
+        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         y_bsf = self.up(x_bsh)
-        if self.activation == "geglu":
+        if self.activation in ("geglu", "swiglu"):
             # Gate and value columns interleave, so a column-parallel split keeps the pairs together.
             gate_bsf, value_bsf = y_bsf.unflatten(-1, (-1, 2)).unbind(-1)
-            y_bsf = F.gelu(gate_bsf) * value_bsf
+            act = F.silu if self.activation == "swiglu" else F.gelu
+            y_bsf = act(gate_bsf) * value_bsf
         else:
             y_bsf = F.gelu(y_bsf, approximate="tanh" if self.activation == "openai-gelu" else "none")
         return self.down(y_bsf)

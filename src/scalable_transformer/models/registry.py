@@ -29,7 +29,7 @@ from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.bert import SPEC as BERT
 from scalable_transformer.models.gpt import SPEC as GPT
 from scalable_transformer.models.layers import check_model_config
-from scalable_transformer.models.spec import PLAIN_LOSS_OPS, LossOps, ModelSpec
+from scalable_transformer.models.spec import PLAIN_LOSS_OPS, HFMapping, LossOps, ModelSpec
 
 SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (BERT, GPT)}
 MODELS: dict[str, Any] = {name: spec.build for name, spec in SPECS.items()}
@@ -48,9 +48,26 @@ def spec_for(cfg: ModelConfig) -> ModelSpec:
     return get_spec(cfg.type)
 
 
-def spec_for_hf(hf_model_type: str) -> ModelSpec | None:
-    """The family whose Hugging Face equivalent has config.model_type `hf_model_type`, or None."""
-    return next((s for s in SPECS.values() if s.hf is not None and s.hf.model_type == hf_model_type), None)
+def hf_mappings() -> list[HFMapping]:
+    """Every family's Hugging Face mappings."""
+    return [m for s in SPECS.values() for m in s.hf]
+
+
+def hf_mapping_for_type(hf_model_type: str) -> HFMapping | None:
+    """The mapping whose Hugging Face config.model_type is `hf_model_type`, or None."""
+    return next((m for m in hf_mappings() if m.model_type == hf_model_type), None)
+
+
+def hf_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why no Hugging Face architecture holds cfg's model, one line per candidate class naming the
+    settings that prevent it (empty: one does)."""
+    mappings = spec_for(cfg).hf
+    reasons = {m.hf_class: m.unsupported(cfg) for m in mappings}
+    if not mappings:
+        return [f"model.type = {cfg.type} has no Hugging Face mapping"]
+    if any(not r for r in reasons.values()):
+        return []
+    return [f"{cls}: {'; '.join(r)}" for cls, r in reasons.items()]
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalable_transformer.config.model_shapes import gated_mlp
 from scalable_transformer.config.schema import ModelConfig
 
 Batch = dict[str, torch.Tensor]
@@ -173,7 +174,8 @@ class ModelSpec:
     tensor_parallel       names for the tensor-parallel plan
     embedding_parts / head_parts  top-level children that only the first / last pipeline stage holds
     pipeline              stage inputs, outputs and target packing
-    hf                    the Hugging Face mapping, or None
+    hf                    the Hugging Face mappings, in order of preference: a model exports to the
+                          first whose `unsupported` finds nothing (none: no equivalent)
     data                  what the data loader needs
     parameter_breakdown(cfg) -> parameters by part without building the model (sums to the total)
     batch_shapes(cfg, b)  key -> shape of a collated micro-batch of b samples (int64), as the data
@@ -194,7 +196,7 @@ class ModelSpec:
     pipeline: PipelineSpec
     data: DataSpec
     parameter_breakdown: Callable[[ModelConfig], dict[str, int]]
-    hf: HFMapping | None = None
+    hf: tuple[HFMapping, ...] = ()
     batch_shapes: Callable[[ModelConfig, int], dict[str, tuple[int, ...]]] | None = None
 
     def micro_batch_shapes(self, cfg: ModelConfig, micro_batch: int) -> dict[str, tuple[int, ...]]:
@@ -228,7 +230,7 @@ class ModelSpec:
             vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
             num_params=self.num_params(cfg),
             ffn_hidden_size=cfg.ffn_hidden_size,
-            gated_mlp=cfg.activation == "geglu",
+            gated_mlp=gated_mlp(cfg),
         )
 
     def stage(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:

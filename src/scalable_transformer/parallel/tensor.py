@@ -12,7 +12,10 @@ sequence_parallel:
                              communication); the whole module, because positions are added after the lookup.
   layers.<i>.norm1/norm2     SP only: SequenceParallel (weights Replicate, run on the local Shard(1)).
   layers.<i>.attention       SP only: PrepareModuleInput x Shard(1) -> Replicate (all-gather).
-  layers.<i>.attention.qkv   ColwiseParallel: weight/bias Shard(0), i.e. whole heads per rank.
+  layers.<i>.attention.qkv   ColwiseParallel: weight/bias Shard(0), i.e. whole key/value groups (each
+                             with its query heads; a group is one head without grouped-query attention).
+                             t > groups (t a multiple of them; multi-query attention): ReplicatedGroups,
+                             weight/bias Replicate, each rank keeps its query heads and their group.
   layers.<i>.attention.proj  RowwiseParallel: weight Shard(1); output Replicate (all-reduce), with SP
                              Shard(1) (reduce-scatter).
   layers.<i>.mlp             SP only: PrepareModuleInput x Shard(1) -> Replicate (all-gather).
@@ -37,13 +40,14 @@ stage's embedding output and every boundary between stages carry the local [b, s
 only the stage holding the model's end gathers back to [b, s, h] (after final_norm, or after its last
 block for post-LN models) before the heads, which also lets BERT's pooler read x[:, 0].
 
-Requirements the caller (config validation, parallel/dims.py) guarantees: heads, ffn_hidden_size and
-the padded vocabulary divisible by t; with SP, the sequence length divisible by t (DTensor.from_local
-assumes even shards). The plan is applied to a meta-device model as to a materialized one: on meta,
-parallel/init.py fills each rank's shards afterwards with values that depend only on the seed and the
-parameter name (identical replicas, the single-process values). Dropout: replicated activations draw
-the same mask on every tp rank; the head shards (attention dropout) and, with SP, the sequence shards
-draw from per-tp-rank streams (parallel/rng.py), as Megatron's tensor-parallel RNG tracker does.
+Requirements the caller (config validation, parallel/dims.py) guarantees: heads, key/value groups
+(model.num_query_groups) or t a multiple of the groups, ffn_hidden_size and the padded vocabulary
+divisible by t; with SP, the sequence length divisible by t (DTensor.from_local assumes even shards).
+The plan is applied to a meta-device model as to a materialized one: on meta, parallel/init.py fills
+each rank's shards afterwards with values that depend only on the seed and the parameter name (identical
+replicas, the single-process values). Dropout: replicated activations draw the same mask on every tp
+rank; the head shards (attention dropout) and, with SP, the sequence shards draw from per-tp-rank
+streams (parallel/rng.py), as Megatron's tensor- parallel RNG tracker does.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -89,10 +93,73 @@ def _names(module: nn.Module) -> TensorParallelNames | None:
     return None if cfg is None else spec_for(cfg).tensor_parallel
 
 
-def tensor_parallel_plan(module: nn.Module, sequence_parallel: bool) -> list[tuple[str, ParallelStyle]]:
+class ReplicatedGroups(ParallelStyle):
+    """The fused qkv projection when the tensor-parallel size t exceeds the key/value groups g (t a
+    multiple of g): weight and bias Replicate, so every rank computes all columns and keeps its n / t
+    query heads and the one group serving them, laid out as a single group [q of n/t heads | k | v]
+    (apply_tensor_parallel sets the attention's heads_per_group to n / t). Each rank's loss uses other
+    columns, so the column gradients are partial sums: the redistribute before
+    `to_local(grad_placements=Partial)` all-reduces them in backward, and the replicated weight's
+    gradient is the full one, Replicate, on every rank (without it the gradient would be a Partial
+    DTensor that FSDP and the optimizer do not reduce). Megatron refuses t > g; vLLM replicates
+    key/value heads the same way for inference."""
+
+    def __init__(self, groups: int, heads_per_group: int, head_dim: int) -> None:
+        super().__init__()
+        self.groups, self.heads_per_group, self.head_dim = groups, heads_per_group, head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch annotates input_fn/output_fn as returning None, yet uses what they return (as
+        # ColwiseParallel's do)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._replicate,
+            self._input,  # type: ignore[arg-type]
+            self._output,  # type: ignore[arg-type]
+        )
+
+    @staticmethod
+    def _replicate(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for local, param in list(module.named_parameters(recurse=False)):
+            # from_local: the values are identical on every rank already (seeded per name), or meta
+            replicated = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(local, nn.Parameter(replicated, param.requires_grad))
+
+    @staticmethod
+    def _input(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> DTensor:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return x
+        return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+
+    def _output(self, module: nn.Module, y: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        t, d, r = device_mesh.size(), self.head_dim, self.heads_per_group
+        ranks_per_group = t // self.groups
+        group, part = divmod(device_mesh.get_local_rank(), ranks_per_group)
+        local_heads = r // ranks_per_group
+        start = group * (r + 2) * d
+        y_local = y.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        q_cols = y_local[..., start + part * local_heads * d : start + (part + 1) * local_heads * d]
+        kv_cols = y_local[..., start + r * d : start + (r + 2) * d]
+        return torch.cat([q_cols, kv_cols], dim=-1)
+
+
+def _attention_groups(block: nn.Module) -> tuple[Attention, int]:
+    """A block's attention module and its number of key/value groups (from the qkv width; before
+    apply_tensor_parallel changes heads_per_group)."""
+    attention = block.get_submodule("attention")
+    assert isinstance(attention, Attention)
+    group_rows = (attention.heads_per_group + 2) * attention.head_dim
+    return attention, _rows_cols(block, "attention.qkv")[0] // group_rows
+
+
+def tensor_parallel_plan(
+    module: nn.Module, sequence_parallel: bool, tp: int = 1
+) -> list[tuple[str, ParallelStyle]]:
     """(submodule name, style) pairs in application order for the children `module` has (a whole
-    model or a pipeline stage). A name may appear twice: final_norm gets two hooks under SP. A module
-    without a model config (`.cfg`) gets the blocks' entries only."""
+    model or a pipeline stage) on `tp` ranks. A name may appear twice: final_norm gets two hooks under
+    SP. A module without a model config (`.cfg`) gets the blocks' entries only."""
     sp = sequence_parallel
     names = _names(module)
     # With SP, row-parallel outputs are reduce-scattered onto the sequence dim instead of all-reduced.
@@ -111,8 +178,14 @@ def tensor_parallel_plan(module: nn.Module, sequence_parallel: bool) -> list[tup
                 )
             )
     blocks = _blocks(module)
-    for name, _ in blocks:
+    for name, block in blocks:
         prefix = f"layers.{name}"
+        attention, groups = _attention_groups(block)
+        qkv_style: ParallelStyle = (
+            ColwiseParallel()
+            if groups % tp == 0
+            else ReplicatedGroups(groups, attention.heads_per_group, attention.head_dim)
+        )
         if sp:
             plan += [
                 (f"{prefix}.norm1", SequenceParallel(use_local_output=True)),
@@ -129,7 +202,7 @@ def tensor_parallel_plan(module: nn.Module, sequence_parallel: bool) -> list[tup
                 ),
             ]
         plan += [
-            (f"{prefix}.attention.qkv", ColwiseParallel()),
+            (f"{prefix}.attention.qkv", qkv_style),
             (f"{prefix}.attention.proj", RowwiseParallel(output_layouts=stream)),
             (f"{prefix}.mlp.up", ColwiseParallel()),
             (f"{prefix}.mlp.down", RowwiseParallel(output_layouts=stream)),
@@ -184,12 +257,13 @@ def _rows_cols(module: nn.Module, name: str) -> tuple[int, int]:
 def _check_divisible(module: nn.Module, tp: int) -> None:
     sizes: list[tuple[str, int]] = []
     for name, block in _blocks(module):
-        attention = block.get_submodule("attention")
-        assert isinstance(attention, Attention)
-        head_dim = attention.head_dim
-        sizes.append(
-            (f"layers.{name} attention heads", _rows_cols(block, "attention.qkv")[0] // (3 * head_dim))
-        )
+        attention, groups = _attention_groups(block)
+        sizes.append((f"layers.{name} attention heads", groups * attention.heads_per_group))
+        if groups % tp and tp % groups:
+            raise ValueError(
+                f"tensor parallel over {tp} ranks: layers.{name} has {groups} key/value groups; tp must "
+                "divide them or be a multiple of them"
+            )
         sizes.append((f"layers.{name}.mlp.down input features", _rows_cols(block, "mlp.down")[1]))
     names = _names(module)
     for name in () if names is None else (names.word_embedding, *names.untied_outputs):
@@ -281,13 +355,19 @@ def apply_tensor_parallel(
     if tp == 1:
         return
     _check_divisible(module, tp)
-    for name, style in tensor_parallel_plan(module, sequence_parallel):
+    plan = tensor_parallel_plan(module, sequence_parallel, tp)
+    for name, style in plan:
         parallelize_module(module, tp_mesh, {name: style})
     if sequence_parallel and shard_saved:
         saved = SavedShards(tp_mesh)
         for _, block in _blocks(module):
             saved.attach(block.get_submodule("attention"))
             saved.attach(block.get_submodule("mlp"))
+    for name, style in plan:
+        if isinstance(style, ReplicatedGroups):  # each rank now sees one group of n / t query heads
+            attention = module.get_submodule(name.removesuffix(".qkv"))
+            assert isinstance(attention, Attention)
+            attention.heads_per_group = style.heads_per_group * style.groups // tp
     names = _names(module)
     if names is not None and names.output_bias is not None:
         owner_name, _, bias_name = names.output_bias.rpartition(".")

@@ -215,8 +215,15 @@ def _sdpa(original: Any) -> Any:
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        if query.device.type != "cuda" or enable_gqa:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
+        if query.device.type != "cuda":
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            # grouped-query attention: the memory-efficient kernel takes as many k/v heads as q heads
+            # (CUDA's flash kernel shares them; the expanded copies over-count its memory slightly)
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
         aten = torch.ops.aten
         if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
             return aten._scaled_dot_product_flash_attention(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config.model_shapes import StageParams, stage_params, vocab
+from ..config.model_shapes import StageParams, gated_mlp, qkv_width, query_groups, stage_params, vocab
 from ..config.schema import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -56,8 +56,8 @@ def largest_param_group(cfg: Config, sp_: StageParams) -> int:
         return sp_.total
     assert mc.ffn_hidden_size is not None
     h, f = mc.hidden_size, mc.ffn_hidden_size
-    up = 2 * f if mc.activation == "geglu" else f
-    largest = sp_.layers * max(3 * h * h, h * h, h * up, f * h) // tp
+    up = 2 * f if gated_mlp(mc) else f
+    largest = sp_.layers * max(h * qkv_width(mc), h * h, h * up, f * h) // tp
     if sp_.first or sp_.last:
         largest = max(largest, vocab(mc) * h // tp)
     return largest
@@ -121,11 +121,13 @@ def layer_activation_bytes(
     recompute: str,
     am: ActivationModel,
     gated: bool = False,
+    kv_ratio: float = 1.0,
 ) -> float:
     """Bytes one layer keeps for backward for one micro-batch (Korthikanti et al. 2022 section 4,
     generalised). With am = (2, 1, flash=False) this is the paper's exactly:
     sbh(34 + 5as/h) without TP, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP + SP,
-    sbh 34/t (TP + SP + selective); full recompute keeps the layer input, 2sbh (/t with SP)."""
+    sbh 34/t (TP + SP + selective); full recompute keeps the layer input, 2sbh (/t with SP).
+    kv_ratio: key/value heads per query head (grouped-query attention saves smaller k and v)."""
     e, m = am.act_bytes, am.mask_bytes
     sbh = s * b * h
     seq_shard = t if sp else 1
@@ -137,10 +139,10 @@ def layer_activation_bytes(
     replicated = (2 * am.norm_input_bytes + 2 * m) * sbh / seq_shard
     # qkv and up inputs: the norm outputs (with SP, kept as 1/t slices)
     inputs = 2 * e * sbh / seq_shard
-    # q, k, v (3), attention output into proj (1), MLP activation input and output; the math path
-    # keeps its own (fp32 on CPU) copies of q, k, v unless selective recompute drops the core's
+    # q, k, v (1 + 2 kv_ratio), attention output into proj (1), MLP activation input and output; the
+    # math path keeps its own (fp32 on CPU) copies of q, k, v unless selective recompute drops the core's
     math_copies = not am.flash and recompute != "selective" and am.math_bytes is not None
-    qkv = 3 * (am.math_bytes if math_copies and am.math_bytes else e)
+    qkv = (1 + 2 * kv_ratio) * (am.math_bytes if math_copies and am.math_bytes else e)
     sharded = (sbh * (qkv + e) + e * sbh * (up + f) / h) / t
     core = 0.0
     if recompute != "selective":
@@ -407,14 +409,14 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
         mc.num_attention_heads,
         mc.ffn_hidden_size,
     )
-    gated = mc.activation == "geglu"
-    full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated)
+    gated, kv = gated_mlp(mc), query_groups(mc) / mc.num_attention_heads
+    full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated, kv)
     if mode == "full":
         # a distributed or host-kept input is rebuilt whole on the device for the recomputation
-        rebuilt = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "full", am, gated)
+        rebuilt = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "full", am, gated, kv)
         rebuilt *= 1 - kept_input_fraction(cfg, device_kind)
         return full_layer * min(p.checkpoint_num_layers, sp_.layers) + rebuilt
-    return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
+    return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated, kv)
 
 
 def activation_bytes(
@@ -432,9 +434,9 @@ def activation_bytes(
         mc.num_attention_heads,
         mc.ffn_hidden_size,
     )
-    gated = mc.activation == "geglu"
+    gated, kv = gated_mlp(mc), query_groups(mc) / mc.num_attention_heads
     mode = p.activation_checkpointing
-    per_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated)
+    per_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated, kv)
     inflight = inflight_microbatches(
         p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank, later
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.model_shapes import stage_params, total_params, vocab
+from ..config.model_shapes import gated_mlp, query_groups, stage_params, total_params, vocab
 from ..config.schema import Config
 from ..metrics.flops import ModelShape, flops_per_iteration
 from .hardware import Cluster
@@ -102,7 +102,8 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         vocab_size=vocab(mc),
         num_params=n_params,
         ffn_hidden_size=f,
-        gated_mlp=mc.activation == "geglu",
+        gated_mlp=gated_mlp(mc),
+        kv_heads_ratio=query_groups(mc) / mc.num_attention_heads,
     )
     flops = flops_per_iteration(
         shape, t.global_batch_size or b * m * dp, "megatron", p.activation_checkpointing
@@ -115,7 +116,9 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
     # in backward, about 3 passes over the activations
     am = activation_model(cfg, cluster.kind)
     layers_per_rank = mc.num_layers / pp
-    act_layer = layer_activation_bytes(b, s, h, a, f, tp, p.sequence_parallel, "none", am)
+    act_layer = layer_activation_bytes(
+        b, s, h, a, f, tp, p.sequence_parallel, "none", am, gated_mlp(mc), query_groups(mc) / a
+    )
     recompute_pass = 1.0 if p.activation_checkpointing == "full" else 0.0
     elementwise = (3 + recompute_pass) * act_layer * layers_per_rank * m / cluster.device.memory_bandwidth
     op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS

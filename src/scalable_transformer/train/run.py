@@ -129,6 +129,9 @@ def _run(
         )
         if slow_precision is not None:
             console.print(f"[bold yellow]warning[/]: {slow_precision}")
+        no_export = export_warning(cfg) if dims.is_main else None
+        if no_export is not None:
+            console.print(f"[bold yellow]warning[/]: {no_export}", markup=False)
     train_loader = build_loader(
         train_ds,
         cfg.train.micro_batch_size,
@@ -289,6 +292,20 @@ def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:
     if dims.world_size == 1 or dims.mesh is None:
         return [int(value)]
     return [int(v) for v in gather_floats(value, dims.rank, dims.world_size)]
+
+
+def export_warning(cfg: ResolvedConfig) -> str | None:
+    """Why the checkpoints this run saves could not leave as a Hugging Face model (None: they can,
+    or nothing is saved): said at the start, not discovered at `stx export` after training."""
+    from ..models.registry import hf_unsupported
+
+    reasons = hf_unsupported(cfg.model) if cfg.checkpoint.save else []
+    if not reasons:
+        return None
+    return (
+        f"checkpoint.save = {cfg.checkpoint.save}, but no Hugging Face architecture holds this model, so "
+        "`stx export --format hf` will refuse its checkpoints: " + " | ".join(reasons)
+    )
 
 
 def build_parallel_model(

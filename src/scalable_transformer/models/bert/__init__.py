@@ -98,13 +98,23 @@ SPEC = ModelSpec(
     ),
     parameter_breakdown=parameter_breakdown,
     batch_shapes=_batch_shapes,
-    hf=HFMapping(
-        model_type="bert",
-        hf_class="BertForPreTraining",
-        unsupported=hf.bert_unsupported,
-        to_hf=hf.to_bert,
-        overrides=hf.overrides_from_hf,
-        vocab_keys=("embedding.word.weight", "lm_head.bias", "lm_head.decoder.weight"),
+    hf=(
+        HFMapping(
+            model_type="bert",
+            hf_class="BertForPreTraining",
+            unsupported=hf.bert_unsupported,
+            to_hf=hf.to_bert,
+            overrides=hf.overrides_from_hf,
+            vocab_keys=("embedding.word.weight", "lm_head.bias", "lm_head.decoder.weight"),
+        ),
+        HFMapping(
+            model_type="megatron-bert",
+            hf_class="MegatronBertForPreTraining",
+            unsupported=hf.megatron_bert_unsupported,
+            to_hf=hf.to_megatron_bert,
+            overrides=hf.overrides_from_megatron_bert,
+            vocab_keys=("embedding.word.weight", "lm_head.bias", "lm_head.decoder.weight"),
+        ),
     ),
 )
 

@@ -1,6 +1,8 @@
-"""BERT <-> Hugging Face `BertForPreTraining` (the export mapping; checkpoint/hf_import.py runs it
-backwards). Post-LN BERTs with learned positions, GELU and tied embeddings only; the fused QKV is
-split per head into query/key/value. The vocabulary is exported padded, as trained.
+"""BERT <-> Hugging Face (the export mappings; checkpoint/hf_import.py runs them backwards): post-LN
+BERTs to `BertForPreTraining`, pre-LN ones (Megatron's default) to `MegatronBertForPreTraining`
+(model_type megatron-bert: norms before attention and MLP, one after the last layer, none after the
+embeddings). Learned positions, GELU and tied embeddings only; the fused QKV is split per head into
+query/key/value. The vocabulary is exported padded, as trained.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from scalable_transformer.errors import CheckpointError
 from scalable_transformer.models.layers import padded_vocab_size
 
 
-def bert_unsupported(cfg: ModelConfig) -> list[str]:
-    """Why a BERT has no BertForPreTraining equivalent (empty: it has one)."""
+def _bert_shape_unsupported(cfg: ModelConfig) -> list[str]:
+    """What neither BertForPreTraining nor MegatronBertForPreTraining can hold."""
     reasons = []
     if cfg.position_embedding_type != "learned":
         reasons.append(
@@ -25,27 +27,58 @@ def bert_unsupported(cfg: ModelConfig) -> list[str]:
         reasons.append(f"model.norm = {cfg.norm} (BERT uses LayerNorm)")
     if cfg.activation not in ("gelu", "openai-gelu"):
         reasons.append(f"model.activation = {cfg.activation} (BERT has an ungated MLP)")
+    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
+        reasons.append(
+            f"model.num_query_groups = {cfg.num_query_groups} (BERT has one key/value head per head)"
+        )
+    if not cfg.add_bias_linear:
+        reasons.append("model.add_bias_linear = false (BERT's linear layers have biases)")
+    if not cfg.tie_word_embeddings:
+        reasons.append("model.tie_word_embeddings = false (BERT ties its decoder)")
+    return reasons
+
+
+def bert_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a BERT has no BertForPreTraining equivalent (empty: it has one)."""
+    reasons = _bert_shape_unsupported(cfg)
     if not cfg.apply_residual_connection_post_layernorm:
         reasons.append(
             "pre-LN blocks (Megatron's default); BertForPreTraining is post-LN: "
             "model.apply_residual_connection_post_layernorm = true"
         )
-    if not cfg.tie_word_embeddings:
-        reasons.append("model.tie_word_embeddings = false (BertForPreTraining ties its decoder)")
+    return reasons
+
+
+def megatron_bert_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a BERT has no MegatronBertForPreTraining equivalent (empty: it has one)."""
+    reasons = _bert_shape_unsupported(cfg)
+    if cfg.apply_residual_connection_post_layernorm:
+        reasons.append("post-LN blocks (MegatronBertForPreTraining is pre-LN; BertForPreTraining holds them)")
     return reasons
 
 
 def to_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers BertForPreTraining holding `model`'s weights (post-LN BERT only)."""
-    from transformers import BertConfig, BertForPreTraining
+    return _to_hf(model, cfg, pre_ln=False)
 
-    reasons = bert_unsupported(cfg)
+
+def to_megatron_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers MegatronBertForPreTraining holding `model`'s weights (pre-LN BERT only)."""
+    return _to_hf(model, cfg, pre_ln=True)
+
+
+def _to_hf(model: torch.nn.Module, cfg: ModelConfig, pre_ln: bool) -> Any:
+    import transformers
+
+    reasons = megatron_bert_unsupported(cfg) if pre_ln else bert_unsupported(cfg)
     if reasons:
         raise CheckpointError("no Hugging Face equivalent for this model: " + "; ".join(reasons))
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
     h, n = cfg.hidden_size, cfg.num_attention_heads
     d = h // n
-    hf_cfg = BertConfig(
+    prefix = "MegatronBert" if pre_ln else "Bert"
+    config_class = getattr(transformers, f"{prefix}Config")
+    hf_cfg = config_class(
         vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by),
         hidden_size=h,
         num_hidden_layers=cfg.num_layers,
@@ -58,15 +91,23 @@ def to_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
         hidden_dropout_prob=cfg.hidden_dropout,
         attention_probs_dropout_prob=cfg.attention_dropout,
     )
-    hf = BertForPreTraining(hf_cfg)
+    hf = getattr(transformers, f"{prefix}ForPreTraining")(hf_cfg)
     ours = model.state_dict()
     sd = dict(hf.state_dict())  # keeps HF's own tensors where we have none (pooler without binary head)
     e = "bert.embeddings."
+    if pre_ln:  # the norm after the last layer; no norm after the embeddings
+        sd |= {
+            "bert.encoder.ln.weight": ours["final_norm.weight"],
+            "bert.encoder.ln.bias": ours["final_norm.bias"],
+        }
+    else:
+        sd |= {
+            e + "LayerNorm.weight": ours["embedding.norm.weight"],
+            e + "LayerNorm.bias": ours["embedding.norm.bias"],
+        }
     sd |= {
         e + "word_embeddings.weight": ours["embedding.word.weight"],
         e + "position_embeddings.weight": ours["embedding.position.weight"],
-        e + "LayerNorm.weight": ours["embedding.norm.weight"],
-        e + "LayerNorm.bias": ours["embedding.norm.bias"],
         "cls.predictions.transform.dense.weight": ours["lm_head.dense.weight"],
         "cls.predictions.transform.dense.bias": ours["lm_head.dense.bias"],
         "cls.predictions.transform.LayerNorm.weight": ours["lm_head.norm.weight"],
@@ -100,17 +141,26 @@ def to_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
             t + "attention.self.value.bias": v_b.reshape(h),
             t + "attention.output.dense.weight": ours[o + "attention.proj.weight"],
             t + "attention.output.dense.bias": ours[o + "attention.proj.bias"],
-            t + "attention.output.LayerNorm.weight": ours[o + "norm1.weight"],
-            t + "attention.output.LayerNorm.bias": ours[o + "norm1.bias"],
             t + "intermediate.dense.weight": ours[o + "mlp.up.weight"],
             t + "intermediate.dense.bias": ours[o + "mlp.up.bias"],
             t + "output.dense.weight": ours[o + "mlp.down.weight"],
             t + "output.dense.bias": ours[o + "mlp.down.bias"],
-            t + "output.LayerNorm.weight": ours[o + "norm2.weight"],
-            t + "output.LayerNorm.bias": ours[o + "norm2.bias"],
         }
+        norm1, norm2 = (
+            ("attention.ln", "ln") if pre_ln else ("attention.output.LayerNorm", "output.LayerNorm")
+        )
+        for ours_name, hf_name in (("norm1", norm1), ("norm2", norm2)):
+            sd |= {
+                t + f"{hf_name}.weight": ours[o + f"{ours_name}.weight"],
+                t + f"{hf_name}.bias": ours[o + f"{ours_name}.bias"],
+            }
     hf.load_state_dict({k: v.contiguous() for k, v in sd.items()})
     return hf.eval()
+
+
+def overrides_from_megatron_bert(hf: Any) -> dict[str, Any]:
+    """The model.* settings (as `key: value`) describing a Hugging Face MegatronBertConfig."""
+    return overrides_from_hf(hf) | {"apply_residual_connection_post_layernorm": False}
 
 
 def overrides_from_hf(hf: Any) -> dict[str, Any]:

@@ -60,13 +60,31 @@ SPEC = ModelSpec(
     ),
     data=DataSpec(corpus="eod", dataset="causal-lm", tokenizer_vocab=False, label_keys=("labels",)),
     parameter_breakdown=parameter_breakdown,
-    hf=HFMapping(
-        model_type="gpt2",
-        hf_class="GPT2LMHeadModel",
-        unsupported=hf.gpt2_unsupported,
-        to_hf=hf.to_gpt2,
-        overrides=hf.overrides_from_hf,
-        vocab_keys=("embedding.word.weight", "output.weight"),
+    hf=(
+        HFMapping(
+            model_type="gpt2",
+            hf_class="GPT2LMHeadModel",
+            unsupported=hf.gpt2_unsupported,
+            to_hf=hf.to_gpt2,
+            overrides=hf.overrides_from_hf,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
+        HFMapping(
+            model_type="llama",
+            hf_class="LlamaForCausalLM",
+            unsupported=hf.llama_unsupported,
+            to_hf=hf.to_llama,
+            overrides=hf.overrides_from_llama,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
+        HFMapping(
+            model_type="gpt_neox",
+            hf_class="GPTNeoXForCausalLM",
+            unsupported=hf.neox_unsupported,
+            to_hf=hf.to_neox,
+            overrides=hf.overrides_from_neox,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
     ),
 )
 

@@ -32,6 +32,12 @@ def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
         reasons.append(f"model.activation = {cfg.activation} (GPT-2 has an ungated MLP)")
     if cfg.apply_residual_connection_post_layernorm:
         reasons.append("model.apply_residual_connection_post_layernorm = true (GPT-2 is pre-LN)")
+    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
+        reasons.append(
+            f"model.num_query_groups = {cfg.num_query_groups} (GPT-2 has one key/value head per head)"
+        )
+    if not cfg.add_bias_linear:
+        reasons.append("model.add_bias_linear = false (GPT-2's linear layers have biases)")
     return reasons
 
 
@@ -110,6 +116,313 @@ def overrides_from_hf(hf: Any) -> dict[str, Any]:
         "layernorm_epsilon": hf.layer_norm_epsilon,
         "position_embedding_type": "learned",
         "norm": "layernorm",
+        "apply_residual_connection_post_layernorm": False,
+        "tie_word_embeddings": bool(hf.tie_word_embeddings),
+    }
+
+
+# ------------------------------------------------------------------------------------ LlamaForCausalLM
+# Our fused qkv rows are per key/value group [q of its r heads | k | v]; Llama's q_proj, k_proj and
+# v_proj hold all heads' rows in head order. Our gated up-projection interleaves gate and value rows
+# (so a column-parallel split keeps pairs together); Llama's gate_proj / up_proj are separate. Both use
+# rotate-half RoPE over the whole head dimension, so q and k need no permutation.
+
+
+def llama_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no LlamaForCausalLM equivalent (empty: it has one)."""
+    reasons = []
+    if cfg.type != "gpt":
+        reasons.append(f"model.type = {cfg.type}")
+    if cfg.position_embedding_type != "rotary":
+        reasons.append(f"model.position_embedding_type = {cfg.position_embedding_type} (Llama uses rotary)")
+    if cfg.norm != "rmsnorm":
+        reasons.append(f"model.norm = {cfg.norm} (Llama uses RMSNorm)")
+    if cfg.activation != "swiglu":
+        reasons.append(f"model.activation = {cfg.activation} (Llama's MLP is SwiGLU)")
+    if cfg.apply_residual_connection_post_layernorm:
+        reasons.append("model.apply_residual_connection_post_layernorm = true (Llama is pre-LN)")
+    return reasons
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    from scalable_transformer.models.layers import (
+        LLAMA3_HIGH_FREQ_FACTOR,
+        LLAMA3_LOW_FREQ_FACTOR,
+        LLAMA3_ORIGINAL_POSITIONS,
+    )
+
+    if not cfg.rope_scaling:
+        return {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": float(cfg.rotary_base),
+        "factor": cfg.rope_scaling_factor,
+        "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS,
+    }
+
+
+def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers LlamaForCausalLM holding `model`'s weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reasons = llama_unsupported(cfg)
+    if reasons:
+        raise CheckpointError("no LlamaForCausalLM equivalent for this model: " + "; ".join(reasons))
+    assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
+    assert cfg.ffn_hidden_size is not None
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    g = cfg.num_query_groups or n
+    d, r = h // n, n // g
+    hf_cfg = LlamaConfig(
+        vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by),
+        hidden_size=h,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=n,
+        num_key_value_heads=g,
+        head_dim=d,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.layernorm_epsilon,
+        rope_parameters=_rope_parameters(cfg),
+        attention_bias=cfg.add_bias_linear,
+        mlp_bias=cfg.add_bias_linear,
+        attention_dropout=cfg.attention_dropout,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.init_method_std,
+        bos_token_id=None,  # Llama's ids are not in our vocabulary
+        eos_token_id=None,
+    )
+    ours = model.state_dict()
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": ours["embedding.word.weight"],
+        "model.norm.weight": ours["final_norm.weight"],
+        "lm_head.weight": ours["embedding.word.weight" if cfg.tie_word_embeddings else "output.weight"],
+    }
+    for i in range(cfg.num_layers):
+        o, t = f"layers.{i}.", f"model.layers.{i}."
+        sd |= {
+            t + "input_layernorm.weight": ours[o + "norm1.weight"],
+            t + "post_attention_layernorm.weight": ours[o + "norm2.weight"],
+            t + "self_attn.o_proj.weight": ours[o + "attention.proj.weight"],
+            t + "mlp.down_proj.weight": ours[o + "mlp.down.weight"],
+        }
+        parts = [("weight", (h,))] + ([("bias", ())] if cfg.add_bias_linear else [])
+        for kind, tail in parts:
+            qkv = ours[o + f"attention.qkv.{kind}"].view(g, (r + 2) * d, *tail)
+            up = ours[o + f"mlp.up.{kind}"]
+            sd |= {
+                t + f"self_attn.q_proj.{kind}": qkv[:, : r * d].reshape(n * d, *tail),
+                t + f"self_attn.k_proj.{kind}": qkv[:, r * d : (r + 1) * d].reshape(g * d, *tail),
+                t + f"self_attn.v_proj.{kind}": qkv[:, (r + 1) * d :].reshape(g * d, *tail),
+                t + f"mlp.gate_proj.{kind}": up[0::2],
+                t + f"mlp.up_proj.{kind}": up[1::2],
+            }
+        if cfg.add_bias_linear:
+            sd |= {
+                t + "self_attn.o_proj.bias": ours[o + "attention.proj.bias"],
+                t + "mlp.down_proj.bias": ours[o + "mlp.down.bias"],
+            }
+    hf = LlamaForCausalLM(hf_cfg)
+    if cfg.tie_word_embeddings:
+        del sd["lm_head.weight"]
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"Llama export: missing {missing}, unexpected {unexpected}")
+    return hf.eval()
+
+
+def overrides_from_llama(hf: Any) -> dict[str, Any]:
+    """The model.* settings (as `key: value`) describing a Hugging Face LlamaConfig; CheckpointError
+    naming the setting when it has no equivalent here."""
+    from scalable_transformer.models.layers import (
+        LLAMA3_HIGH_FREQ_FACTOR,
+        LLAMA3_LOW_FREQ_FACTOR,
+        LLAMA3_ORIGINAL_POSITIONS,
+    )
+
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    problems = []
+    if hf.hidden_act != "silu":
+        problems.append(f"hidden_act = {hf.hidden_act!r} (SwiGLU here is silu-gated)")
+    if rope_type not in ("default", "llama3"):
+        problems.append(f"rope_parameters.rope_type = {rope_type!r} (default or llama3 here)")
+    if rope_type == "llama3":
+        fixed = {
+            "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+            "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS,
+        }
+        problems += [
+            f"rope_parameters.{k} = {rope.get(k)!r} (Llama 3.1's {v} here)"
+            for k, v in fixed.items()
+            if rope.get(k) != v
+        ]
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        problems.append(f"head_dim = {head_dim} (must be hidden_size / num_attention_heads here)")
+    if bool(hf.attention_bias) != bool(getattr(hf, "mlp_bias", False)):
+        problems.append("attention_bias != mlp_bias (model.add_bias_linear sets both)")
+    theta = float(rope.get("rope_theta", 10000.0))
+    if not theta.is_integer():
+        problems.append(f"rope_parameters.rope_theta = {theta} (model.rotary_base is an integer)")
+    if problems:
+        raise CheckpointError("no equivalent here for this Hugging Face Llama config: " + "; ".join(problems))
+    return {
+        "type": "gpt",
+        "num_layers": hf.num_hidden_layers,
+        "hidden_size": hf.hidden_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_query_groups": hf.num_key_value_heads or hf.num_attention_heads,
+        "ffn_hidden_size": hf.intermediate_size,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "vocab_size": hf.vocab_size,
+        "activation": "swiglu",
+        "layernorm_epsilon": hf.rms_norm_eps,
+        "position_embedding_type": "rotary",
+        "rotary_base": int(theta),
+        "rope_scaling": rope_type == "llama3",
+        **({"rope_scaling_factor": float(rope["factor"])} if rope_type == "llama3" else {}),
+        "norm": "rmsnorm",
+        "add_bias_linear": bool(hf.attention_bias),
+        "apply_residual_connection_post_layernorm": False,
+        "tie_word_embeddings": bool(hf.tie_word_embeddings),
+    }
+
+
+# ------------------------------------------------------------------------------------ GPTNeoXForCausalLM
+# Rotary GPTs with LayerNorm and an ungated GELU MLP (GPT-NeoX, Pythia): NeoX's fused query_key_value
+# is laid out per head as [q_d | k_d | v_d], as ours is; its rotate-half RoPE over the whole head
+# (partial_rotary_factor 1) is ours; blocks are sequential pre-LN (use_parallel_residual = false).
+
+
+def neox_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no GPTNeoXForCausalLM equivalent (empty: it has one)."""
+    reasons = []
+    if cfg.type != "gpt":
+        reasons.append(f"model.type = {cfg.type}")
+    if cfg.position_embedding_type != "rotary":
+        reasons.append(
+            f"model.position_embedding_type = {cfg.position_embedding_type} (GPT-NeoX uses rotary)"
+        )
+    if cfg.norm != "layernorm":
+        reasons.append(f"model.norm = {cfg.norm} (GPT-NeoX uses LayerNorm)")
+    if cfg.activation not in ("gelu", "openai-gelu"):
+        reasons.append(f"model.activation = {cfg.activation} (GPT-NeoX has an ungated MLP)")
+    if cfg.apply_residual_connection_post_layernorm:
+        reasons.append("model.apply_residual_connection_post_layernorm = true (GPT-NeoX is pre-LN)")
+    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
+        reasons.append(
+            f"model.num_query_groups = {cfg.num_query_groups} (GPT-NeoX has one key/value head per head)"
+        )
+    if not cfg.add_bias_linear:
+        reasons.append("model.add_bias_linear = false (GPT-NeoX's MLP has biases)")
+    if cfg.rope_scaling:
+        reasons.append("model.rope_scaling = true (GPT-NeoX has no Llama 3.1 scaling)")
+    return reasons
+
+
+def to_neox(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers GPTNeoXForCausalLM holding `model`'s weights."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    reasons = neox_unsupported(cfg)
+    if reasons:
+        raise CheckpointError("no GPTNeoXForCausalLM equivalent for this model: " + "; ".join(reasons))
+    assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
+    assert cfg.ffn_hidden_size is not None
+    hf_cfg = GPTNeoXConfig(
+        vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        intermediate_size=cfg.ffn_hidden_size,
+        hidden_act="gelu" if cfg.activation == "gelu" else "gelu_new",
+        max_position_embeddings=cfg.max_position_embeddings,
+        layer_norm_eps=cfg.layernorm_epsilon,
+        use_parallel_residual=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(cfg.rotary_base),
+            "partial_rotary_factor": 1.0,
+        },
+        attention_bias=True,
+        attention_dropout=cfg.attention_dropout,
+        hidden_dropout=cfg.hidden_dropout,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    ours = model.state_dict()
+    sd: dict[str, torch.Tensor] = {
+        "gpt_neox.embed_in.weight": ours["embedding.word.weight"],
+        "gpt_neox.final_layer_norm.weight": ours["final_norm.weight"],
+        "gpt_neox.final_layer_norm.bias": ours["final_norm.bias"],
+    }
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = ours["output.weight"]
+    names = {
+        "norm1": "input_layernorm",
+        "norm2": "post_attention_layernorm",
+        "attention.qkv": "attention.query_key_value",
+        "attention.proj": "attention.dense",
+        "mlp.up": "mlp.dense_h_to_4h",
+        "mlp.down": "mlp.dense_4h_to_h",
+    }
+    for i in range(cfg.num_layers):
+        for ours_name, hf_name in names.items():
+            for kind in ("weight", "bias"):
+                sd[f"gpt_neox.layers.{i}.{hf_name}.{kind}"] = ours[f"layers.{i}.{ours_name}.{kind}"]
+    hf = GPTNeoXForCausalLM(hf_cfg)
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"GPT-NeoX export: missing {missing}, unexpected {unexpected}")
+    return hf.eval()
+
+
+def overrides_from_neox(hf: Any) -> dict[str, Any]:
+    """The model.* settings (as `key: value`) describing a Hugging Face GPTNeoXConfig; CheckpointError
+    naming the setting when it has no equivalent here."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    problems = []
+    if hf.use_parallel_residual:
+        problems.append("use_parallel_residual = true (blocks here are sequential)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(
+            f"partial_rotary_factor = {rope['partial_rotary_factor']} (rotary covers the whole head here)"
+        )
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.rope_type = {rope['rope_type']!r} (default here)")
+    if hf.hidden_act not in ("gelu", "gelu_new"):
+        problems.append(f"hidden_act = {hf.hidden_act!r} (gelu or gelu_new here)")
+    if not hf.attention_bias:
+        problems.append("attention_bias = false (the MLP has biases; model.add_bias_linear sets both)")
+    theta = float(rope.get("rope_theta", 10000.0))
+    if not theta.is_integer():
+        problems.append(f"rope_parameters.rope_theta = {theta} (model.rotary_base is an integer)")
+    if problems:
+        raise CheckpointError(
+            "no equivalent here for this Hugging Face GPT-NeoX config: " + "; ".join(problems)
+        )
+    return {
+        "type": "gpt",
+        "num_layers": hf.num_hidden_layers,
+        "hidden_size": hf.hidden_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "ffn_hidden_size": hf.intermediate_size,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "vocab_size": hf.vocab_size,
+        "activation": "gelu" if hf.hidden_act == "gelu" else "openai-gelu",
+        "layernorm_epsilon": hf.layer_norm_eps,
+        "position_embedding_type": "rotary",
+        "rotary_base": int(theta),
+        "norm": "layernorm",
+        "add_bias_linear": True,
         "apply_residual_connection_post_layernorm": False,
         "tie_word_embeddings": bool(hf.tie_word_embeddings),
     }

@@ -12,13 +12,13 @@ from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.layers import (
     Embedding,
     Logits,
-    RotaryEmbedding,
     TransformerBlock,
     blocks_of,
     check_model_config,
     init_weights,
     make_norm,
     padded_vocab_size,
+    rotary_for,
     rotary_length,
     run_blocks,
 )
@@ -36,13 +36,8 @@ class GPTModel(nn.Module):
         assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
         self.cfg = cfg
         vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.embedding = Embedding(cfg, vocab, num_tokentypes=0)
-        self.rotary = (
-            RotaryEmbedding(head_dim, cfg.rotary_base, cfg.max_position_embeddings)
-            if cfg.position_embedding_type == "rotary"
-            else None
-        )
+        self.rotary = rotary_for(cfg)
         self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
         self.recompute_checkpoint = None  # and where such a chunk keeps its input
         self.layers = nn.ModuleList(TransformerBlock(cfg, causal=True) for _ in range(cfg.num_layers))
