@@ -298,3 +298,33 @@ def test_megatron_llama_command_line():
     assert values["model.norm"] == "rmsnorm" and values["model.position_embedding_type"] == "rotary"
     assert values["model.rope_scaling"] is True and values["model.rotary_base"] == 500000
     assert values["model.tie_word_embeddings"] is False
+
+
+def test_import_reads_a_hugging_face_llama_config(tmp_path, capsys):
+    hf = tmp_path / "llama"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, '
+        '"num_hidden_layers": 2, "num_key_value_heads": 2, "max_position_embeddings": 512, '
+        '"rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "vocab_size": 1024, '
+        '"hidden_act": "silu", "attention_bias": false, "mlp_bias": false}',
+        encoding="utf-8",
+    )
+    out = tmp_path / "c.yaml"
+    code, cap = _import(tmp_path, capsys, "--hf", str(hf / "config.json"), "-o", str(out))
+    assert code == 0, cap.err
+    m = load_config(str(out)).model
+    assert (m.type, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups) == (
+        "gpt",
+        2,
+        256,
+        8,
+        2,
+    )
+    assert (m.activation, m.add_bias_linear, m.norm, m.tie_word_embeddings) == (
+        "swiglu",
+        False,
+        "rmsnorm",
+        False,
+    )
+    assert m.ffn_hidden_size == 688 and m.position_embedding_type == "rotary"

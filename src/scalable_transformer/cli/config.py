@@ -65,6 +65,7 @@ class ImportOptions:
             from_log=path(args.from_log),
             neox=path(args.neox),
             base=args.base,
+            hf_model=None if args.hf is None else _hf_model(Path(args.hf)),
         )
         return cls(sources, Path(args.output), args.force)
 
@@ -92,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     megatron.add_argument("--megatron-args-file", metavar="SCRIPT", help="a shell script running Megatron")
     megatron.add_argument("--from-log", metavar="LOG", help="a Megatron log (its argument dump)")
     imp.add_argument("--neox", metavar="YAML", help="a GPT-NeoX config")
+    imp.add_argument(
+        "--hf",
+        metavar="CONFIG_JSON",
+        help="a Hugging Face model's config.json (or its directory): its shape (stx config from-hf also "
+        "starts from its weights)",
+    )
     imp.add_argument("--base", metavar="PRESET", help="a preset (or YAML) the written config extends")
     imp.add_argument("-o", "--output", metavar="FILE", help="the config file to write")
     imp.add_argument("--force", action="store_true", help="replace FILE if it exists")
@@ -140,6 +147,14 @@ def run(args: argparse.Namespace) -> int:
             f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp})"
         )
     return 0
+
+
+def _hf_model(path: Path) -> tuple[str, dict[str, Any]]:
+    """(config.json's path, the model.* settings of the Hugging Face model it describes)."""
+    from ..checkpoint.hf_import import model_overrides_from_hf
+
+    hf_dir = path.parent if path.is_file() else path
+    return str(hf_dir / "config.json"), model_overrides_from_hf(hf_dir)
 
 
 def config_from_hf(hf_dir: Path) -> dict[str, Any]:

@@ -76,6 +76,9 @@ class ImportSources:
     from_log: Path | None = None
     neox: Path | None = None
     base: str | None = None
+    # a Hugging Face model's shape: (its config.json, the model.* settings read from it by the caller,
+    # checkpoint/hf_import.py `model_overrides_from_hf`)
+    hf_model: tuple[str, dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,12 +299,15 @@ def import_configs(sources: ImportSources) -> Imported:
     megatron = [s for s in (sources.megatron_args, sources.megatron_args_file, sources.from_log) if s]
     if len(megatron) > 1:
         raise ConfigError("give one Megatron source: --megatron-args, --megatron-args-file or --from-log")
-    if not (megatron or sources.deepspeed or sources.neox):
+    if not (megatron or sources.deepspeed or sources.neox or sources.hf_model):
         raise ConfigError(
-            "nothing to import: give --deepspeed, --neox and/or one of --megatron-args, "
+            "nothing to import: give --deepspeed, --neox, --hf and/or one of --megatron-args, "
             "--megatron-args-file, --from-log"
         )
     result = Imported()
+    if sources.hf_model is not None:
+        name, model = sources.hf_model
+        _add(result, {"model": model}, name)
     if sources.deepspeed is not None:
         _add(result, read_deepspeed_json(sources.deepspeed), str(sources.deepspeed))
     if sources.neox is not None:
