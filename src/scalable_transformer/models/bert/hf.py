@@ -13,29 +13,15 @@ import torch
 
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
+from scalable_transformer.models.hf_shape import Needs, classic_block, mismatches
 from scalable_transformer.models.layers import padded_vocab_size
 
 
 def _bert_shape_unsupported(cfg: ModelConfig) -> list[str]:
     """What neither BertForPreTraining nor MegatronBertForPreTraining can hold."""
-    reasons = []
-    if cfg.position_embedding_type != "learned":
-        reasons.append(
-            f"model.position_embedding_type = {cfg.position_embedding_type} (BERT learns positions)"
-        )
-    if cfg.norm != "layernorm":
-        reasons.append(f"model.norm = {cfg.norm} (BERT uses LayerNorm)")
-    if cfg.activation not in ("gelu", "openai-gelu"):
-        reasons.append(f"model.activation = {cfg.activation} (BERT has an ungated MLP)")
-    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
-        reasons.append(
-            f"model.num_query_groups = {cfg.num_query_groups} (BERT has one key/value head per head)"
-        )
-    if not cfg.add_bias_linear:
-        reasons.append("model.add_bias_linear = false (BERT's linear layers have biases)")
-    if not cfg.tie_word_embeddings:
-        reasons.append("model.tie_word_embeddings = false (BERT ties its decoder)")
-    return reasons
+    needs = classic_block("BERT", "learned", "linear layers have")
+    needs.append(Needs("tie_word_embeddings", (True,), "BERT ties its decoder"))
+    return mismatches(cfg, needs, one_kv_head_per_head="BERT")
 
 
 def bert_unsupported(cfg: ModelConfig) -> list[str]:

@@ -14,31 +14,14 @@ import torch
 
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
+from scalable_transformer.models.hf_shape import GPT, Needs, classic_block, mismatches, pre_ln
 from scalable_transformer.models.layers import padded_vocab_size
 
 
 def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no GPT2LMHeadModel equivalent (empty: it has one)."""
-    reasons = []
-    if cfg.type != "gpt":
-        reasons.append(f"model.type = {cfg.type}")
-    if cfg.position_embedding_type != "learned":
-        reasons.append(
-            f"model.position_embedding_type = {cfg.position_embedding_type} (GPT-2 learns positions)"
-        )
-    if cfg.norm != "layernorm":
-        reasons.append(f"model.norm = {cfg.norm} (GPT-2 uses LayerNorm)")
-    if cfg.activation not in ("gelu", "openai-gelu"):
-        reasons.append(f"model.activation = {cfg.activation} (GPT-2 has an ungated MLP)")
-    if cfg.apply_residual_connection_post_layernorm:
-        reasons.append("model.apply_residual_connection_post_layernorm = true (GPT-2 is pre-LN)")
-    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
-        reasons.append(
-            f"model.num_query_groups = {cfg.num_query_groups} (GPT-2 has one key/value head per head)"
-        )
-    if not cfg.add_bias_linear:
-        reasons.append("model.add_bias_linear = false (GPT-2's linear layers have biases)")
-    return reasons
+    needs = [GPT, *classic_block("GPT-2", "learned", "linear layers have"), pre_ln("GPT-2")]
+    return mismatches(cfg, needs, one_kv_head_per_head="GPT-2")
 
 
 def to_gpt2(model: torch.nn.Module, cfg: ModelConfig) -> Any:
@@ -130,18 +113,14 @@ def overrides_from_hf(hf: Any) -> dict[str, Any]:
 
 def llama_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no LlamaForCausalLM equivalent (empty: it has one)."""
-    reasons = []
-    if cfg.type != "gpt":
-        reasons.append(f"model.type = {cfg.type}")
-    if cfg.position_embedding_type != "rotary":
-        reasons.append(f"model.position_embedding_type = {cfg.position_embedding_type} (Llama uses rotary)")
-    if cfg.norm != "rmsnorm":
-        reasons.append(f"model.norm = {cfg.norm} (Llama uses RMSNorm)")
-    if cfg.activation != "swiglu":
-        reasons.append(f"model.activation = {cfg.activation} (Llama's MLP is SwiGLU)")
-    if cfg.apply_residual_connection_post_layernorm:
-        reasons.append("model.apply_residual_connection_post_layernorm = true (Llama is pre-LN)")
-    return reasons
+    needs = [
+        GPT,
+        Needs("position_embedding_type", ("rotary",), "Llama uses rotary"),
+        Needs("norm", ("rmsnorm",), "Llama uses RMSNorm"),
+        Needs("activation", ("swiglu",), "Llama's MLP is SwiGLU"),
+        pre_ln("Llama"),
+    ]
+    return mismatches(cfg, needs)
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
@@ -302,28 +281,9 @@ def overrides_from_llama(hf: Any) -> dict[str, Any]:
 
 def neox_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no GPTNeoXForCausalLM equivalent (empty: it has one)."""
-    reasons = []
-    if cfg.type != "gpt":
-        reasons.append(f"model.type = {cfg.type}")
-    if cfg.position_embedding_type != "rotary":
-        reasons.append(
-            f"model.position_embedding_type = {cfg.position_embedding_type} (GPT-NeoX uses rotary)"
-        )
-    if cfg.norm != "layernorm":
-        reasons.append(f"model.norm = {cfg.norm} (GPT-NeoX uses LayerNorm)")
-    if cfg.activation not in ("gelu", "openai-gelu"):
-        reasons.append(f"model.activation = {cfg.activation} (GPT-NeoX has an ungated MLP)")
-    if cfg.apply_residual_connection_post_layernorm:
-        reasons.append("model.apply_residual_connection_post_layernorm = true (GPT-NeoX is pre-LN)")
-    if (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
-        reasons.append(
-            f"model.num_query_groups = {cfg.num_query_groups} (GPT-NeoX has one key/value head per head)"
-        )
-    if not cfg.add_bias_linear:
-        reasons.append("model.add_bias_linear = false (GPT-NeoX's MLP has biases)")
-    if cfg.rope_scaling:
-        reasons.append("model.rope_scaling = true (GPT-NeoX has no Llama 3.1 scaling)")
-    return reasons
+    needs = [GPT, *classic_block("GPT-NeoX", "rotary", "MLP has"), pre_ln("GPT-NeoX")]
+    needs.append(Needs("rope_scaling", (False,), "GPT-NeoX has no Llama 3.1 scaling"))
+    return mismatches(cfg, needs, one_kv_head_per_head="GPT-NeoX")
 
 
 def to_neox(model: torch.nn.Module, cfg: ModelConfig) -> Any:

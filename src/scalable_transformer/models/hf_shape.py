@@ -1,0 +1,61 @@
+"""What keeps a model from a Hugging Face architecture: its settings against the ones the class holds.
+
+Each family's hf.py states, per architecture, the values it needs (`Needs`); `mismatches` names every
+setting of a config outside them, in the form `stx config validate` and `stx export` print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from scalable_transformer.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class Needs:
+    """One setting an architecture needs: `key` (a ModelConfig field) must be one of `values`; `why`
+    says what the architecture has instead."""
+
+    key: str
+    values: tuple[Any, ...]
+    why: str = ""
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def mismatches(cfg: ModelConfig, needs: list[Needs], one_kv_head_per_head: str | None = None) -> list[str]:
+    """`model.KEY = VALUE (why)` for each need cfg misses. one_kv_head_per_head: the architecture's
+    name when it has no grouped-query attention (num_query_groups must equal the heads)."""
+    reasons = []
+    for need in needs:
+        value = getattr(cfg, need.key)
+        if value not in need.values:
+            reasons.append(f"model.{need.key} = {_shown(value)}" + (f" ({need.why})" if need.why else ""))
+    if one_kv_head_per_head and (cfg.num_query_groups or cfg.num_attention_heads) != cfg.num_attention_heads:
+        reasons.append(
+            f"model.num_query_groups = {cfg.num_query_groups} "
+            f"({one_kv_head_per_head} has one key/value head per head)"
+        )
+    return reasons
+
+
+def classic_block(name: str, positions: str, biases: str) -> list[Needs]:
+    """The needs of a GPT-2/BERT/NeoX-style block: LayerNorm, an ungated GELU MLP, linear biases;
+    positions 'learned' or 'rotary'."""
+    how = "learns positions" if positions == "learned" else f"uses {positions}"
+    return [
+        Needs("position_embedding_type", (positions,), f"{name} {how}"),
+        Needs("norm", ("layernorm",), f"{name} uses LayerNorm"),
+        Needs("activation", ("gelu", "openai-gelu"), f"{name} has an ungated MLP"),
+        Needs("add_bias_linear", (True,), f"{name}'s {biases} biases"),
+    ]
+
+
+GPT = Needs("type", ("gpt",))
+
+
+def pre_ln(name: str) -> Needs:
+    return Needs("apply_residual_connection_post_layernorm", (False,), f"{name} is pre-LN")
