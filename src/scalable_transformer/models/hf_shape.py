@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,9 @@ GPT = Needs("type", ("gpt",))
 
 def pre_ln(name: str) -> Needs:
     return Needs("apply_residual_connection_post_layernorm", (False,), f"{name} is pre-LN")
+
+
+def refuse(reasons: list[str], name: str = "Hugging Face") -> None:
+    """Raise the export's error when `reasons` (from a `*_unsupported` checker) is not empty."""
+    if reasons:
+        raise CheckpointError(f"no {name} equivalent for this model: " + "; ".join(reasons))

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from scalable_transformer.config.schema import ModelConfig
-from scalable_transformer.errors import CheckpointError
-from scalable_transformer.models.hf_shape import Needs, classic_block, mismatches
+from scalable_transformer.models.hf_shape import Needs, classic_block, mismatches, refuse
 from scalable_transformer.models.layers import padded_vocab_size
 
 
@@ -56,9 +55,7 @@ def to_megatron_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
 def _to_hf(model: torch.nn.Module, cfg: ModelConfig, pre_ln: bool) -> Any:
     import transformers
 
-    reasons = megatron_bert_unsupported(cfg) if pre_ln else bert_unsupported(cfg)
-    if reasons:
-        raise CheckpointError("no Hugging Face equivalent for this model: " + "; ".join(reasons))
+    refuse(megatron_bert_unsupported(cfg) if pre_ln else bert_unsupported(cfg))
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
     h, n = cfg.hidden_size, cfg.num_attention_heads
     d = h // n

@@ -14,7 +14,7 @@ import torch
 
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
-from scalable_transformer.models.hf_shape import GPT, Needs, classic_block, mismatches, pre_ln
+from scalable_transformer.models.hf_shape import GPT, Needs, classic_block, mismatches, pre_ln, refuse
 from scalable_transformer.models.layers import padded_vocab_size
 
 
@@ -28,9 +28,7 @@ def to_gpt2(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers GPT2LMHeadModel holding `model`'s weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    reasons = gpt2_unsupported(cfg)
-    if reasons:
-        raise CheckpointError("no Hugging Face equivalent for this model: " + "; ".join(reasons))
+    refuse(gpt2_unsupported(cfg))
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
     h, n = cfg.hidden_size, cfg.num_attention_heads
     d = h // n
@@ -146,9 +144,7 @@ def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers LlamaForCausalLM holding `model`'s weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    reasons = llama_unsupported(cfg)
-    if reasons:
-        raise CheckpointError("no LlamaForCausalLM equivalent for this model: " + "; ".join(reasons))
+    refuse(llama_unsupported(cfg), "LlamaForCausalLM")
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
     assert cfg.ffn_hidden_size is not None
     h, n = cfg.hidden_size, cfg.num_attention_heads
@@ -290,9 +286,7 @@ def to_neox(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers GPTNeoXForCausalLM holding `model`'s weights."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    reasons = neox_unsupported(cfg)
-    if reasons:
-        raise CheckpointError("no GPTNeoXForCausalLM equivalent for this model: " + "; ".join(reasons))
+    refuse(neox_unsupported(cfg), "GPTNeoXForCausalLM")
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
     assert cfg.ffn_hidden_size is not None
     hf_cfg = GPTNeoXConfig(
