@@ -42,7 +42,12 @@ from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.plan.dry_run import saved_bytes_per_layer
 from scalable_transformer.plan.hardware import table_cluster
-from scalable_transformer.plan.memory import activation_model, korthikanti, layer_activation_bytes
+from scalable_transformer.plan.memory import (
+    activation_model,
+    kept_input_fraction,
+    korthikanti,
+    layer_activation_bytes,
+)
 from scalable_transformer.plan.search import predict, prepare
 
 GIB, MIB = 2**30, 2**20
@@ -275,8 +280,7 @@ def layers_section() -> list[str]:
                 mb, m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, p.tp,
                 p.sequence_parallel, recompute, activation_model(cfg, "cuda"),
             )  # fmt: skip
-            if recompute == "full" and p.distribute_saved_activations:
-                adapted /= p.tp
+            adapted *= kept_input_fraction(cfg, "cuda")
             if recompute == "full":
                 paper = (
                     2 * mb * m.seq_length * m.hidden_size / (p.tp if p.distribute_saved_activations else 1)

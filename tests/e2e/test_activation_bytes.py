@@ -10,7 +10,7 @@ import pytest
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.plan.dry_run import saved_bytes_per_layer
-from scalable_transformer.plan.memory import activation_model, layer_activation_bytes
+from scalable_transformer.plan.memory import activation_model, kept_input_fraction, layer_activation_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,7 @@ def model_bytes(cfg, device: str) -> float:
         m.ffn_hidden_size, p.tp, p.sequence_parallel, p.activation_checkpointing,
         activation_model(cfg, device),
     )  # fmt: skip
-    distributed = p.activation_checkpointing == "full" and p.distribute_saved_activations
-    return base / p.tp if distributed else base
+    return base * kept_input_fraction(cfg, device)  # 1 unless full recompute keeps less of the input
 
 
 @pytest.mark.parametrize("name", list(CASES))

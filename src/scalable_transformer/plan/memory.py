@@ -8,7 +8,6 @@ t tensor-parallel size, e bytes of a saved activation element, P parameters held
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..config.model_shapes import StageParams, gated_mlp, qkv_width, query_groups, stage_params, vocab
@@ -370,26 +369,20 @@ def kept_input_fraction(cfg: Config, device_kind: str) -> float:
 
 
 def host_checkpoint_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str) -> float:
-    """Host bytes of the checkpointed layer inputs under cpu_checkpointing on a GPU (per device)."""
-    p = cfg.parallel
+    """Host bytes of the checkpointed layer inputs under cpu_checkpointing on a GPU (per device), for the
+    rank's in-flight micro-batches: whole, or 1/tp with distribute_saved_activations."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
     if p.activation_checkpointing != "full" or not p.cpu_checkpointing or device_kind == "cpu":
         return 0.0
-    on_device = dataclasses.replace(cfg, parallel=dataclasses.replace(p, cpu_checkpointing=False))
-    return layer_input_bytes(on_device, sp_, pp_rank, device_kind)
-
-
-def layer_input_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str) -> float:
-    """Device bytes of the layer inputs full recompute keeps, for the rank's in-flight micro-batches."""
-    mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    am = activation_model(cfg, device_kind)
     seq_shard = p.tp if p.sequence_parallel else 1
-    per_layer = am.residual_bytes * t.micro_batch_size * mc.seq_length * mc.hidden_size / seq_shard
+    sliced = seq_shard * (p.tp if p.distribute_saved_activations else 1)
+    bsh = t.micro_batch_size * mc.seq_length * mc.hidden_size
+    per_layer = activation_model(cfg, device_kind).residual_bytes * bsh / sliced
     inflight = inflight_microbatches(
         p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank
     )
-    chunks = sp_.layers / p.checkpoint_num_layers
-    return per_layer * kept_input_fraction(cfg, device_kind) * chunks * inflight
+    return per_layer * sp_.layers / p.checkpoint_num_layers * inflight
 
 
 def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
