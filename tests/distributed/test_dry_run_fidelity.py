@@ -6,7 +6,6 @@ tracker fails under FSDP2's hooks in 2.13)."""
 
 from __future__ import annotations
 
-import io
 import os
 
 import pytest
@@ -45,35 +44,10 @@ DATA_DEPENDENT = {"dp2-tp2-zero2": {("tp", "all_gather")}}
 
 def _real(rank: int, world: int, run_dir: str, base: str, overrides: list[str]):
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(rank)
-    from rich.console import Console
+    from observe import observed_run
 
-    from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.dry_run import _group_names
-    from scalable_transformer.plan.dry_run_trace import DryRunTrace
-    from scalable_transformer.train.run import run_training
-    from scalable_transformer.train.trainer import Callback
-
-    class FirstStep(Callback):
-        """The dry run's observer on the real step 1 (real tensors: it records, nothing is faked)."""
-
-        def __init__(self) -> None:
-            self.trace: DryRunTrace | None = None
-
-        def on_step_start(self, trainer) -> None:
-            if trainer.iteration == 0:
-                self.trace = DryRunTrace(_group_names(trainer.dims), backend="gloo", device_type="cpu")
-                self.trace.step = 1
-                self.trace.__enter__()
-
-        def on_step_end(self, trainer, result) -> None:
-            if trainer.iteration == 1 and self.trace is not None:
-                self.trace.__exit__(None, None, None)
-
-    observer = FirstStep()
-    cfg = load_config(base, [*COMMON, *overrides, f"logging.run_dir={run_dir}"])
-    _, summary = run_training(cfg, Console(file=io.StringIO()), callbacks=[observer])
-    assert observer.trace is not None
-    calls = sorted((c.group, c.kind, c.bytes) for c in observer.trace.collectives)
+    trace, summary = observed_run(base, [*COMMON, *overrides, f"logging.run_dir={run_dir}"])
+    calls = sorted((c.group, c.kind, c.bytes) for c in trace.collectives)
     return {"peaks": summary["peak_tensor_bytes_per_rank"], "calls": calls}
 
 

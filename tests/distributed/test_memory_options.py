@@ -9,7 +9,6 @@ test_equivalence.py; their step-time cost is measured in benchmarks/memory_at_sc
 
 from __future__ import annotations
 
-import io
 import os
 
 import pytest
@@ -53,34 +52,10 @@ PEAK_CASES = {
 
 
 def _run(run_dir: str, overrides: list[str]) -> dict[str, int]:
-    from rich.console import Console
+    from observe import observed_run
 
-    from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.dry_run import _group_names
-    from scalable_transformer.plan.dry_run_trace import DryRunTrace
-    from scalable_transformer.train.run import run_training
-    from scalable_transformer.train.trainer import Callback
-
-    class FirstStep(Callback):
-        def __init__(self) -> None:
-            self.trace: DryRunTrace | None = None
-
-        def on_step_start(self, trainer) -> None:
-            if trainer.iteration == 0:
-                self.trace = DryRunTrace(_group_names(trainer.dims), backend="gloo", device_type="cpu")
-                self.trace.phase = "forward-compute"
-                self.trace.adopt(list(trainer.model.parameters()), "parameters")
-                self.trace.__enter__()
-
-        def on_step_end(self, trainer, result) -> None:
-            if trainer.iteration == 1 and self.trace is not None:
-                self.trace.__exit__(None, None, None)
-
-    observer = FirstStep()
-    cfg = load_config("tiny-gpt", [*COMMON, *overrides, f"logging.run_dir={run_dir}"])
-    _, summary = run_training(cfg, Console(file=io.StringIO()), callbacks=[observer])
-    assert observer.trace is not None
-    return {"saved": observer.trace.saved_for_backward(), "peak": max(summary["peak_tensor_bytes_per_rank"])}
+    trace, summary = observed_run("tiny-gpt", [*COMMON, *overrides, f"logging.run_dir={run_dir}"])
+    return {"saved": trace.saved_for_backward(), "peak": max(summary["peak_tensor_bytes_per_rank"])}
 
 
 def _all(rank: int, world: int, root: str) -> dict[str, dict[str, int]]:
