@@ -8,12 +8,16 @@ the top-level parser, and the error handling and exit codes common to every comm
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import os
 import signal
 import sys
 import threading
 import warnings
+from collections.abc import Callable
+from typing import NoReturn
 
 from . import (
     checkpoint,
@@ -101,6 +105,41 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("always", category=StxWarning)
         warnings.showwarning = _show_warning
         return _main(argv)
+
+
+def entry(run: Callable[[], int | None] | None = None) -> NoReturn:
+    """The `stx` executable (and `python -m scalable_transformer.cli`): `main`, then exit with its status.
+
+    A process that started a process group finishes Python's own shutdown here (non-daemon threads
+    joined, cycles collected, atexit callbacks run, stdout/stderr flushed) and then leaves with
+    `os._exit`, skipping only the interpreter's module teardown and C++ static destructors, which
+    abort on the torch backend threads still alive then (see
+    `parallel.distributed.native_threads_may_outlive_python`). Other commands exit as usual.
+    """
+    code: str | int | None
+    try:
+        code = (run or main)()
+    except SystemExit as e:  # argparse's usage errors and --help
+        code = e.code
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    status = 0 if code is None else int(code)
+    distributed = sys.modules.get("scalable_transformer.parallel.distributed")
+    if distributed is None or not distributed.native_threads_may_outlive_python():
+        sys.exit(status)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    gc.collect()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe must not change the exit status
+            stream.flush()
+    os._exit(status)
 
 
 class Terminated(KeyboardInterrupt):

@@ -24,6 +24,20 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+# Set once this process has started a process group: its backend's native threads may outlive
+# destroy_process_group (see `native_threads_may_outlive_python`).
+_started = False
+
+
+def native_threads_may_outlive_python() -> bool:
+    """True once this process created a process group. Measured with torch 2.13 on gloo: after a
+    functional collective (FSDP2, DTensor) the group's worker threads ("pt_gloo_runloop",
+    "gloo_tcp_loop") are still running after destroy_process_group, so the interpreter's teardown
+    destroys them from C++ static destructors, which aborted a finished rank at exit ("terminate
+    called without an active exception") - a run that had trained and saved everything, failed."""
+    return _started
+
+
 def init_distributed(device: torch.device, timeout_minutes: float, *, needed: bool) -> bool:
     """Join (or create) the default process group; returns True when this call created it.
 
@@ -34,6 +48,8 @@ def init_distributed(device: torch.device, timeout_minutes: float, *, needed: bo
     world = env_world_size()
     if world == 1 and not needed:
         return False
+    global _started
+    _started = True
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     timeout = dt.timedelta(minutes=timeout_minutes)
     if device.type == "cuda":
