@@ -1,8 +1,12 @@
 """Test-only fault injection: `stx train` with callbacks that fail on purpose.
 
-    python tests/faults.py [--fail-at RANK:ITER] [--exit-in-save ITER] train [CONFIG] [key=value ...]
+    python tests/faults.py [--fail-at RANK:ITER] [--signal-at RANK:ITER:SIGNAL] [--nonfinite-at ITER]
+                           [--exit-in-save ITER] train [CONFIG] [key=value ...]
 
 --fail-at: that rank raises at the start of that (1-based) iteration (the launcher's crash tests).
+--signal-at: that rank sends itself that signal (SIGUSR1, SIGTERM) at the start of that iteration.
+--nonfinite-at ITER: that iteration's loss and gradients are nan on every rank (the model's output
+is multiplied by nan in its forward).
 --exit-in-save: rank 0 exits with status 17 inside that iteration's save, after every shard is
 written and before the checkpoint is published (the resume tests' kill during a save).
 
@@ -14,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-from scalable_transformer.config.load import load_config
-from scalable_transformer.train.run import run_training
+from scalable_transformer.cli import entry
+from scalable_transformer.cli import main as cli_main
 from scalable_transformer.train.trainer import Callback, Trainer
 
 
@@ -28,6 +33,33 @@ class FailAt(Callback):
     def on_step_start(self, trainer: Trainer) -> None:
         if trainer.dims.rank == self.rank and trainer.iteration + 1 == self.iteration:
             raise RuntimeError(f"injected failure on rank {self.rank} at iteration {self.iteration}")
+
+
+class SignalAt(Callback):
+    def __init__(self, rank: int, iteration: int, signum: int) -> None:
+        self.rank, self.iteration, self.signum = rank, iteration, signum
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        if trainer.dims.rank == self.rank and trainer.iteration + 1 == self.iteration:
+            os.kill(os.getpid(), self.signum)
+
+
+class NonFiniteAt(Callback):
+    """Multiplies the model's output by nan in the forward of that (1-based) iteration only, on every
+    rank: that step's loss and gradients are nan, the weights before it are untouched."""
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.hook = None
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        if trainer.iteration + 1 == self.iteration:
+            self.hook = trainer.model.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+    def on_step_end(self, trainer: Trainer, result: object) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
 
 
 class ExitInSave(Callback):
@@ -43,6 +75,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fail-at", help="RANK:ITERATION")
     parser.add_argument("--exit-in-save", type=int, help="ITERATION")
+    parser.add_argument("--nonfinite-at", type=int, help="ITERATION")
+    parser.add_argument("--signal-at", help="RANK:ITERATION:SIGNAL")
     parser.add_argument("command", choices=["train"])
     parser.add_argument("items", nargs="*")
     args = parser.parse_args(argv)
@@ -50,16 +84,27 @@ def main(argv: list[str]) -> int:
     if args.fail_at:
         rank, iteration = (int(x) for x in args.fail_at.split(":"))
         callbacks.append(FailAt(rank, iteration))
+    if args.signal_at:
+        rank, iteration, name = args.signal_at.split(":")
+        callbacks.append(SignalAt(int(rank), int(iteration), signal.Signals[name].value))
+    if args.nonfinite_at is not None:
+        callbacks.append(NonFiniteAt(args.nonfinite_at))
     if args.exit_in_save is not None:
         callbacks.append(ExitInSave(args.exit_in_save))
-    items = args.items
-    spec, overrides = (items[0], items[1:]) if items and "=" not in items[0] else (None, items)
-    run_training(load_config(spec, overrides), callbacks=callbacks)
-    return 0
+    # The command runs as `stx train` does (the CLI's error messages, exit statuses and exit path),
+    # with the callbacks added to the trainer's.
+    import scalable_transformer.train.run as run_module
+
+    def with_faults(cfg, console=None, callbacks=()):
+        return original(cfg, console, [*callbacks, *injected])
+
+    original, injected = run_module.run_training, callbacks
+    run_module.run_training = with_faults
+    return cli_main(["train", *args.items])
 
 
 if __name__ == "__main__":
     # as `stx launch` runs ranks: an uncaught exception goes to torchelastic's error file
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)(sys.argv[1:]))
+    entry(record(lambda: main(sys.argv[1:])))

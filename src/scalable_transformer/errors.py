@@ -62,3 +62,7 @@ class ConfigWarning(StxWarning):
 class LaunchError(StxError):
     """A job that cannot be started as asked: a scheduler environment with a variable missing, a bad
     hostfile, a scheduler command that refused the job; the message says what to set or change."""
+
+
+class NonFiniteError(StxError):
+    """Training stopped on a non-finite loss or gradient norm (train.on_nonfinite); names the step."""

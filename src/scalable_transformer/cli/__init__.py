@@ -152,7 +152,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def _main(argv: list[str] | None) -> int:
-    from ..errors import CheckpointError, ConfigError, StxError
+    from ..errors import CheckpointError, ConfigError, NonFiniteError, StxError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -174,6 +174,9 @@ def _main(argv: list[str] | None) -> int:
     except CheckpointError as e:
         print(f"stx: checkpoint error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # training diverged: not bad input, and not a crash either
+        print(f"stx: stopped: {e}", file=sys.stderr)
+        return 3
     except StxError as e:  # bad input with a message that says what to change: no traceback hint
         print(f"stx: error: {e}", file=sys.stderr)
         return 2

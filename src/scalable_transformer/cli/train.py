@@ -40,10 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config.load import load_config
     from ..parallel.cluster_env import apply as apply_cluster_env
+    from ..train.resilience import exit_status
     from ..train.run import run_training
 
     opts = TrainOptions.from_args(args)
     # Started by srun / mpiexec rather than torchrun: RANK, WORLD_SIZE... from their variables.
     apply_cluster_env()
-    run_training(load_config(opts.config, list(opts.overrides)))
-    return 0
+    _, summary = run_training(load_config(opts.config, list(opts.overrides)))
+    return exit_status(summary)

@@ -431,6 +431,39 @@ class TrainConfig:
     exit_interval: int | None = opt(
         None, "Stop after an iteration divisible by this.", aliases=("exit-interval",)
     )
+    on_nonfinite: str = opt(
+        "stop",
+        "bf16/fp32: what a step whose loss or gradient norm is inf/nan does: stop (the run ends naming "
+        "the step, before the update; the last good checkpoint stays the one checkpoint.load=auto picks) "
+        "or skip (no update, no schedule step, counted). fp16's loss scaler skips overflowing steps "
+        "either way.",
+        choices=("stop", "skip"),
+    )
+    max_skipped_steps: int = opt(
+        10,
+        "on_nonfinite=skip: the run stops once this many steps of this job were skipped as non-finite.",
+        ge=0,
+    )
+    loss_spike_factor: float = opt(
+        10.0,
+        "A step whose loss exceeds this factor times the median of the last 100 steps' losses is "
+        "logged as a loss spike (Megatron's spiky-loss check); 0 = off.",
+        ge=0,
+    )
+    stop_check_interval: int = opt(
+        1,
+        "Steps between the checks whether any rank caught SIGTERM/SIGUSR1 (then every rank stops after "
+        "the same step, saves and exits 75). Each check is one all-reduce of a host int over all ranks.",
+        gt=0,
+    )
+    hang_timeout_seconds: float | None = opt(
+        None,
+        "Watchdog: when no step completes on a rank for this long, every rank that can writes its "
+        "stacks into <run dir>/hang and the job exits non-zero naming the rank(s) that stopped "
+        "progressing. Default: 20x the median step time, bounded to 300-3600 s (before the first "
+        "steps: parallel.timeout_minutes); 0 = off.",
+        ge=0,
+    )
 
 
 @dataclass

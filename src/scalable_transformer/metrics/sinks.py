@@ -102,8 +102,11 @@ class ConsoleSink:
             f"HFU: {percent(r.get('hfu'))}",
             f"peak mem ({r.get('peak_memory_kind', 'allocated')}): {_fmt_bytes(r['peak_memory_bytes'])}",
         ]
-        if r.get("skipped_iterations"):
-            parts.append(f"skipped (overflow): {r['skipped_iterations']}")
+        nonfinite = r.get("nonfinite_iterations") or 0
+        if (r.get("skipped_iterations") or 0) > nonfinite:
+            parts.append(f"skipped (overflow): {r['skipped_iterations'] - nonfinite}")
+        if nonfinite:
+            parts.append(f"skipped (non-finite): {nonfinite}")
         if "loss_scale" in r:
             parts.append(f"loss scale: {r['loss_scale']:.1f}")
         timers = [f"{k.split('/', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("time_ms/")]

@@ -37,6 +37,7 @@ from ..parallel.distributed import env_world_size, init_distributed, shutdown_di
 from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
 from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
+from .resilience import stop_message
 from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
 from .trainer import STRAGGLER_MARGIN, Callback, Trainer, gather_floats
 
@@ -214,11 +215,16 @@ def _run(
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
+    summary["final_iteration"] = trainer.iteration
+    if history.stopped_by and cfg.checkpoint.save:
+        summary["resume_from"] = cfg.checkpoint.save
     if run_dir is None:
         return None, summary
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
     print_observations(console, summary, callbacks)
+    if history.stopped_by:
+        console.print(f"[bold yellow]{stop_message(summary, cfg.train.train_iters)}[/]")
     return run_dir, summary
 
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config.schema import ResolvedConfig
+from ..errors import StxWarning
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.memory import MemoryTracker, model_state_bytes
 from ..metrics.sinks import Sinks
@@ -28,6 +31,7 @@ from ..parallel.distributed import all_reduce_floats
 from ..parallel.grads import clip_grads, grad_norm, local
 from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
+from .resilience import LossSpikes, NonFiniteSteps, StopSignals
 
 Batch = dict[str, torch.Tensor]
 # Megatron's timer names. PHASES are disjoint: with the untimed rest (callbacks, the log record) they
@@ -57,9 +61,10 @@ STRAGGLER_MARGIN = 0.10  # a rank busier than the median of the ranks by more th
 class StepResult:
     loss: float
     grad_norm: float
-    skipped: bool
+    skipped: bool  # no update: an fp16 overflow or a non-finite bf16/fp32 step (train.on_nonfinite=skip)
     lr: float  # the learning rate this step's update used
     metrics: dict[str, float]
+    nonfinite: bool = False  # skipped because its loss or gradient norm was inf/nan (not an fp16 overflow)
 
 
 @dataclass
@@ -78,6 +83,9 @@ class History:
     # this rank's parameters / gradients / optimizer state after the first optimizer step (bytes)
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     skipped_iterations: int = 0
+    nonfinite_iterations: list[int] = field(default_factory=list)  # skipped as non-finite (on_nonfinite=skip)
+    loss_spikes: list[dict[str, float]] = field(default_factory=list)  # {iteration, loss, median}
+    stopped_by: str | None = None  # the signal that stopped the run early (StopSignals), after a checkpoint
     # iterations left out of the throughput statistics (profiled steps: the profiler slows them)
     excluded_iterations: set[int] = field(default_factory=set)
     # per log interval: the rank whose busy time (step minus communication waits) stood out, or None
@@ -168,6 +176,11 @@ class Trainer:
         self.dims = dims or ParallelDims(dp=1, tp=1, pp=1)
         self.pipeline = pipeline
         self.grad_norm_excluded: set[int] = pipeline.grad_norm_excluded() if pipeline is not None else set()
+        t = cfg.train
+        self.nonfinite = NonFiniteSteps(t.on_nonfinite, t.max_skipped_steps)
+        self.spikes = LossSpikes(t.loss_spike_factor)
+        world = dist.group.WORLD if dist.is_initialized() else None
+        self.stop_signals = StopSignals(world, t.stop_check_interval)
         self.callbacks = list(callbacks)
         self._sync = sync
         from ..parallel.comm import recorders
@@ -236,16 +249,22 @@ class Trainer:
                 found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
             with self.timers("optimizer-clip-main-grad"):
                 norm = float(grad_norm(params, exclude=self.grad_norm_excluded, pp_group=dims.pp_group))
-                if not found_inf:
+                # fp16's scaler decides its own skips; bf16/fp32 follow train.on_nonfinite (may raise)
+                nonfinite = not found_inf and self.nonfinite.check(self.iteration + 1, totals["loss"], norm)
+                if not found_inf and not nonfinite:
                     clip_grads(params, self.cfg.optim.clip_grad or math.inf, norm)
             lr = self.optimizer.param_groups[0]["lr"]
             # as Megatron and DeepSpeed: an overflowing fp16 step is skipped and does not advance the schedule
-            if not found_inf:
+            if not found_inf and not nonfinite:
                 with self.timers("optimizer-inner-step"):
                     self.optimizer.step()
                     self.scheduler.step()
             self.scaler.update(found_inf)
-        return StepResult(loss=totals.pop("loss"), grad_norm=norm, skipped=found_inf, lr=lr, metrics=totals)
+        skipped = found_inf or nonfinite
+        loss = totals.pop("loss")
+        return StepResult(
+            loss=loss, grad_norm=norm, skipped=skipped, lr=lr, metrics=totals, nonfinite=nonfinite
+        )
 
     def _backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), split into `backward-compute` and `all-grads-sync`: the time the training
@@ -300,11 +319,21 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> History:
+        """Train to train_iters, or until a stop signal (then `history.stopped_by` names it)."""
+        h = self.history
+        self.memory.reset_peak()
+        with self.stop_signals:
+            self._loop()
+        h.run_peak_memory_bytes = self.memory.run_peak().peak_allocated_bytes
+        for callback in self.callbacks:
+            callback.on_fit_end(self, h)
+        return h
+
+    def _loop(self) -> None:
         cfg, h = self.cfg, self.history
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
         interval = Interval(start=time.perf_counter())
         interval_first = self.iteration + 1
-        self.memory.reset_peak()
         while self.iteration < cfg.train.train_iters:
             for callback in self.callbacks:
                 callback.on_step_start(self)
@@ -316,13 +345,15 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += self.global_batch
             self.last_lr = result.lr
-            h.skipped_iterations += result.skipped
+            self._note_faults(result)
             if not h.model_state_bytes:  # the optimizer state exists from the first step on
                 h.model_state_bytes = model_state_bytes(self.model, self.optimizer)
             interval.add(result)
             interval.step_seconds += h.iteration_seconds[-1]
+            h.stopped_by = self.stop_signals.agreed(self.iteration)  # every rank stops after the same step
 
-            if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters:
+            at_log = self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters
+            if at_log or h.stopped_by:
                 record = self._train_record(interval)
                 for callback in self.callbacks:
                     callback.on_log(self, record)
@@ -351,12 +382,26 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self, result)
             interval.start += time.perf_counter() - outside
-            if cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0:
+            if h.stopped_by or (cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0):
                 break
-        h.run_peak_memory_bytes = self.memory.run_peak().peak_allocated_bytes
-        for callback in self.callbacks:
-            callback.on_fit_end(self, h)
-        return h
+
+    def _note_faults(self, result: StepResult) -> None:
+        """The finished step's skips, non-finite skip and loss spike, in the history (spikes also said)."""
+        h = self.history
+        h.skipped_iterations += result.skipped
+        if result.nonfinite:
+            h.nonfinite_iterations.append(self.iteration)
+        median = self.spikes.check(result.loss)
+        if median is None:
+            return
+        h.loss_spikes.append({"iteration": self.iteration, "loss": result.loss, "median": median})
+        if self.dims.is_main:
+            warnings.warn(
+                f"loss spike at iteration {self.iteration}: {result.loss:.4f} > "
+                f"{self.cfg.train.loss_spike_factor:g} x the median of the recent losses ({median:.4f})",
+                StxWarning,
+                stacklevel=1,
+            )
 
     # ------------------------------------------------------------------ Stateful (checkpoints)
 
@@ -390,6 +435,7 @@ class Trainer:
             "peak_memory_bytes": peak.peak_allocated_bytes,
             "peak_memory_kind": "allocated" if self.device.type == "cuda" else "rss",
             "skipped_iterations": interval.skipped,
+            "nonfinite_iterations": interval.nonfinite,
         }
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()
@@ -459,6 +505,7 @@ class Interval:
     start: float
     iterations: int = 0
     skipped: int = 0
+    nonfinite: int = 0  # of the skipped: non-finite bf16/fp32 steps (the others: fp16 overflows)
     sums: dict[str, float] = field(default_factory=dict)
     counted: int = 0  # non-skipped steps, the ones whose losses are averaged
     step_seconds: float = 0.0  # the interval's train_step times (batch generation included)
@@ -466,6 +513,7 @@ class Interval:
     def add(self, result: StepResult) -> None:
         self.iterations += 1
         self.skipped += result.skipped
+        self.nonfinite += result.nonfinite
         if result.skipped:
             return
         self.counted += 1

@@ -1,0 +1,121 @@
+"""Faults a run survives or ends cleanly (issue 25), as a user meets them through `stx train`:
+a stop signal on one rank (a time limit, a preemption) stops every rank after the same step with a
+checkpoint and exit status 75, and the resumed run's losses equal the uninterrupted run's bit for bit;
+a non-finite step stops the run naming it (the last good checkpoint is the one load=auto picks) or is
+skipped and counted. Faults come from tests/faults.py's callbacks (a real signal, a nan forward)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FAULTS = str(Path(__file__).parents[1] / "faults.py")
+ITERS = 10
+ARGS = [
+    "tiny-gpt",
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    f"train.train_iters={ITERS}",
+    "train.eval_interval=0",
+    "train.eval_iters=1",
+    "logging.log_interval=1",
+    "logging.tensorboard=false",
+    "logging.warmup_iters=0",
+]
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def train(
+    cwd: Path, faults: list[str], overrides: list[str], world: int = 1
+) -> list[subprocess.CompletedProcess]:
+    """`stx train` through tests/faults.py on `world` ranks started as srun starts them (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT per process, no launcher in between)."""
+    argv = [sys.executable, FAULTS, *faults, "train", *ARGS, *overrides]
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if world > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(
+            subprocess.Popen(
+                argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(argv, p.returncode, stdout, stderr))
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["iteration"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def test_a_stop_signal_on_one_rank_stops_all_after_one_step_and_resumes_bitwise(tmp_path: Path) -> None:
+    common = ["parallel.zero_stage=3", "checkpoint.save=ckpt", f"logging.run_dir={tmp_path / 'runs'}"]
+    full = train(tmp_path, [], [*common, "checkpoint.save=full-ckpt", "logging.run_name=full"], world=2)
+    assert [p.returncode for p in full] == [0, 0], full[0].stderr[-2000:] + full[1].stderr[-2000:]
+
+    # rank 1 alone catches SIGUSR1 at the start of iteration 4: both finish it, save, exit 75
+    stopped = train(tmp_path, ["--signal-at", "1:4:SIGUSR1"], [*common, "logging.run_name=part"], world=2)
+    assert [p.returncode for p in stopped] == [75, 75], stopped[0].stderr[-2000:] + stopped[1].stderr[-2000:]
+    assert "stopped by SIGUSR1 after iteration 4 of 10" in stopped[0].stdout
+    assert "checkpoint.load=auto" in stopped[0].stdout
+    assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
+    part = json.loads((tmp_path / "runs" / "part" / "summary.json").read_text())
+    assert part["stopped_by_signal"] == "SIGUSR1" and part["final_iteration"] == 4
+
+    resumed = train(tmp_path, [], [*common, "checkpoint.load=auto", "logging.run_name=rest"], world=2)
+    assert [p.returncode for p in resumed] == [0, 0], resumed[0].stderr[-2000:]
+    assert "continuing at iteration 4" in resumed[0].stdout
+    expected = losses(tmp_path / "runs" / "full")
+    got = {**losses(tmp_path / "runs" / "part"), **losses(tmp_path / "runs" / "rest")}
+    assert got == expected  # bit for bit: floats from JSON compare exactly
+
+
+def test_a_nonfinite_step_stops_the_run_naming_it_and_auto_resumes_from_the_last_good_save(
+    tmp_path: Path,
+) -> None:
+    common = ["checkpoint.save=ckpt", "checkpoint.save_interval=2", f"logging.run_dir={tmp_path}"]
+    (run,) = train(tmp_path, ["--nonfinite-at", "5"], [*common, "logging.run_name=nan"])
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert "stx: stopped: iteration 5: the loss is nan" in run.stderr
+    assert "train.on_nonfinite = stop" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+
+    (again,) = train(tmp_path, [], [*common, "checkpoint.load=auto", "logging.run_name=again"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "iter_0000004" in again.stdout and "continuing at iteration 4" in again.stdout
+
+
+def test_a_skipped_nonfinite_step_is_counted_and_the_run_finishes(tmp_path: Path) -> None:
+    overrides = ["train.on_nonfinite=skip", f"logging.run_dir={tmp_path}", "logging.run_name=skip"]
+    (run,) = train(tmp_path, ["--nonfinite-at", "5"], overrides)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert summary["nonfinite_skipped_iterations"] == [5]
+    assert summary["skipped_iterations"] == 1
+    assert "skipped (non-finite): 1" in run.stdout
+    after = losses(tmp_path / "skip")
+    assert all(v == v for i, v in after.items() if i != 5)  # no nan reached the weights

@@ -1,0 +1,61 @@
+"""The decisions of train/resilience.py on plain numbers: non-finite steps, loss spikes, exit statuses."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+
+from scalable_transformer.errors import NonFiniteError
+from scalable_transformer.train.resilience import (
+    EXIT_RESUMABLE,
+    LossSpikes,
+    NonFiniteSteps,
+    StopSignals,
+    exit_status,
+)
+
+
+def test_finite_steps_pass_and_stop_names_the_step_and_what_was_not_finite() -> None:
+    steps = NonFiniteSteps("stop", max_skipped=10)
+    assert steps.check(1, 2.5, 0.7) is False
+    with pytest.raises(NonFiniteError, match=r"iteration 7: the gradient norm is inf \(train.on_nonfinite"):
+        steps.check(7, 2.5, math.inf)
+    with pytest.raises(NonFiniteError, match="iteration 8: the loss is nan and the gradient norm is nan"):
+        steps.check(8, math.nan, math.nan)
+
+
+def test_skip_counts_and_stops_past_max_skipped_steps() -> None:
+    steps = NonFiniteSteps("skip", max_skipped=2)
+    assert steps.check(3, math.nan, 1.0) is True
+    assert steps.check(4, 1.0, math.inf) is True
+    assert steps.check(5, 1.0, 1.0) is False
+    with pytest.raises(NonFiniteError, match=r"3 steps skipped .*\[3, 4, 6\].*max_skipped_steps = 2"):
+        steps.check(6, math.nan, 1.0)
+
+
+def test_loss_spikes_against_the_running_median() -> None:
+    spikes = LossSpikes(factor=3.0, window=5, min_history=3)
+    assert [spikes.check(x) for x in (2.0, 2.2, 1.8)] == [None, None, None]  # too little history
+    assert spikes.check(6.5) == 2.0  # 6.5 > 3 x median(2.0, 2.2, 1.8)
+    assert spikes.check(math.nan) is None
+    assert LossSpikes(factor=0).check(1e9) is None  # off
+
+
+def test_exit_status_of_a_summary() -> None:
+    assert exit_status({"stopped_by_signal": None}) == 0
+    assert exit_status({"stopped_by_signal": "SIGUSR1", "resume_from": "ckpt"}) == EXIT_RESUMABLE
+    assert exit_status({"stopped_by_signal": "SIGTERM"}) == 128 + signal.SIGTERM  # nothing saved
+
+
+def test_stop_signals_are_caught_only_while_active_and_the_first_one_counts() -> None:
+    stop = StopSignals(world=None, check_interval=2)
+    before = signal.getsignal(signal.SIGUSR1)
+    with stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed(3) is None  # not a check iteration
+        assert stop.agreed(4) == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is before
