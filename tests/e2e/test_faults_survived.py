@@ -77,20 +77,36 @@ def test_a_stop_signal_on_one_rank_stops_all_after_one_step_and_resumes_bitwise(
     assert [p.returncode for p in full] == [0, 0], full[0].stderr[-2000:] + full[1].stderr[-2000:]
 
     # rank 1 alone catches SIGUSR1 at the start of iteration 4: both finish it, save, exit 75
-    stopped = train(tmp_path, ["--signal-at", "1:4:SIGUSR1"], [*common, "logging.run_name=part"], world=2)
+    stopped = train(tmp_path, ["--signal-at", "1:4:SIGUSR1"], [*common, "logging.run_name=run"], world=2)
     assert [p.returncode for p in stopped] == [75, 75], stopped[0].stderr[-2000:] + stopped[1].stderr[-2000:]
     assert "stopped by SIGUSR1 after iteration 4 of 10" in stopped[0].stdout
     assert "checkpoint.load=auto" in stopped[0].stdout
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
-    part = json.loads((tmp_path / "runs" / "part" / "summary.json").read_text())
+    run_dir = tmp_path / "runs" / "run"
+    part = json.loads((run_dir / "summary.json").read_text())
     assert part["stopped_by_signal"] == "SIGUSR1" and part["final_iteration"] == 4
 
-    resumed = train(tmp_path, [], [*common, "checkpoint.load=auto", "logging.run_name=rest"], world=2)
+    # the same command with load=auto continues the run in its directory: a second segment
+    resumed = train(tmp_path, [], [*common, "checkpoint.load=auto", "logging.run_name=run"], world=2)
     assert [p.returncode for p in resumed] == [0, 0], resumed[0].stderr[-2000:]
     assert "continuing at iteration 4" in resumed[0].stdout
-    expected = losses(tmp_path / "runs" / "full")
-    got = {**losses(tmp_path / "runs" / "part"), **losses(tmp_path / "runs" / "rest")}
-    assert got == expected  # bit for bit: floats from JSON compare exactly
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["full", "run"]
+    assert losses(run_dir) == losses(tmp_path / "runs" / "full")  # bit for bit: JSON floats compare exactly
+    summary = json.loads((run_dir / "summary.json").read_text())
+    spans = [(s["first_iteration"], s["last_iteration"], s["stopped_by"]) for s in summary["segments"]]
+    assert spans == [(1, 4, "SIGUSR1"), (5, 10, None)]
+    assert 0 < summary["goodput"] < 1
+
+    report = subprocess.run(
+        [sys.executable, "-m", "scalable_transformer.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stderr
+    assert "| 1 | - | 0 | 1-4 | SIGUSR1 |" in report.stdout
+    assert "| 2 | - | 0 | 5-10 | finished |" in report.stdout
+    assert "goodput: " in report.stdout
 
 
 def test_a_nonfinite_step_stops_the_run_naming_it_and_auto_resumes_from_the_last_good_save(

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from scalable_transformer.errors import NonFiniteError
+from scalable_transformer.train.outputs import with_segment
 from scalable_transformer.train.resilience import (
     EXIT_RESUMABLE,
     LossSpikes,
@@ -59,3 +60,29 @@ def test_stop_signals_are_caught_only_while_active_and_the_first_one_counts() ->
         assert stop.agreed(3) is None  # not a check iteration
         assert stop.agreed(4) == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def seg(first: int, last: int, start: str, end: str, wall: float, steps: float) -> dict:
+    return {
+        "first_iteration": first,
+        "last_iteration": last,
+        "started_at": f"2026-11-25T10:{start}+00:00",
+        "ended_at": f"2026-11-25T10:{end}+00:00",
+        "wall_seconds": wall,
+        "step_seconds": steps,
+    }
+
+
+def test_goodput_counts_queueing_overheads_and_redone_steps_as_lost() -> None:
+    # job 1 ran iterations 1-10 (steps 50 s of its 60 s) but crashed: its next job resumed at 9,
+    # so iterations 9-10 (10 s) were redone; 30 s of queueing between the jobs.
+    first = with_segment(None, seg(1, 10, "00:00.000", "01:00.000", 60.0, 50.0))
+    assert first["goodput"] == pytest.approx(50 / 60)
+    both = with_segment(first, seg(9, 20, "01:30.000", "02:30.000", 60.0, 48.0))
+    assert [s["first_iteration"] for s in both["segments"]] == [1, 9]
+    assert both["productive_step_seconds"] == pytest.approx(40 + 48)
+    assert both["run_wall_seconds"] == pytest.approx(150)
+    assert both["goodput"] == pytest.approx(88 / 150)
+    assert both["lost_seconds"] == pytest.approx(
+        {"between_segments": 30.0, "inside_segments": 22.0, "redone_steps": 10.0}
+    )

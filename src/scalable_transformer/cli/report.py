@@ -1,4 +1,5 @@
-"""`stx report`: tables and plots from a results store; `export` it; `import-log` Megatron/DeepSpeed logs.
+"""`stx report`: a run directory's segments and goodput; tables and plots from a results store; `export`
+it; `import-log` Megatron/DeepSpeed logs.
 
 The three forms have their own options (see REPORT_USAGE), so `stx report` takes the rest of the
 command line and parses it here.
@@ -12,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-REPORT_USAGE = """stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2] [--format md|csv|html]
+REPORT_USAGE = """stx report RUN_DIR
+       stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2] [--format md|csv|html]
                   [--output DIR] [--device-memory-gb G]
        stx report export STORE --format csv|parquet --output FILE
        stx report import-log FILE --format megatron|deepspeed [--store PATH] [--label L] [--devices N]"""
@@ -129,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
                     sub_args.seq_length,
                 )
             )
+        if Path(sub_args.store).is_dir():  # a run directory: its segments and goodput
+            from ..bench.run_report import segments_report
+
+            print(segments_report(Path(sub_args.store)), end="")
+            return 0
         return table(table_options(sub_args))
     except StoreError as e:
         print(f"stx report: error: {e}", file=sys.stderr)

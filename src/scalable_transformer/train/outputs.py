@@ -25,20 +25,32 @@ from .trainer import History
 SUBMITTED_MARKER = ".stx-submit"  # launch.batch.MARKER_NAME (launch sits above train)
 
 
-def make_run_dir(cfg: ResolvedConfig) -> Path:
-    """A new directory under logging.run_dir; an existing run is never overwritten. The one
-    existing directory used as it is: one `stx submit` prepared for this run (its batch script and
-    `.stx-submit` marker, no config.yaml yet)."""
+def make_run_dir(cfg: ResolvedConfig, continuing: bool = False) -> Path:
+    """A new directory under logging.run_dir; an existing run is never overwritten. Existing
+    directories used as they are: one `stx submit` prepared for this run (its batch script and
+    `.stx-submit` marker, no config.yaml yet), and, when `continuing` (the run resumes from a
+    checkpoint), the run named by logging.run_name: its next segment (metrics appended)."""
     name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     parent = Path(cfg.logging.run_dir)
     path, n = parent / name, 1
     if (path / SUBMITTED_MARKER).is_file() and not (path / "config.yaml").exists():
+        return path
+    if continuing and cfg.logging.run_name and (path / "config.yaml").is_file():
         return path
     while path.exists():
         n += 1
         path = parent / f"{name}-{n}"
     path.mkdir(parents=True)
     return path
+
+
+def read_previous_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary.json a continued run directory holds from its earlier segments (None: none, or
+    unreadable: then this segment starts the list again rather than failing the run)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -56,9 +68,10 @@ def pipeline_bubble(cfg: ResolvedConfig) -> float | None:
     return bubble(p.pp, p.virtual_pipeline_stages, cfg.train.gradient_accumulation_steps)
 
 
-def open_run_dir(cfg: ResolvedConfig, console: Console) -> tuple[Path, list[Sink]]:
-    """Create the run directory with config.yaml and env.json, and the sinks that log into it."""
-    run_dir = make_run_dir(cfg)
+def open_run_dir(cfg: ResolvedConfig, console: Console, continuing: bool = False) -> tuple[Path, list[Sink]]:
+    """Create (or, `continuing`, reopen: see make_run_dir) the run directory with config.yaml and
+    env.json, and the sinks that log into it."""
+    run_dir = make_run_dir(cfg, continuing)
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     write_json(run_dir / "env.json", environment())
     sinks: list[Sink] = [ConsoleSink(console), JsonlSink(run_dir / "metrics.jsonl")]
@@ -156,6 +169,62 @@ def summarize(
         **communication_summary(records),
         **straggler_summary(history),
         **history.summary_extra,
+    }
+
+
+def segment_record(
+    started_at: float, wall_seconds: float, first_iteration: int, history: History
+) -> dict[str, Any]:
+    """This job's part of the run (a segment): which job, when, which iterations, how it ended, and
+    its wall time against its train-step time (seconds; times as UTC ISO 8601)."""
+
+    def iso(t: float) -> str:
+        return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+    return {
+        "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID"),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "started_at": iso(started_at),
+        "ended_at": iso(started_at + wall_seconds),
+        "first_iteration": first_iteration,
+        "last_iteration": first_iteration + len(history.iteration_seconds) - 1,
+        "stopped_by": history.stopped_by,
+        "wall_seconds": wall_seconds,
+        "step_seconds": sum(history.iteration_seconds),
+    }
+
+
+def with_segment(previous: dict[str, Any] | None, segment: dict[str, Any]) -> dict[str, Any]:
+    """The run's segments so far (those of the summary.json this job continues, then this one) and
+    goodput = productive train-step time / wall time from the first segment's start to the last's end.
+    A segment's steps past the iteration the next one resumed from were redone: not productive. Time
+    lost splits into between segments (queueing, restarts, jobs that crashed before writing a summary),
+    inside them (start-up, evaluation, checkpoints) and redone steps."""
+    segments = [*((previous or {}).get("segments") or []), segment]
+    productive = redone = 0.0
+    for i, s in enumerate(segments):
+        done = s["last_iteration"] - s["first_iteration"] + 1
+        kept = done
+        if i + 1 < len(segments):
+            kept = max(0, min(done, segments[i + 1]["first_iteration"] - s["first_iteration"]))
+        share = s["step_seconds"] * kept / done if done > 0 else 0.0
+        productive += share
+        redone += s["step_seconds"] - share
+    first = dt.datetime.fromisoformat(segments[0]["started_at"])
+    last = dt.datetime.fromisoformat(segments[-1]["ended_at"])
+    in_jobs = sum(s["wall_seconds"] for s in segments)
+    wall = max((last - first).total_seconds(), in_jobs)  # the stamps are rounded to milliseconds
+    inside = sum(s["wall_seconds"] - s["step_seconds"] for s in segments)
+    return {
+        "segments": segments,
+        "goodput": productive / wall if wall > 0 else None,
+        "run_wall_seconds": wall,
+        "productive_step_seconds": productive,
+        "lost_seconds": {
+            "between_segments": wall - in_jobs,
+            "inside_segments": inside,
+            "redone_steps": redone,
+        },
     }
 
 

@@ -36,7 +36,17 @@ from ..parallel.dims import ParallelDims
 from ..parallel.distributed import env_world_size, init_distributed, shutdown_distributed
 from .checkpointing import attach_checkpoints, open_resume
 from .optim import build_optimizer, build_scheduler
-from .outputs import open_run_dir, pipeline_bubble, print_banner, print_done, summarize, write_json
+from .outputs import (
+    open_run_dir,
+    pipeline_bubble,
+    print_banner,
+    print_done,
+    read_previous_summary,
+    segment_record,
+    summarize,
+    with_segment,
+    write_json,
+)
 from .resilience import stop_message
 from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
 from .trainer import STRAGGLER_MARGIN, Callback, Trainer, gather_floats
@@ -161,7 +171,7 @@ def _run(
     run_dir: Path | None = None
     sinks: list[Sink] = []
     if dims.is_main:
-        run_dir, sinks = open_run_dir(cfg, console)
+        run_dir, sinks = open_run_dir(cfg, console, continuing=resume is not None)
         print_banner(console, cfg, num_params, device, world, flops, peak)
 
     callbacks = [*callbacks, *observers(cfg, device, dims, run_dir)]
@@ -199,6 +209,7 @@ def _run(
             )
         trainer.sinks.close()
         return run_dir, {"iterations": 0, "resumed_at_iteration": trainer.iteration}
+    first_iteration = trainer.iteration + 1
     try:
         history = trainer.fit()
     finally:
@@ -216,10 +227,13 @@ def _run(
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
     summary["final_iteration"] = trainer.iteration
+    wall = time.perf_counter() - start
+    segment = segment_record(time.time() - wall, wall, first_iteration, history)
     if history.stopped_by and cfg.checkpoint.save:
         summary["resume_from"] = cfg.checkpoint.save
     if run_dir is None:
         return None, summary
+    summary.update(with_segment(read_previous_summary(run_dir), segment))
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
     print_observations(console, summary, callbacks)
