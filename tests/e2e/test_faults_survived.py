@@ -11,9 +11,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from scalable_transformer.train.watchdog import EXIT_HUNG
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +138,47 @@ def test_a_skipped_nonfinite_step_is_counted_and_the_run_finishes(tmp_path: Path
     assert "skipped (non-finite): 1" in run.stdout
     after = losses(tmp_path / "skip")
     assert all(v == v for i, v in after.items() if i != 5)  # no nan reached the weights
+    # the watchdog leaves nothing behind in a run that did not hang
+    assert not (tmp_path / "skip" / "hang").exists() and not (tmp_path / "skip" / ".watchdog").exists()
+
+
+def test_a_rank_that_stops_ends_the_job_with_both_stacks_and_its_name(tmp_path: Path) -> None:
+    timeout = 10
+    overrides = [
+        f"train.hang_timeout_seconds={timeout}",
+        f"logging.run_dir={tmp_path}",
+        "logging.run_name=hang",
+    ]
+    argv = [sys.executable, FAULTS, "--signal-at", "1:3:SIGSTOP", "train", *ARGS, *overrides]
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONUNBUFFERED="1")
+        procs.append(
+            subprocess.Popen(
+                argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:  # rank 1 stops itself at the start of iteration 3
+            if line.lstrip().startswith("iteration      2/"):
+                break
+        hung_at = time.monotonic()
+        errs = [p.communicate(timeout=timeout + 120)[1] for p in procs]
+        ended = time.monotonic() - hung_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode != 0 for p in procs)
+    assert procs[0].returncode == EXIT_HUNG, errs[0][-2000:]
+    assert ended < timeout + 30, ended
+    assert "stx: hang: rank 0 made no progress" in errs[0]
+    assert "rank 1: no heartbeat for" in errs[0]
+    stacks = {p.name: p.read_text() for p in (tmp_path / "hang" / "hang").glob("*.txt")}
+    assert sorted(stacks) == ["rank-0.txt", "rank-1.txt"]
+    assert "all_reduce" in stacks["rank-0.txt"] or "wait" in stacks["rank-0.txt"]  # rank 0 waits for rank 1
+    assert "faults.py" in stacks["rank-1.txt"]  # rank 1 stopped in the test's callback
+    assert max(losses(tmp_path / "hang")) == 2  # nothing carried the job on once it hung

@@ -17,6 +17,7 @@ from scalable_transformer.train.resilience import (
     StopSignals,
     exit_status,
 )
+from scalable_transformer.train.watchdog import DEFAULT_BOUNDS, default_timeout
 
 
 def test_finite_steps_pass_and_stop_names_the_step_and_what_was_not_finite() -> None:
@@ -86,3 +87,10 @@ def test_goodput_counts_queueing_overheads_and_redone_steps_as_lost() -> None:
     assert both["lost_seconds"] == pytest.approx(
         {"between_segments": 30.0, "inside_segments": 22.0, "redone_steps": 10.0}
     )
+
+
+def test_the_default_hang_timeout_follows_the_measured_steps_within_bounds() -> None:
+    assert default_timeout([1.0, 1.0], before_steps=1800.0) == 1800.0  # too few steps measured
+    assert default_timeout([0.01, 0.02, 0.015], before_steps=1800.0) == DEFAULT_BOUNDS[0]
+    assert default_timeout([30.0, 31.0, 29.0], before_steps=1800.0) == pytest.approx(20 * 30.0)
+    assert default_timeout([900.0] * 3, before_steps=60.0) == DEFAULT_BOUNDS[1]

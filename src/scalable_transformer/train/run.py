@@ -50,6 +50,7 @@ from .outputs import (
 from .resilience import stop_message
 from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
 from .trainer import STRAGGLER_MARGIN, Callback, Trainer, gather_floats
+from .watchdog import HangWatchdog
 
 
 def select_device(cfg: Config) -> torch.device:
@@ -175,6 +176,9 @@ def _run(
         print_banner(console, cfg, num_params, device, world, flops, peak)
 
     callbacks = [*callbacks, *observers(cfg, device, dims, run_dir)]
+    watchdog = hang_watchdog(cfg, dims, run_dir)
+    if watchdog is not None:
+        callbacks.append(watchdog)
     if dims.is_main and console.is_terminal:  # a live bar; plain log lines in files and pipes
         from .progress import ProgressCallback
 
@@ -214,6 +218,8 @@ def _run(
         history = trainer.fit()
     finally:
         trainer.sinks.close()
+        if watchdog is not None:  # also after a failure: no thread or heartbeat left behind
+            watchdog.close()
     per_rank_peak = gather_per_rank(history.peak_memory_bytes, dims)
     summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
@@ -278,6 +284,15 @@ def observers(cfg: ResolvedConfig, device: torch.device, dims: ParallelDims, run
             )
         )
     return out
+
+
+def hang_watchdog(cfg: ResolvedConfig, dims: ParallelDims, run_dir: Path | None) -> HangWatchdog | None:
+    """The hang watchdog of this rank (None: train.hang_timeout_seconds = 0)."""
+    timeout = cfg.train.hang_timeout_seconds
+    if timeout == 0:
+        return None
+    shared = share_run_dir(run_dir, dims)
+    return HangWatchdog(timeout, 60 * cfg.parallel.timeout_minutes, shared, dims.rank, dims.world_size)
 
 
 def share_run_dir(run_dir: Path | None, dims: ParallelDims) -> Path | None:
