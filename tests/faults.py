@@ -3,7 +3,8 @@
     python tests/faults.py [--fail-at RANK:ITER] [--signal-at RANK:ITER:SIGNAL] [--nonfinite-at ITER]
                            [--exit-in-save ITER] train [CONFIG] [key=value ...]
 
---fail-at: that rank raises at the start of that (1-based) iteration (the launcher's crash tests).
+--fail-at: that rank raises at the start of that (1-based) iteration (the launcher's crash tests);
+a rank restarted by `stx launch --max-restarts` does not.
 --signal-at: that rank sends itself that signal (SIGUSR1, SIGTERM) at the start of that iteration.
 --nonfinite-at ITER: that iteration's loss and gradients are nan on every rank (the model's output
 is multiplied by nan in its forward).
@@ -31,7 +32,8 @@ class FailAt(Callback):
         self.rank, self.iteration = rank, iteration
 
     def on_step_start(self, trainer: Trainer) -> None:
-        if trainer.dims.rank == self.rank and trainer.iteration + 1 == self.iteration:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # restarts run on
+        if trainer.dims.rank == self.rank and trainer.iteration + 1 == self.iteration and first_attempt:
             raise RuntimeError(f"injected failure on rank {self.rank} at iteration {self.iteration}")
 
 

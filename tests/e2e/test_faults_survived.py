@@ -182,3 +182,31 @@ def test_a_rank_that_stops_ends_the_job_with_both_stacks_and_its_name(tmp_path: 
     assert "all_reduce" in stacks["rank-0.txt"] or "wait" in stacks["rank-0.txt"]  # rank 0 waits for rank 1
     assert "faults.py" in stacks["rank-1.txt"]  # rank 1 stopped in the test's callback
     assert max(losses(tmp_path / "hang")) == 2  # nothing carried the job on once it hung
+
+
+LAUNCH = """
+import sys
+from scalable_transformer.launch.local import LaunchOptions, launch
+opts = LaunchOptions(nproc_per_node=2, max_restarts=int(sys.argv[1]))
+sys.exit(launch(opts, [sys.executable, "-u", *sys.argv[2:]]))
+"""
+
+
+def test_a_restarted_rank_resumes_from_the_last_checkpoint_in_the_same_run(tmp_path: Path) -> None:
+    def launch(max_restarts: int, faults: list[str], *overrides: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-c", LAUNCH, str(max_restarts), FAULTS, *faults, "train", *ARGS, *overrides]
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    full = launch(0, [], "parallel.zero_stage=3", f"logging.run_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr[-3000:]
+    # rank 1 raises at iteration 7 of the first attempt; checkpoints every 2 iterations; default run name
+    overrides = ["parallel.zero_stage=3", "checkpoint.save=ckpt", "checkpoint.save_interval=2"]
+    restarted = launch(1, ["--fail-at", "1:7"], *overrides, f"logging.run_dir={tmp_path / 'restarted'}")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "injected failure on rank 1 at iteration 7" in restarted.stderr
+    assert "continuing at iteration 6" in restarted.stdout
+    (run_dir,) = (tmp_path / "restarted").iterdir()  # the restart continued the first attempt's directory
+    (full_dir,) = (tmp_path / "full").iterdir()
+    assert losses(run_dir) == losses(full_dir)  # iterations 1-6 from the first attempt, 7-10 restored
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(s["restart"], s["first_iteration"]) for s in summary["segments"]] == [(1, 7)]

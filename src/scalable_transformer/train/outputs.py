@@ -29,13 +29,20 @@ def make_run_dir(cfg: ResolvedConfig, continuing: bool = False) -> Path:
     """A new directory under logging.run_dir; an existing run is never overwritten. Existing
     directories used as they are: one `stx submit` prepared for this run (its batch script and
     `.stx-submit` marker, no config.yaml yet), and, when `continuing` (the run resumes from a
-    checkpoint), the run named by logging.run_name: its next segment (metrics appended)."""
-    name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    checkpoint), the run named by logging.run_name or, without one, the run of this `stx launch`
+    (its restarts): its next segment (metrics appended)."""
+    # under `stx launch` the stamp is the launch's (launch.local.RUN_STAMP_ENV), the same for restarts
+    stamp = os.environ.get("STX_RUN_STAMP") or f"{dt.datetime.now():%Y%m%d-%H%M%S}"
+    name = cfg.logging.run_name or f"{cfg.model.type}-{stamp}"
     parent = Path(cfg.logging.run_dir)
     path, n = parent / name, 1
     if (path / SUBMITTED_MARKER).is_file() and not (path / "config.yaml").exists():
         return path
-    if continuing and cfg.logging.run_name and (path / "config.yaml").is_file():
+    if (
+        continuing
+        and (cfg.logging.run_name or "STX_RUN_STAMP" in os.environ)
+        and (path / "config.yaml").is_file()
+    ):
         return path
     while path.exists():
         n += 1
