@@ -85,3 +85,24 @@ def test_zero_memory_measures_the_zero_formulas(tmp_path):
     low, _, high = rows["1"][5].partition("-")
     assert abs((float(low) + float(high or low)) / 2 - 1) < 0.005, rows["1"]
     assert "## Environment" in out.read_text() and "stx launch" in out.read_text()
+
+
+@pytest.mark.slow
+def test_stop_check_cost_writes_its_table(tmp_path):
+    """benchmarks/stop_check_cost.py at toy size: a row per rank count, three variants, the environment."""
+    out = tmp_path / "stop.md"
+    script = SCRIPT.with_name("stop_check_cost.py")
+    args = ["--ranks", "2", "--steps", "12", "--step-ms", "1", "--output", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| 2 |"))
+    a, b, c = (float(x) for x in row.split("|")[2:5])
+    assert a > 0 and b > 0 and c > 0
+    assert "## Environment" in text and "stop_check_cost.py --ranks 2" in text

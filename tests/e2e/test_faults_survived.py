@@ -79,25 +79,26 @@ def test_a_stop_signal_on_one_rank_stops_all_after_one_step_and_resumes_bitwise(
     full = train(tmp_path, [], [*common, "checkpoint.save=full-ckpt", "logging.run_name=full"], world=2)
     assert [p.returncode for p in full] == [0, 0], full[0].stderr[-2000:] + full[1].stderr[-2000:]
 
-    # rank 1 alone catches SIGUSR1 at the start of iteration 4: both finish it, save, exit 75
+    # rank 1 alone catches SIGUSR1 at the start of iteration 4: the check after it is read after
+    # iteration 5 (it runs behind a step), so both stop after 5, save and exit 75
     stopped = train(tmp_path, ["--signal-at", "1:4:SIGUSR1"], [*common, "logging.run_name=run"], world=2)
     assert [p.returncode for p in stopped] == [75, 75], stopped[0].stderr[-2000:] + stopped[1].stderr[-2000:]
-    assert "stopped by SIGUSR1 after iteration 4 of 10" in stopped[0].stdout
+    assert "stopped by SIGUSR1 after iteration 5 of 10" in stopped[0].stdout
     assert "checkpoint.load=auto" in stopped[0].stdout
-    assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
+    assert (tmp_path / "ckpt" / "iter_0000005").is_dir()
     run_dir = tmp_path / "runs" / "run"
     part = json.loads((run_dir / "summary.json").read_text())
-    assert part["stopped_by_signal"] == "SIGUSR1" and part["final_iteration"] == 4
+    assert part["stopped_by_signal"] == "SIGUSR1" and part["final_iteration"] == 5
 
     # the same command with load=auto continues the run in its directory: a second segment
     resumed = train(tmp_path, [], [*common, "checkpoint.load=auto", "logging.run_name=run"], world=2)
     assert [p.returncode for p in resumed] == [0, 0], resumed[0].stderr[-2000:]
-    assert "continuing at iteration 4" in resumed[0].stdout
+    assert "continuing at iteration 5" in resumed[0].stdout
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["full", "run"]
     assert losses(run_dir) == losses(tmp_path / "runs" / "full")  # bit for bit: JSON floats compare exactly
     summary = json.loads((run_dir / "summary.json").read_text())
     spans = [(s["first_iteration"], s["last_iteration"], s["stopped_by"]) for s in summary["segments"]]
-    assert spans == [(1, 4, "SIGUSR1"), (5, 10, None)]
+    assert spans == [(1, 5, "SIGUSR1"), (6, 10, None)]
     assert 0 < summary["goodput"] < 1
 
     report = subprocess.run(
@@ -107,8 +108,8 @@ def test_a_stop_signal_on_one_rank_stops_all_after_one_step_and_resumes_bitwise(
         timeout=60,
     )
     assert report.returncode == 0, report.stderr
-    assert "| 1 | - | 0 | 1-4 | SIGUSR1 |" in report.stdout
-    assert "| 2 | - | 0 | 5-10 | finished |" in report.stdout
+    assert "| 1 | - | 0 | 1-5 | SIGUSR1 |" in report.stdout
+    assert "| 2 | - | 0 | 6-10 | finished |" in report.stdout
     assert "goodput: " in report.stdout
 
 

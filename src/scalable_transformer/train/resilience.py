@@ -3,8 +3,10 @@ non-finite losses and gradients, loss spikes.
 
 Stop signals: SIGTERM or SIGUSR1 (Slurm's `--signal=USR1@SECONDS`, PBS's kill grace, `kill`) while
 training only set a flag; every rank finishes the step it is in, the ranks agree on the step to stop
-after (one MAX all-reduce of a host int, on gloo, every `train.stop_check_interval` steps), the
-trainer's callbacks save the final checkpoint, and `stx` exits with EXIT_RESUMABLE. Outside
+after, the trainer's callbacks save the final checkpoint, and `stx` exits with EXIT_RESUMABLE. The
+agreement is one MAX all-reduce of a host int (gloo) every `train.stop_check_interval` steps, issued
+asynchronously after a check step and read at the next one, so it runs behind a step's compute: a
+signal caught in step k stops the run after the first check step at least `interval` steps later. Outside
 `Trainer.fit` the signals keep their CLI meaning (stop now, 128 + signal).
 """
 
@@ -34,6 +36,7 @@ class StopSignals:
         self.world, self.check_interval = world, check_interval
         self.caught: int = 0  # the first signal caught on this rank (0: none)
         self._previous: dict[int, Any] = {}
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the all-reduce issued at the last check
 
     def _catch(self, signum: int, frame: FrameType | None) -> None:
         self.caught = self.caught or signum
@@ -46,23 +49,30 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._catch)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._pending is not None and exc_type is None:  # every rank issued it: complete it
+            self._pending[0].wait()
+        self._pending = None
 
     def agreed(self, iteration: int) -> str | None:
         """After `iteration` completed on every rank: the name of the signal that stops the run, or None.
         A collective on check iterations (every rank calls this after every step)."""
         if iteration % self.check_interval:
             return None
-        caught = self.caught
-        if self.world is not None and dist.get_world_size(self.world) > 1:
-            # a host tensor: on "cuda:nccl,cpu:gloo" this is gloo, so it never waits on the GPU queue
-            flag = torch.tensor([caught], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world)
-            caught = int(flag.item())
-        return signal.Signals(caught).name if caught else None
+        if self.world is None or dist.get_world_size(self.world) == 1:
+            return signal.Signals(self.caught).name if self.caught else None
+        decided = 0
+        if self._pending is not None:  # issued at the last check: normally done behind the steps since
+            work, flag = self._pending
+            work.wait()
+            decided = int(flag.item())
+        # a host tensor: on "cuda:nccl,cpu:gloo" this is gloo, so it never waits on the GPU queue
+        flag = torch.tensor([self.caught], dtype=torch.int64)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world, async_op=True), flag)
+        return signal.Signals(decided).name if decided else None
 
 
 def exit_status(summary: dict[str, Any]) -> int:
