@@ -143,12 +143,20 @@ def entry(run: Callable[[], int | None] | None = None) -> NoReturn:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's time limit, `kill`): unwinds like Ctrl-C (children stopped, files
-    closed), then stx says which signal stopped it."""
+    """SIGTERM or SIGUSR1 (a scheduler's time limit, `kill`) outside training (train.resilience
+    handles them there): unwinds like Ctrl-C (children stopped, files closed), then stx says which
+    signal stopped it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
+    raise Terminated(signum)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -160,14 +168,15 @@ def _main(argv: list[str] | None) -> int:
         args = argparse.Namespace(fn=report.run, args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
-    previous = None
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminate)
+        previous = {sig: signal.signal(sig, _terminate) for sig in STOP_SIGNALS}
     try:
         return args.fn(args)
-    except Terminated:
-        print("stx: terminated by SIGTERM (a scheduler's time limit or `kill`); stopped", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except Terminated as e:
+        name = signal.Signals(e.signum).name
+        print(f"stx: terminated by {name} (a scheduler's time limit or `kill`); stopped", file=sys.stderr)
+        return 128 + e.signum
     except ConfigError as e:
         print(f"stx: config error: {e}", file=sys.stderr)
         return 2
@@ -194,5 +203,5 @@ def _main(argv: list[str] | None) -> int:
         sys.stderr.close()
         return 0
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
