@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .files import write_atomic
+
 
 def cache_dir() -> Path:
     """The user cache directory of scalable-transformer: $STX_CACHE_DIR if set, else
@@ -41,6 +43,4 @@ def put_json_entry(name: str, key: str, entry: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = read_json_entries(name)
     data[key] = {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scalable_transformer import cache
+from scalable_transformer import cache, files
 from scalable_transformer.cache import cache_dir
 from scalable_transformer.metrics import hardware
 from scalable_transformer.metrics.hardware import (
@@ -103,10 +103,12 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     assert hardware.cache_dir is cache_dir  # the old import path still works
 
 
-def test_cache_module_imports_nothing_of_the_package():
+def test_cache_module_imports_nothing_of_the_package_but_the_atomic_writer():
     # data/ and metrics/ both use it: it must not pull one layer into the other
-    source = Path(cache.__file__).read_text()
+    source = Path(cache.__file__).read_text().replace("from .files import write_atomic\n", "")
     assert "scalable_transformer" not in source and "from ." not in source
+    writer = Path(files.__file__).read_text()
+    assert "scalable_transformer" not in writer and "from ." not in writer
 
 
 @pytest.fixture
@@ -216,3 +218,15 @@ def test_precision_warning_names_both_rates_and_the_missing_flags(fake_peaks, mo
     assert line is not None and "despite amx_bf16" in line
     fake_peaks["bf16"] = 1.0e12  # an AMX machine: bf16 faster than fp32
     assert cpu_precision_warning("bf16", threads=2) is None
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "summary.json"
+    files.write_atomic(path, "old")
+    with pytest.raises(RuntimeError), files.atomic_output(path) as f:
+        f.write(b"half of the new")
+        raise RuntimeError("the writer died")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    files.write_atomic(path, b"new", durable=True)
+    assert path.read_bytes() == b"new" and oct(path.stat().st_mode & 0o777) == "0o644"

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointError
+from ..files import write_atomic
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -91,17 +92,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    """Write via a temporary file, fsync, then os.replace: readers see the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
 
 
 # ------------------------------------------------------------------ finding and checking checkpoints
@@ -434,14 +424,14 @@ def save_checkpoint(
             "crc32": checksums,
             "save_seconds": time.perf_counter() - start,
         }
-        _write_durably(tmp / METADATA, json.dumps(meta, indent=2, default=str) + "\n")
+        write_atomic(tmp / METADATA, json.dumps(meta, indent=2, default=str) + "\n", durable=True)
         _fsync(tmp)
         old = root / f".old-{final.name}"
         if final.exists():  # the same iteration saved again (e.g. finetuning into the same directory)
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync(root)
-        _write_durably(root / LATEST, final.name + "\n")
+        write_atomic(root / LATEST, final.name + "\n", durable=True)
         shutil.rmtree(old, ignore_errors=True)
         if options.keep_last_n:
             prune(root, options.keep_last_n, keep=final.name)

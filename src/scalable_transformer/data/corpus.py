@@ -22,11 +22,11 @@ import os
 import re
 import sys
 import sysconfig
-import tempfile
 import warnings
 from pathlib import Path
 
 from scalable_transformer.cache import cache_dir
+from scalable_transformer.files import write_atomic
 
 # Bump when the way documents are built changes, so stale caches are not reused.
 CORPUS_VERSION = 1
@@ -35,18 +35,10 @@ _SKIP_DIRS = frozenset({"idlelib", "lib2to3", "site-packages", "dist-packages", 
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file + os.replace, so a reader (or another rank
-    building the same file concurrently) never sees a partial file."""
+    """Write `data` to `path` atomically, so a reader (or another rank building the same file
+    concurrently) never sees a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data)
 
 
 def _topics() -> dict[str, str]:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +31,7 @@ from torch.utils.data import Dataset
 
 from scalable_transformer.cache import cache_dir
 from scalable_transformer.errors import IndexedDatasetError
+from scalable_transformer.files import atomic_output
 
 if TYPE_CHECKING:
     from scalable_transformer.data.indexed import IndexedDataset
@@ -50,16 +49,9 @@ _MMAP_ABOVE_BYTES = 1 << 20
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    """np.save via a temporary file + os.replace: a reader never sees a partial file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """np.save, atomically: a reader never sees a partial file."""
+    with atomic_output(path) as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
 
 
 def _load_npy(path: Path) -> np.ndarray:

@@ -11,7 +11,6 @@ the FP32 matrix rate on AMD. A dtype missing from a row is not accelerated on th
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import platform
 import re
@@ -19,7 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cache import cache_dir  # re-exported: callers of metrics.hardware.cache_dir keep working
+from ..cache import (
+    cache_dir,  # re-exported: callers of metrics.hardware.cache_dir keep working
+    put_json_entry,
+    read_json_entries,
+)
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
 _DTYPE_ALIASES = {
@@ -389,21 +392,13 @@ def measure_cpu_peak(dtype: str, threads: int | None = None, *, budget_seconds: 
     return max(measure_cpu_kernels(dtype, threads, budget_seconds=budget_seconds).values())
 
 
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _cpu_peak_entry(
     dtype: str, threads: int | None = None, refresh: bool = False
 ) -> tuple[float, Path, bool]:
     """(FLOP/s, cache file, read from cache?) for the measured CPU peak of dtype."""
     path = cpu_peak_cache_path()
     key = cpu_fingerprint(dtype, threads)
-    entry = _read_cache(path).get(key)
+    entry = read_json_entries(path.name).get(key)
     cached = (
         float(entry["flops_per_second"])
         if isinstance(entry, dict)
@@ -415,12 +410,7 @@ def _cpu_peak_entry(
         return cached, path, True
     # A peak is the best rate the machine can reach: a re-measurement under load must not lower it.
     value = max(measure_cpu_peak(dtype, threads), cached or 0.0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _read_cache(path)  # re-read: another process may have added entries meanwhile
-    data[key] = {"flops_per_second": value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
+    put_json_entry(path.name, key, {"flops_per_second": value})  # re-reads: others may have added entries
     return value, path, False
 
 

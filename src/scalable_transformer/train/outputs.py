@@ -17,6 +17,7 @@ from rich.console import Console
 from ..config.load import to_yaml
 from ..config.rules import layout_label
 from ..config.schema import ResolvedConfig
+from ..files import write_atomic
 from ..metrics.environment import environment
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, percent
@@ -61,10 +62,8 @@ def read_previous_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Atomically (temp file + rename), so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Atomically (files.write_atomic), so a reader never sees half a file."""
+    write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def pipeline_bubble(cfg: ResolvedConfig) -> float | None:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from ..files import write_atomic
 from .trainer import Callback
 
 EXIT_HUNG = 124  # as timeout(1): the job was ended because it stopped making progress
@@ -157,9 +158,7 @@ class HangWatchdog(Callback):
             "iteration": self.iteration,
             "written_at": time.time(),
         }
-        tmp = beats / f".rank-{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(beat), encoding="utf-8")
-        os.replace(tmp, beats / f"rank-{self.rank}.json")
+        write_atomic(beats / f"rank-{self.rank}.json", json.dumps(beat))
 
     def stalled_ranks(self) -> list[dict[str, Any]]:
         """Every other rank's heartbeat that is stale (no write for 3 polls + 2 s: the process is
