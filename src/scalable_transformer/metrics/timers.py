@@ -90,11 +90,6 @@ class Timers:
         backward pass that waited for gradient communication."""
         self(name)._elapsed += seconds
 
-    def sync(self) -> None:
-        """The device sync the timers use (none on CPU)."""
-        if self._sync_fn is not None:
-            self._sync_fn()
-
     def names(self) -> list[str]:
         """Timer names in first-use order."""
         return list(self._timers)

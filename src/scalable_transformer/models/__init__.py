@@ -8,7 +8,6 @@ from scalable_transformer.models.bert import BertModel
 from scalable_transformer.models.gpt import GPTModel
 from scalable_transformer.models.layers import TransformerBlock, padded_vocab_size
 from scalable_transformer.models.registry import (
-    MODELS,
     SPECS,
     build_model,
     compute_loss,
@@ -21,7 +20,6 @@ from scalable_transformer.models.registry import (
 from scalable_transformer.models.spec import PLAIN_LOSS_OPS, LossOps, ModelSpec
 
 __all__ = [
-    "MODELS",
     "PLAIN_LOSS_OPS",
     "SPECS",
     "BertModel",

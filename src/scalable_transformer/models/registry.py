@@ -32,7 +32,6 @@ from scalable_transformer.models.layers import check_model_config
 from scalable_transformer.models.spec import PLAIN_LOSS_OPS, HFMapping, LossOps, ModelSpec
 
 SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (BERT, GPT)}
-MODELS: dict[str, Any] = {name: spec.build for name, spec in SPECS.items()}
 
 
 def get_spec(model_type: str) -> ModelSpec:

@@ -41,7 +41,6 @@ class CommRecorder:
         self.clock = clock
         self._lock = threading.Lock()
         self._busy: dict[str, float] = {}
-        self._count: dict[str, int] = {}
         self._blocked = 0.0  # seconds the training thread waited inside gradient collectives
         self._busy_until: dict[str, float] = {}  # end of the latest interval per kind (FIFO queues)
         self.last_grad_launch: float | None = None
@@ -53,7 +52,6 @@ class CommRecorder:
             begin = max(start, self._busy_until.get(kind, start))
             self._busy[kind] = self._busy.get(kind, 0.0) + max(0.0, end - begin)
             self._busy_until[kind] = max(end, self._busy_until.get(kind, end))
-            self._count[kind] = self._count.get(kind, 0) + 1
 
     def grad_launched(self, at: float) -> None:
         with self._lock:
@@ -63,14 +61,10 @@ class CommRecorder:
         with self._lock:
             self._blocked += seconds
 
-    def blocked_seconds(self) -> float:
-        with self._lock:
-            return self._blocked
-
     def take(self) -> dict[str, float]:
         """Busy seconds per kind (only kinds that ran), and reset."""
         with self._lock:
-            out, self._busy, self._count = dict(self._busy), {}, {}
+            out, self._busy = dict(self._busy), {}
             return out
 
     def take_blocked(self) -> float:

@@ -138,15 +138,5 @@ class ParallelDims:
         return self._group("dp", self.dp)
 
     @property
-    def tp_group(self) -> Any:
-        return self._group("tp", self.tp)
-
-    @property
     def pp_group(self) -> Any:
         return self._group("pp", self.pp)
-
-    def describe(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
-        if self.virtual_stages > 1:
-            parts.append(f"virtual stages={self.virtual_stages}")
-        return " x ".join(parts[:3]) + (f" ({parts[3]})" if len(parts) > 3 else "")

@@ -85,10 +85,6 @@ def shutdown_distributed(created: bool) -> None:
         dist.destroy_process_group()
 
 
-def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def all_reduce_floats(values: list[float], group=None, op=dist.ReduceOp.SUM) -> list[float]:
     """Reduce a few Python floats across `group` (one collective, float64 on the host)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

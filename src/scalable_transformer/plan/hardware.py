@@ -22,7 +22,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..errors import ConfigError
 from ..metrics.hardware import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
@@ -241,20 +240,3 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
 
 def with_nodes(cluster: Cluster, nodes: int, devices_per_node: int) -> Cluster:
     return dataclasses.replace(cluster, nodes=nodes, devices_per_node=devices_per_node)
-
-
-def describe(cluster: Cluster) -> dict[str, Any]:
-    d = cluster.device
-    return {
-        "name": cluster.name,
-        "nodes": cluster.nodes,
-        "devices_per_node": cluster.devices_per_node,
-        "device": d.name,
-        "device_memory_bytes": d.memory_bytes,
-        "memory_bandwidth_bytes_per_second": d.memory_bandwidth,
-        "intra_node_bytes_per_second": d.intra_node_bandwidth,
-        "inter_node_bytes_per_second": d.inter_node_bandwidth,
-        "host_memory_bytes": cluster.host_memory_bytes,
-        "reserve_bytes": cluster.reserve_bytes,
-        "source": cluster.source,
-    }
