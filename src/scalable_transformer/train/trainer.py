@@ -322,11 +322,12 @@ class Trainer:
         """Train to train_iters, or until a stop signal (then `history.stopped_by` names it)."""
         h = self.history
         self.memory.reset_peak()
+        # the callbacks' end (the final checkpoint) inside too: a second signal must not cut that save short
         with self.stop_signals:
             self._loop()
-        h.run_peak_memory_bytes = self.memory.run_peak().peak_allocated_bytes
-        for callback in self.callbacks:
-            callback.on_fit_end(self, h)
+            h.run_peak_memory_bytes = self.memory.run_peak().peak_allocated_bytes
+            for callback in self.callbacks:
+                callback.on_fit_end(self, h)
         return h
 
     def _loop(self) -> None:
