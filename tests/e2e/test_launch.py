@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -180,3 +182,92 @@ def test_bad_input_is_an_error_before_any_process_starts(tmp_path, args, message
     assert proc.returncode == 2
     assert "stx launch: error: " + message in proc.stderr
     assert STARTED not in proc.stderr and proc.stdout == ""
+
+
+# A rank that stops to be resumed (as `stx train` does on SIGUSR1/SIGTERM): it writes which signal it
+# got and exits 75; rank 0 takes 2 s longer (its outputs), and by then a SIGTERM would kill it, as it
+# kills `stx train` after its last step. torch's agent would SIGTERM it as soon as rank 1 has exited.
+STOPPING_RANK = """
+import os, signal, sys, time
+out, rank = sys.argv[1], os.environ["RANK"]
+got = []
+def stop(signum, frame):
+    got.append(signum)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGUSR1, stop)
+signal.signal(signal.SIGTERM, stop)
+open(f"{out}.ready{rank}", "w").close()
+while not got:
+    time.sleep(0.05)
+if rank == "0":
+    time.sleep(2)
+with open(f"{out}.{rank}", "w") as f:
+    f.write(signal.Signals(got[0]).name)
+sys.exit(75)
+"""
+
+
+def wait_for(paths: list[Path], proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{paths} not written in {TIMEOUT} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_reaches_every_rank_and_75_from_all_is_the_launchers_status(tmp_path, sig):
+    script = tmp_path / "rank.py"
+    script.write_text(STOPPING_RANK)
+    out = tmp_path / "out"
+    launcher = LAUNCH_SCRIPT.format(ranks_output="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, str(script), str(out)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for([tmp_path / "out.ready0", tmp_path / "out.ready1"], proc)
+        proc.send_signal(sig)  # to the launcher only: it passes it on
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err[-3000:]
+    assert [(tmp_path / f"out.{rank}").read_text() for rank in (0, 1)] == [sig.name] * 2
+    assert "stx launch: all 2 ranks stopped to be resumed (exit status 75)" in err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_stx_launch_stopped_by_sigusr1_saves_and_exits_75(tmp_path):
+    """What a Slurm job with --launcher torchrun and --requeue sees before its time limit."""
+    argv = [STX, "launch", "-n", "2", *tiny_train(tmp_path / "runs", train_iters=100_000)]
+    proc = subprocess.Popen(
+        [*argv, "checkpoint.save=ckpt"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # rank 0's output; the launcher's own goes to stderr
+            if "iteration      3/" in line:
+                break
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err[-3000:]
+    assert re.search(r"stopped by SIGUSR1 after iteration \d+ of 100000: checkpoint saved in ckpt", out), out
+    assert (tmp_path / "ckpt" / "latest").read_text().startswith("iter_")
+    assert "stx launch: all 2 ranks stopped to be resumed (exit status 75)" in err

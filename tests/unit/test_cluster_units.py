@@ -3,6 +3,7 @@ limits, sweep-file keys and the scheduler-state mapping. (The real runs: tests/c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -11,9 +12,13 @@ import pytest
 from scalable_transformer.bench.sweep import Member
 from scalable_transformer.bench.sweep_batch import Submitted, outcome_of
 from scalable_transformer.bench.sweep_spec import load_sweep
+from scalable_transformer.cli import main
 from scalable_transformer.errors import LaunchError, SweepError, UsageError
 from scalable_transformer.launch.batch import (
+    DEFAULT_SIGNAL_GRACE,
+    RESUMABLE,
     BatchOptions,
+    Requeue,
     environment_exports,
     parse_time,
     pbs_script,
@@ -171,6 +176,109 @@ def test_batch_scripts(tmp_path):
     assert 'launch -n 4 --nnodes 2 --node-rank "$SLURM_NODEID" --master-addr "$MASTER_ADDR"' in per_node
     with pytest.raises(UsageError, match="--launcher torchrun is for Slurm"):
         BatchOptions("pbs", launcher="torchrun")
+
+
+def test_requeue_scripts(tmp_path):
+    job = JobSpec("train", ("gpt-1b", "checkpoint.save=ckpt", "checkpoint.load=auto"), nproc=4, nnodes=2)
+    requeue = Requeue(checkpoint_dir=tmp_path / "ckpt", script=tmp_path / "run" / "job.sh")
+    opts = BatchOptions("slurm", nodes=2, gpus_per_node=4, time_seconds=7200, requeue=requeue)
+    text = slurm_script(job, opts, "stx-run", tmp_path / "run" / "job.log", tmp_path)
+    lines = text.splitlines()
+    assert f"#SBATCH --signal=USR1@{DEFAULT_SIGNAL_GRACE}" in lines  # not B:USR1: the ranks get it
+    assert "#SBATCH --open-mode=append" in lines  # one log for the chain
+    task = next(line for line in lines if line.startswith("srun --kill-on-bad-exit=1 bash -c "))
+    assert task.endswith("|| status=$?") and "checkpoint.load=auto" in task
+    assert f'if [ "$s" -eq {RESUMABLE} ]; then touch "$STX_STOPPED" && s=0; fi' in task
+    assert f"export STX_STOPPED={tmp_path / 'run' / '.stx-stopped'}" in lines
+    assert f"resumed_from=$(cat {tmp_path / 'ckpt'}/latest 2>/dev/null || true)" in lines
+    assert (
+        "next=$(sbatch --parsable --export=ALL,STX_CHAIN_JOB=$((chain + 1)) "
+        f'--dependency=afterany:"$SLURM_JOB_ID" {tmp_path / "run" / "job.sh"}) || {{'
+    ) in lines
+    assert not [line for line in lines if "scontrol requeue" in line and not line.startswith("#")]
+    per_node = slurm_script(
+        job, dataclasses.replace(opts, launcher="torchrun"), "n", tmp_path / "run" / "job.log", tmp_path
+    )
+    assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap : USR1 TERM; " in per_node
+    assert "'\"'\"'$SLURM_NODEID'\"'\"'" not in per_node  # the node's variables stay for its shell
+    plain = slurm_script(job, dataclasses.replace(opts, requeue=None), "n", tmp_path / "job.log", tmp_path)
+    assert "--signal" not in plain and "STX_STOPPED" not in plain and "--open-mode" not in plain
+
+    pbs_opts = BatchOptions("pbs", nodes=2, gpus_per_node=4, time_seconds=3600, requeue=requeue)
+    pbs = pbs_script(job, pbs_opts, "stx-run", tmp_path / "run" / "job.log", tmp_path)
+    assert f"timeout --preserve-status --signal=USR1 {3600 - DEFAULT_SIGNAL_GRACE}s mpiexec -n " in pbs
+    assert (
+        f'next=$(qsub -W depend=afterany:"$PBS_JOBID" -v STX_CHAIN_JOB=$((chain + 1)) '
+        f"-o {tmp_path / 'run' / 'job'}.$((chain + 1)).log {tmp_path / 'run' / 'job.sh'}) || {{"
+    ) in pbs.splitlines()
+
+
+def test_requeue_option_errors_name_the_option_and_the_valid_values(tmp_path):
+    requeue = Requeue(checkpoint_dir=tmp_path, script=tmp_path / "job.sh", grace_seconds=60)
+    with pytest.raises(
+        UsageError, match=r"--signal-grace 60 s must be shorter than the time limit \(--time: 60 s\)"
+    ):
+        BatchOptions("slurm", time_seconds=60, requeue=requeue)
+    with pytest.raises(UsageError, match=r"--signal-grace must be in 1\.\.65535 seconds, got 0"):
+        BatchOptions("slurm", requeue=dataclasses.replace(requeue, grace_seconds=0))
+    with pytest.raises(UsageError, match="--requeue with --scheduler pbs needs --time"):
+        BatchOptions("pbs", requeue=requeue)
+    assert BatchOptions("slurm", requeue=requeue).requeue == requeue  # no --time: the partition's limit
+
+
+SUBMIT = ["submit", "--scheduler", "slurm", "--nodes", "2", "--time", "1:00:00", "--dry-run"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--requeue", "train", "tiny-gpt"], "--requeue needs checkpoint.save (e.g. checkpoint.save=ckpt)"),
+        (
+            ["--requeue", "train", "tiny-gpt", "checkpoint.save=c", "checkpoint.load=other"],
+            "checkpoint.load=other would be replaced: leave it out",
+        ),
+        (
+            [
+                "--requeue",
+                "train",
+                "tiny-gpt",
+                "checkpoint.save=c",
+                "checkpoint.load=auto",
+                "checkpoint.finetune=true",
+            ],
+            "set checkpoint.finetune=false",
+        ),
+        (["--signal-grace", "60", "train", "tiny-gpt"], "--signal-grace goes with --requeue"),
+        (
+            ["--requeue", "--signal-grace", "3600", "train", "tiny-gpt", "checkpoint.save=c"],
+            "--signal-grace 3600 s must be shorter than the time limit (--time: 3600 s)",
+        ),
+    ],
+)
+def test_submit_requeue_usage_errors(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert main([*SUBMIT, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_submit_dry_run_requeue_shows_the_script(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--requeue", "--signal-grace", "300", "train", "tiny-gpt", "checkpoint.save=ckpt"]
+    assert main([*SUBMIT, *argv, "logging.run_name=r"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --signal=USR1@300" in out.splitlines()
+    assert "logging.run_name=r checkpoint.load=auto; s=$?;" in out  # every job resumes (or starts fresh)
+    assert f'--dependency=afterany:"$SLURM_JOB_ID" {tmp_path / "runs" / "r" / "job.sh"})' in out
+    assert f"cat {tmp_path / 'ckpt'}/latest" in out
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_scripts_resumable_status_is_the_trainers():
+    from scalable_transformer.train.resilience import EXIT_RESUMABLE
+
+    assert RESUMABLE == EXIT_RESUMABLE
 
 
 def _sweep(tmp_path: Path, body: str) -> Path:

@@ -7,6 +7,8 @@ import dataclasses
 import datetime as dt
 from pathlib import Path
 
+from ..launch.batch import DEFAULT_SIGNAL_GRACE
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -45,6 +47,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="srun",
         help="Slurm: srun starts every rank (default), or torchrun: one stx launch per node starts them",
     )
+    p.add_argument(
+        "--requeue",
+        action="store_true",
+        help="continue the run in new jobs until train.train_iters is reached: the ranks stop on "
+        "SIGUSR1 before the time limit, save (checkpoint.save must be set) and the job submits the "
+        "same script again, which resumes with checkpoint.load=auto",
+    )
+    p.add_argument(
+        "--signal-grace",
+        type=int,
+        metavar="SECONDS",
+        help="with --requeue: how long before the time limit the ranks get SIGUSR1, enough to finish "
+        f"a step and save a checkpoint (default {DEFAULT_SIGNAL_GRACE}; Slurm may send it up to a "
+        "minute earlier)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
     p.add_argument("subcommand", choices=("train",), metavar="train", help="the stx command to run")
     p.add_argument("items", nargs=argparse.REMAINDER, metavar="CONFIG|key=value")
@@ -54,10 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config.load import load_config
     from ..config.validate import resolve
+    from ..errors import UsageError
     from ..launch.batch import (
         LOG_NAME,
         MARKER_NAME,
+        SCRIPT_NAME,
         BatchOptions,
+        Requeue,
         environment_exports,
         parse_time,
         pbs_script,
@@ -68,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from ..launch.launcher import JobSpec
     from .train import split_config_args
 
+    if args.signal_grace is not None and not args.requeue:
+        raise UsageError("--signal-grace goes with --requeue (it says when the ranks are asked to stop)")
     opts = BatchOptions(
         scheduler=args.scheduler,
         nodes=args.nodes,
@@ -91,10 +113,20 @@ def run(args: argparse.Namespace) -> int:
     while run_dir.exists() and not (run_dir / MARKER_NAME).is_file():
         n += 1
         run_dir = parent / f"{name}-{n}"
+    if args.requeue:
+        refuse_unresumable(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.finetune)
+        requeue = Requeue(
+            checkpoint_dir=Path(str(cfg.checkpoint.save)).resolve(),  # the ranks run in this directory
+            script=run_dir / SCRIPT_NAME,
+            grace_seconds=DEFAULT_SIGNAL_GRACE if args.signal_grace is None else args.signal_grace,
+        )
+        opts = dataclasses.replace(opts, requeue=requeue)  # checks the grace against --time
     # Where the run goes is decided here (the script lives there): the user's own values are replaced.
     ours = ("logging.run_dir=", "logging.run_name=")
     train_args = [*([config] if config else []), *(o for o in overrides if not o.startswith(ours))]
     train_args += [f"logging.run_dir={parent}", f"logging.run_name={run_dir.name}"]
+    if opts.requeue:
+        train_args.append("checkpoint.load=auto")  # the first job starts fresh, the next ones resume
     job = JobSpec("train", tuple(train_args), nproc=opts.gpus_per_node, nnodes=opts.nodes)
     log_path = run_dir / LOG_NAME
     if args.dry_run:
@@ -105,7 +137,30 @@ def run(args: argparse.Namespace) -> int:
     job_id = submit_script(opts.scheduler, script)
     (run_dir / MARKER_NAME).write_text(f'{{"scheduler": "{opts.scheduler}", "job_id": "{job_id}"}}\n')
     print(f"stx submit: {opts.scheduler} job {job_id}: {opts.nodes} node(s) x {opts.gpus_per_node} rank(s)")
+    if opts.requeue:
+        print(f"  requeue: continues in new jobs from the checkpoints in {opts.requeue.checkpoint_dir}")
     print(f"  script: {script}")
     print(f"  log:    {log_path}")
     print(job_id)
     return 0
+
+
+def refuse_unresumable(save: str | None, load: str | None, finetune: bool) -> None:
+    """UsageError when --requeue could not continue the run from one job to the next."""
+    from ..errors import UsageError
+
+    if not save:
+        raise UsageError(
+            "--requeue needs checkpoint.save (e.g. checkpoint.save=ckpt): a job stopped by its time "
+            "limit saves there, and the next job resumes from it"
+        )
+    if load not in (None, "auto"):
+        raise UsageError(
+            f"--requeue resumes every job with checkpoint.load=auto (the latest checkpoint in "
+            f"checkpoint.save); checkpoint.load={load} would be replaced: leave it out"
+        )
+    if finetune:
+        raise UsageError(
+            "--requeue with checkpoint.finetune=true would restart at iteration 0 in every job: "
+            "set checkpoint.finetune=false"
+        )

@@ -12,6 +12,15 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT does not change) and raise ChildFailedError. We n
 rank, its exit code, its exception and traceback tail (from the error.json that `@record` in cli's
 `__main__` writes, else the tail of its stderr) and exit 1.
 
+Stop requests (a scheduler's `--signal=USR1@...`, its time limit, `kill`): SIGUSR1 and SIGTERM to
+`stx launch` are passed on to every rank, which finish their step, save and exit 75
+(train/resilience.py); when every rank exited 75, so does `stx launch` (a batch script then continues
+the run in a new job). torch's agent would instead SIGTERM the ranks at once (SIGTERM) or die and
+leave them running (SIGUSR1: the default action), and it stops the other ranks as soon as the first
+one exits non-zero: a rank that exits 75 a moment before the others (they agreed on the step and the
+checkpoint is saved; they are writing their outputs) would get them killed, so here the others get
+RESUMABLE_WAIT seconds to exit as well. A second SIGTERM stops every rank now, as torch does.
+
 Output: rank 0's stdout straight through (every rank's, prefixed `[rankN]:`, with ranks_output
 "all"); every rank's stderr, prefixed. What is not shown goes to files under the log directory
 (a temporary one, removed at exit, unless log_dir is given).
@@ -21,22 +30,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
+import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessFailure, SignalException, Std
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ..train.resilience import EXIT_RESUMABLE
 
 RANKS_OUTPUT = ("0", "all")
 DEFAULT_MASTER_PORT = 29500  # torchrun's, for static rendezvous
@@ -45,6 +63,9 @@ TRACEBACK_FRAMES = 4  # frames of the failing rank's traceback in the report
 STDERR_LINES = 12  # lines of its stderr when it left no error file
 RUN_STAMP_ENV = "STX_RUN_STAMP"  # train/outputs.py reads it (launch sits above train)
 LOG_PREFIX = "[rank${rank}]:"  # torchrun's template syntax: global rank of the line's process
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # passed on to the ranks (train/resilience.py)
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torch's agent still stops every rank at once on these
+RESUMABLE_WAIT = 60.0  # seconds the other ranks get to exit once one exited 75 (they save before that)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +129,17 @@ def rendezvous(opts: LaunchOptions) -> tuple[str, str, str, dict[str, Any]]:
 def launch(opts: LaunchOptions, command: Sequence[str]) -> int:
     """Run `command` (executable, then arguments) as opts.nproc_per_node ranks on this node.
 
-    Returns the launcher's exit code: 0 when every rank succeeded, 1 when one failed (reported on
-    stderr), 128 + N when the launcher was stopped by signal N.
+    Returns the launcher's exit code: 0 when every rank succeeded, EXIT_RESUMABLE (75) when every
+    rank stopped to be resumed, 1 when one failed (reported on stderr), 128 + N when the launcher was
+    stopped by signal N (and its ranks did not all stop to be resumed).
     """
     backend, endpoint, run_id, rdzv_configs = rendezvous(opts)
+    stops = StopRequests()
     with (
         _log_root(opts.log_dir) as log_root,
         _worker_env(opts.nproc_per_node) as threads,
         _run_stamp(),
+        _stop_requests_passed_on(stops),
     ):
         config = LaunchConfig(
             min_nodes=opts.nnodes,
@@ -129,6 +153,7 @@ def launch(opts: LaunchOptions, command: Sequence[str]) -> int:
             monitor_interval=opts.monitor_interval,
             logs_specs=_logs_specs(opts, log_root),
             log_line_prefix_template=LOG_PREFIX,
+            signals_to_handle=AGENT_SIGNALS,
         )
         print(
             f"stx launch: {opts.nproc_per_node} processes on node {opts.node_rank} of {opts.nnodes} "
@@ -147,7 +172,18 @@ def launch(opts: LaunchOptions, command: Sequence[str]) -> int:
             try:
                 elastic_launch(config, command[0])(*args)
             except ChildFailedError as e:
+                if all_resumable(e.failures, opts.nproc_per_node):
+                    print(
+                        f"stx launch: all {opts.nproc_per_node} ranks stopped to be resumed "
+                        f"(exit status {EXIT_RESUMABLE})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return EXIT_RESUMABLE
                 print(failure_report(e.failures, log_root, run_id), file=sys.stderr, flush=True)
+                if stops.signum:
+                    print(f"stx launch: stopped by {signal.Signals(stops.signum).name}", file=sys.stderr)
+                    return 128 + stops.signum
                 return 1
             except SignalException as e:
                 print(
@@ -159,6 +195,86 @@ def launch(opts: LaunchOptions, command: Sequence[str]) -> int:
                 print(f"stx launch: error: rendezvous at {endpoint} failed: {e}", file=sys.stderr)
                 return 1
     return 0
+
+
+def all_resumable(failures: dict[int, ProcessFailure], nproc_per_node: int) -> bool:
+    """Every rank of this node exited EXIT_RESUMABLE (stopped after a saved checkpoint)."""
+    codes = [f.exitcode for f in failures.values()]
+    return len(codes) == nproc_per_node and all(code == EXIT_RESUMABLE for code in codes)
+
+
+class StopRequests:
+    """SIGTERM / SIGUSR1 to `stx launch`: passed on to every running rank (the first of them is kept
+    in `signum`). Before any rank runs, or on a second SIGTERM, torch's agent stops every rank now."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.worker_pids: Callable[[], list[int]] = list  # set by the agent once it exists
+
+    def __call__(self, signum: int, frame: object) -> None:
+        pids = self.worker_pids()
+        if not pids or signum == self.signum == signal.SIGTERM:
+            # what torch's own handler raises: the agent SIGTERMs its ranks and re-raises
+            raise SignalException(
+                f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum)
+            )
+        self.signum = self.signum or signum
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
+class ResumableAgent(LocalElasticAgent):
+    """torch's agent, except that a rank exiting EXIT_RESUMABLE does not get the others stopped (for
+    RESUMABLE_WAIT seconds) nor the ranks restarted, and that it tells `stops` its ranks' pids."""
+
+    def __init__(self, *args: Any, stops: StopRequests, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        stops.worker_pids = self._worker_pids
+        self._stopping_since: float | None = None
+
+    def _worker_pids(self) -> list[int]:
+        return list(self._pcontext.pids().values()) if self._pcontext is not None else []
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        context = self._pcontext
+        if isinstance(context, SubprocessContext):
+            codes = [handler.proc.poll() for handler in context.subprocess_handlers.values()]
+            ended = [code for code in codes if code is not None]
+            if ended and all(code == EXIT_RESUMABLE for code in ended):
+                self._remaining_restarts = 0  # stopped to be resumed: the job ends here
+                if len(ended) < len(codes):
+                    self._stopping_since = self._stopping_since or time.monotonic()
+                    if time.monotonic() - self._stopping_since < RESUMABLE_WAIT:
+                        return RunResult(state=WorkerState.HEALTHY)
+        return super()._monitor_workers(worker_group)
+
+
+def _no_error_for_75(record: logging.LogRecord) -> bool:
+    """Drops torch's ERROR line "failed (exitcode: 75) local_rank: ..." (ranks stopped to be resumed)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (str(record.msg).startswith("failed (exitcode") and args[:1] == (EXIT_RESUMABLE,))
+
+
+@contextlib.contextmanager
+def _stop_requests_passed_on(stops: StopRequests) -> Iterator[None]:
+    """`stops` handles STOP_SIGNALS, and elastic_launch builds a ResumableAgent (torch's launch_agent
+    constructs `LocalElasticAgent` by its module-level name, which offers no other way in)."""
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, stops)
+    torch_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    torch_log.addFilter(_no_error_for_75)
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = functools.partial(ResumableAgent, stops=stops)  # type: ignore[assignment, misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        torch_log.removeFilter(_no_error_for_75)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _logs_specs(opts: LaunchOptions, log_root: str) -> DefaultLogsSpecs:
