@@ -54,7 +54,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ..train.resilience import EXIT_RESUMABLE
+from ..train.resilience import EXIT_RESUMABLE, STOP_SIGNALS  # the ranks stop on these
 
 RANKS_OUTPUT = ("0", "all")
 DEFAULT_MASTER_PORT = 29500  # torchrun's, for static rendezvous
@@ -63,7 +63,6 @@ TRACEBACK_FRAMES = 4  # frames of the failing rank's traceback in the report
 STDERR_LINES = 12  # lines of its stderr when it left no error file
 RUN_STAMP_ENV = "STX_RUN_STAMP"  # train/outputs.py reads it (launch sits above train)
 LOG_PREFIX = "[rank${rank}]:"  # torchrun's template syntax: global rank of the line's process
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # passed on to the ranks (train/resilience.py)
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torch's agent still stops every rank at once on these
 RESUMABLE_WAIT = 60.0  # seconds the other ranks get to exit once one exited 75 (they save before that)
 

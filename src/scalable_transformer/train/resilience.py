@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import signal
 import statistics
+import threading
 from collections import deque
 from types import FrameType
 from typing import Any
@@ -42,8 +43,6 @@ class StopSignals:
         self.caught = self.caught or signum
 
     def __enter__(self) -> StopSignals:
-        import threading
-
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._catch)
