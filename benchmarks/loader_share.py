@@ -36,6 +36,8 @@ from scalable_transformer.metrics.hardware import resolve_peak
 from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters
 from scalable_transformer.parallel.apply import parallelize
+from scalable_transformer.parallel.dims import ParallelDims
+from scalable_transformer.train.measurement import Measurement
 from scalable_transformer.train.optim import build_optimizer, build_scheduler
 from scalable_transformer.train.run import set_seed
 from scalable_transformer.train.trainer import Trainer
@@ -76,10 +78,7 @@ def run_once(cfg: ResolvedConfig, tokenizer, datasets, num_workers: int, warmup:
         scheduler,
         iter(loader),
         lambda: eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters),
-        device,
-        Sinks([]),
-        flops,
-        peak.flops_per_second,
+        Measurement(cfg, device, ParallelDims(dp=1, tp=1, pp=1), flops, peak.flops_per_second, Sinks([])),
     )
     history = trainer.fit()
     interval = cfg.logging.log_interval

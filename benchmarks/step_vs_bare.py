@@ -50,6 +50,8 @@ from scalable_transformer.metrics.hardware import PeakInfo, resolve_peak
 from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters, padded_vocab_size
 from scalable_transformer.parallel.apply import parallelize
+from scalable_transformer.parallel.dims import ParallelDims
+from scalable_transformer.train.measurement import Measurement
 from scalable_transformer.train.optim import build_optimizer, build_scheduler
 from scalable_transformer.train.trainer import Trainer
 
@@ -142,9 +144,9 @@ def build_ours(cfg: ResolvedConfig, flops: FlopsCount, peak: PeakInfo) -> Traine
     model = parallelize(build_model(cfg.model).to(device), cfg)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
-    return Trainer(
-        cfg, model, optimizer, scheduler, iter(()), list, device, Sinks([]), flops, peak.flops_per_second
-    )
+    dims = ParallelDims(dp=1, tp=1, pp=1)
+    measurement = Measurement(cfg, device, dims, flops, peak.flops_per_second, Sinks([]))
+    return Trainer(cfg, model, optimizer, scheduler, iter(()), list, measurement)
 
 
 def adamw(model: torch.nn.Module, cfg: ResolvedConfig) -> torch.optim.AdamW:

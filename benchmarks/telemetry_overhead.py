@@ -28,7 +28,6 @@ reads per bucket); both are per interval or per bucket, not per operator.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shlex
@@ -53,29 +52,7 @@ from scalable_transformer.models import count_parameters
 from step_vs_bare import build_ours, quartiles, synthetic_batches
 
 TARGET = 1.02
-
-
-class _NullTimer(contextlib.nullcontext):
-    def start(self) -> _NullTimer:
-        return self
-
-    def stop(self) -> _NullTimer:
-        return self
-
-
-class NullTimers:
-    """Timers that measure nothing: the bare variant."""
-
-    _timer = _NullTimer()
-
-    def __call__(self, name: str) -> _NullTimer:
-        return self._timer
-
-    def add(self, name: str, seconds: float) -> None:
-        pass
-
-    def names(self) -> list[str]:
-        return []
+NO_TIMERS = Timers(level=0)  # the product's disabled timers (logging.timing_log_level=0): the bare variant
 
 
 class SwitchedTelemetry(Telemetry):
@@ -95,10 +72,10 @@ def timed_step(trainer: Any, batches: list, instrumented: bool, telemetry: Switc
     """Seconds of one optimizer step, instrumented (A) or bare (B)."""
     if instrumented:
         telemetry.paused.clear()
-        trainer.timers = trainer.real_timers
+        trainer.timers = trainer.measure.timers = trainer.real_timers
     else:
         telemetry.paused.set()
-        trainer.timers = NullTimers()
+        trainer.timers = trainer.measure.timers = NO_TIMERS
     t0 = time.perf_counter()
     trainer.train_step(batches)
     return time.perf_counter() - t0

@@ -108,7 +108,7 @@ def _records(run_dir: str) -> list[dict]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_grad_sync_timers_present_and_phases_add_up_to_the_step(runs, layout):
-    from scalable_transformer.train.trainer import PHASES
+    from scalable_transformer.train.measurement import PHASES
 
     run_dir, summary = runs[layout]
     records = _records(run_dir)[1:]  # the first interval holds the warm-up steps

@@ -280,7 +280,8 @@ def pipelined_run(cfg: Config, wrappers: tuple[str, ...]) -> dict:
                 squares += grad_squares(param.grad, p.dp * p.tp)
         dist.all_reduce(squares)
         opt.step()
-        loss = torch.tensor([metrics["loss"]], dtype=torch.float64)
+        loss = metrics["loss"].detach().double().reshape(1)
+        dist.all_reduce(loss, group=runner.group)  # the last stage's sum, zeros on the others
         dist.all_reduce(loss, group=dp_group)
         losses.append(float(loss))
         norms.append(float(squares.sqrt()))

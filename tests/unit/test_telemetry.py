@@ -18,7 +18,7 @@ from scalable_transformer.config.validate import resolve
 from scalable_transformer.errors import ConfigError
 from scalable_transformer.metrics.profile import analyze_trace, format_table
 from scalable_transformer.metrics.telemetry import GPU_FIELDS, Rapl, Telemetry, short
-from scalable_transformer.train.trainer import straggler
+from scalable_transformer.train.measurement import straggler
 
 
 class FakeGpu:
@@ -222,8 +222,8 @@ def test_cpu_run_summary_store_row_and_profile_window(tmp_path):
 
 
 def test_profiled_steps_are_left_out_of_the_median():
+    from scalable_transformer.train.measurement import History
     from scalable_transformer.train.outputs import summarize
-    from scalable_transformer.train.trainer import History
 
     cfg = resolve(load_config("tiny-gpt", ["train.train_iters=6", "logging.warmup_iters=1"]), 1)
     history = History(iteration_seconds=[9.0, 1.0, 50.0, 60.0, 1.0, 1.0], excluded_iterations={3, 4})

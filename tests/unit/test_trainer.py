@@ -13,6 +13,8 @@ from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
 from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters
+from scalable_transformer.parallel.dims import ParallelDims
+from scalable_transformer.train.measurement import Measurement
 from scalable_transformer.train.optim import build_optimizer, build_scheduler
 from scalable_transformer.train.run import run_training
 from scalable_transformer.train.trainer import Trainer
@@ -78,18 +80,10 @@ def make_trainer(cfg, micro_batches) -> Trainer:
         cfg.train.global_batch_size,
         "megatron",
     )
-    return Trainer(
-        cfg,
-        model,
-        optimizer,
-        scheduler,
-        iter(micro_batches),
-        lambda: [],
-        torch.device("cpu"),
-        Sinks([]),
-        flops,
-        1e12,
+    measurement = Measurement(
+        cfg, torch.device("cpu"), ParallelDims(dp=1, tp=1, pp=1), flops, 1e12, Sinks([])
     )
+    return Trainer(cfg, model, optimizer, scheduler, iter(micro_batches), lambda: [], measurement)
 
 
 def split(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
@@ -109,8 +103,8 @@ def test_accumulation_matches_one_large_micro_batch(model_type):
     for batch in batches:
         a = one.train_step([batch])
         b = two.train_step(split(batch, 2))
-        assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-6)
-        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+        assert float(a.loss) == pytest.approx(float(b.loss), rel=1e-6, abs=1e-6)
+        assert float(a.grad_norm) == pytest.approx(float(b.grad_norm), rel=1e-5)
     for (name, p), q in zip(one.model.named_parameters(), two.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -144,7 +138,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
         assert torch.equal(p, before[n]), f"{n} changed on a skipped step"
     assert trainer.scheduler.last_epoch == 0  # a skipped update does not advance the schedule
     result = trainer.train_step([batches[1]])
-    assert not result.skipped and math.isfinite(result.loss)
+    assert not result.skipped and math.isfinite(float(result.loss))
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 

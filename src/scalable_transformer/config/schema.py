@@ -434,9 +434,10 @@ class TrainConfig:
     on_nonfinite: str = opt(
         "stop",
         "bf16/fp32: what a step whose loss or gradient norm is inf/nan does: stop (the run ends naming "
-        "the step, before the update; the last good checkpoint stays the one checkpoint.load=auto picks) "
-        "or skip (no update, no schedule step, counted). fp16's loss scaler skips overflowing steps "
-        "either way.",
+        "the step at the next logging step or checkpoint save, which is not written, so the last good "
+        "checkpoint stays the one checkpoint.load=auto picks; nothing is read from the device between) "
+        "or skip (no update, no schedule step, counted; reads the gradient norm every step). fp16's "
+        "loss scaler skips overflowing steps either way.",
         choices=("stop", "skip"),
     )
     max_skipped_steps: int = opt(
@@ -501,9 +502,20 @@ class LoggingConfig:
         "GPU always measured (torch.cuda.max_memory_allocated).",
     )
     timers_sync: bool = opt(
-        True,
-        "Synchronize the device at phase boundaries so per-phase times are honest.",
+        False,
+        "Synchronize the device at every phase timer's start and stop, so that per-phase times are "
+        "device times (a host synchronization per call; overlap between phases is lost). Off: on a GPU "
+        "the phase times are the host's enqueue times and only the iteration time is a device time "
+        "(CUDA events, read at logging steps); on a CPU both are the same.",
         aliases=("wall_clock_breakdown",),
+    )
+    timing_log_level: int = opt(
+        2,
+        "Which phase timers run (Megatron's --timing-log-level): 0 none (iteration time only), 1 the "
+        "disjoint phases of a step (forward-compute, backward-compute, all-grads-sync, optimizer, ...), "
+        "2 also the nested ones (optimizer parts, pipeline-p2p-wait).",
+        ge=0,
+        le=2,
     )
     telemetry: bool = opt(
         True,

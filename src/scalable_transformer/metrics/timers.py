@@ -6,9 +6,16 @@
         optimizer.step()
     timers.elapsed_ms(["forward-compute", "optimizer"], normalizer=log_interval)
 
+Levels (Megatron's `--timing-log-level`, our `logging.timing_log_level`): a timer asked for with a
+level above the registry's is a shared no-op, so a disabled timer costs one comparison. 0: no phase
+timers (the iteration time is measured apart); 1: the disjoint phases of a step; 2: also the nested
+ones (optimizer parts, pipeline waits).
+
 Kernels run asynchronously on GPUs, so without a device sync a phase's wall time measures how long
-it took to *launch* work, not to run it; `sync_fn` is called at every start and stop so that
-per-phase numbers are honest (at the cost of removing overlap between phases).
+it took to *launch* work (enqueue time), not to run it; `sync_fn` (`logging.timers_sync`) is called
+at every start and stop so that per-phase numbers are device times, at the cost of a host
+synchronization per call and of the overlap between phases. It is off by default, as in Megatron and
+torchtitan: the step then never waits on the device for a timer.
 """
 
 from __future__ import annotations
@@ -70,25 +77,58 @@ class _Timer:
         self.stop()
 
 
+class _NoTimer:
+    """What a timer above the registry's level is: start, stop and `with` do nothing."""
+
+    running = False
+
+    def start(self) -> _NoTimer:
+        return self
+
+    def stop(self) -> _NoTimer:
+        return self
+
+    def __enter__(self) -> _NoTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NO_TIMER = _NoTimer()
+MAX_LEVEL = 2
+
+
 class Timers:
-    """A registry of named timers; `timers(name)` creates the timer on first use."""
+    """A registry of named timers; `timers(name)` creates the timer on first use; `timers(name, 2)`
+    is a no-op unless the registry's level is 2."""
 
     def __init__(
-        self, sync_fn: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter
+        self,
+        sync_fn: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        level: int = MAX_LEVEL,
     ) -> None:
+        if not 0 <= level <= MAX_LEVEL:
+            raise ValueError(f"timing level must be 0..{MAX_LEVEL}, got {level}")
         self._sync_fn = sync_fn
         self._clock = clock  # injectable for tests; seconds
+        self.level = level
         self._timers: dict[str, _Timer] = {}
 
-    def __call__(self, name: str) -> _Timer:
+    def __call__(self, name: str, level: int = 1) -> _Timer | _NoTimer:
+        if level > self.level:
+            return NO_TIMER
         if name not in self._timers:
             self._timers[name] = _Timer(name, self._sync_fn, self._clock)
         return self._timers[name]
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, level: int = 1) -> None:
         """Add `seconds` measured elsewhere to timer `name` (created on first use), e.g. the part of a
-        backward pass that waited for gradient communication."""
-        self(name)._elapsed += seconds
+        backward pass that waited for gradient communication; nothing above the registry's level."""
+        timer = self(name, level)
+        if isinstance(timer, _Timer):
+            timer._elapsed += seconds
 
     def names(self) -> list[str]:
         """Timer names in first-use order."""

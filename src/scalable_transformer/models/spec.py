@@ -10,6 +10,7 @@ Shape legend: b batch, s sequence, h hidden, v padded vocabulary, n rows (b * s 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,13 @@ class LossOps:
 
     cross_entropy_sum: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = cross_entropy_sum
     argmax_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = argmax_rows
+    # count correct predictions (evaluation's accuracies): an argmax over the labelled rows, whose
+    # boolean-mask selection is a host synchronization on a GPU, so a training step leaves it out
+    accuracy: bool = True
+
+    def for_training(self) -> LossOps:
+        """The same reductions without the accuracy counts (a training step logs losses only)."""
+        return dataclasses.replace(self, accuracy=False)
 
 
 PLAIN_LOSS_OPS = LossOps()

@@ -94,9 +94,18 @@ def all_reduce_floats(values: list[float], group=None, op=dist.ReduceOp.SUM) -> 
     return tensor.tolist()
 
 
+# A dry run's process group is torch's "fake" backend; plan/dry_run.py sets this to the backend the
+# real run would use ("nccl" for a GPU target), so collectives stage their tensors where they would.
+SIMULATED_BACKEND: str | None = None
+
+
 def collective_device(group) -> torch.device:
     """Host tensors for gloo groups; the current CUDA device for nccl-only groups."""
-    backend = dist.get_backend(group)
-    if "gloo" in str(backend) or not torch.cuda.is_available():
+    backend = str(dist.get_backend(group))
+    if backend == "fake" and SIMULATED_BACKEND is not None:
+        if "nccl" in SIMULATED_BACKEND:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())

@@ -37,7 +37,8 @@ def grad_norm(
     exclude: Collection[int] = (),
     pp_group=None,
 ) -> torch.Tensor:
-    """Global L2 norm of the gradients of `params` (float64 scalar on CPU), counted once each.
+    """Global L2 norm of the gradients of `params`, counted once each: a float32 scalar on the
+    gradients' device, never read on the host here (the caller decides when to read it).
 
     `exclude`: id()s of parameters whose grads duplicate another rank's (pipeline tied copies).
     `pp_group`: the group whose ranks hold other parameters (pipeline stages); None = none.
@@ -46,29 +47,40 @@ def grad_norm(
     for p in params:
         if p.grad is not None and id(p) not in exclude:
             groups.setdefault(_group_key(p.grad), []).append(p.grad)
-    squares = torch.zeros((), dtype=torch.float64)
+    squares: torch.Tensor | None = None
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares += norm.detach().to("cpu", torch.float64) ** 2
+        square = norm.detach().float() ** 2
+        squares = square if squares is None else squares + square.to(squares.device)
+    if squares is None:  # no gradients on this rank (a pipeline stage without parameters)
+        squares = torch.zeros((), dtype=torch.float32, device=_grad_device(params))
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         device = collective_device(pp_group)
         total = squares.to(device)
         dist.all_reduce(total, group=pp_group)
-        squares = total.cpu()
+        squares = total.to(squares.device)
     return squares.sqrt()
 
 
-def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
-    """Scale every gradient by max_norm / total_norm when the norm exceeds max_norm (Megatron's rule)."""
-    if not math.isfinite(total_norm) or max_norm <= 0 or total_norm <= max_norm:
+def _grad_device(params: Iterable[torch.nn.Parameter]) -> torch.device:
+    for p in params:
+        return local(p.detach()).device
+    return torch.device("cpu")
+
+
+def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / (total_norm + 1e-6)) (torch's clip_grad_norm_ rule,
+    Megatron's threshold) without reading the norm on the host: the coefficient stays on the device,
+    and a gradient at or under the threshold is multiplied by exactly 1."""
+    if max_norm <= 0 or not math.isfinite(max_norm):
         return
-    coefficient = max_norm / (total_norm + 1e-6)
+    coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             g = local(p.grad)
             by_device.setdefault((g.device, g.dtype), []).append(g)
-    for grads in by_device.values():
-        torch._foreach_mul_(grads, coefficient)
+    for (device, _), grads in by_device.items():
+        torch._foreach_mul_(grads, coefficient.to(device))

@@ -189,7 +189,8 @@ class PipelineRunner:
             self._pipeline_stage(stage, index, cfg) for stage, index in zip(stages, ids, strict=True)
         ]
         self.metric_keys = sorted(self.spec.metric_names(m))
-        self._loss_ops = loss_ops(p.tp)
+        self._eval_ops = loss_ops(p.tp)
+        self._loss_ops = self._eval_ops.for_training()  # the one the loss function gets this call
         self._train_schedule: _PipelineSchedule | None = None
         # per-call state read by the loss function, which the schedule calls on the last stage
         self._normalizers: dict[str, int] = {}
@@ -281,26 +282,36 @@ class PipelineRunner:
         target = pipeline.pack_target(whole) if self.has_last else None
         return args, kwargs, target
 
-    def _reduce_metrics(self, n: int) -> dict[str, float]:
-        """Metric sums over the step's micro-batches, summed over pp so every rank has them."""
+    def _metric_sums(self, n: int) -> dict[str, torch.Tensor]:
+        """This rank's metric sums over the step's micro-batches, on the device: the last stage's
+        scores, zeros elsewhere (and for a key the loss left out, such as accuracies in training).
+        Nothing is read on the host; summing over pp (the zeros) is the caller's, when it reads."""
         if self.has_last and len(self._metrics) != n:
             raise RuntimeError(f"the schedule scored {len(self._metrics)} micro-batches, expected {n}")
-        sums = [0.0] * len(self.metric_keys)
+        sums = {key: torch.zeros((), dtype=torch.float32, device=self.device) for key in self.metric_keys}
         for metrics in self._metrics:  # in micro-batch order, as the unpipelined step sums them
-            for i, key in enumerate(self.metric_keys):
-                sums[i] += float(metrics[key])
+            for key in self.metric_keys:
+                if key in metrics:
+                    sums[key] = sums[key] + metrics[key]
         self._metrics = []
-        sums = all_reduce_floats(sums, self.group)
-        return dict(zip(self.metric_keys, sums, strict=True))
+        return sums
+
+    def _reduce_metrics(self, n: int) -> dict[str, float]:
+        """Metric sums over the micro-batches, summed over pp so every rank has them (host floats)."""
+        sums = self._metric_sums(n)
+        local_sums = torch.stack([sums[key] for key in self.metric_keys]).tolist()  # one read
+        values = all_reduce_floats(local_sums, self.group)
+        return dict(zip(self.metric_keys, values, strict=True))
 
     def train_step(
         self, micro_batches: list[Batch], normalizers: dict[str, int], loss_multiplier: float
-    ) -> dict[str, float]:
+    ) -> dict[str, torch.Tensor]:
         """Forward and backward of all micro-batches (gradients accumulate in the stages' params).
 
         The loss backpropagated per micro-batch is the family's loss(...)[0] * loss_multiplier (the
         caller folds in the dp size that DDP/FSDP average over and the fp16 loss scale); the
-        returned metrics are unscaled sums over the micro-batches, equal on every pipeline rank.
+        returned metrics are unscaled sums over the micro-batches as device tensors, the last stage's
+        on its ranks and zeros on the others (a sum over pp gives every rank the step's values).
         Micro-batches must all have train.micro_batch_size sequences of model.seq_length tokens.
         Call `sync_tied_grads` before reading the gradients.
         """
@@ -313,10 +324,11 @@ class PipelineRunner:
         if self._train_schedule is None:
             self._train_schedule = self._schedule(self.num_microbatches, train=True)
         self._normalizers, self._loss_multiplier = normalizers, loss_multiplier
+        self._loss_ops = self._eval_ops.for_training()
         args, kwargs, target = self._schedule_inputs(micro_batches)
         with loss_parallel_context(self.tp), pipeline_wait_timing(self.comm_recorder):
             self._train_schedule.step(*args, target=target, return_outputs=False, **kwargs)
-        return self._reduce_metrics(len(micro_batches))
+        return self._metric_sums(len(micro_batches))
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch], normalizers: dict[str, int]) -> dict[str, float]:
@@ -328,6 +340,7 @@ class PipelineRunner:
         # the next train_step builds (and re-initialises) a fresh training schedule.
         self._train_schedule = None
         self._normalizers, self._loss_multiplier = normalizers, 1.0
+        self._loss_ops = self._eval_ops
         args, kwargs, target = self._schedule_inputs(batches)
         with loss_parallel_context(self.tp):
             schedule.eval(*args, target=target, **kwargs)

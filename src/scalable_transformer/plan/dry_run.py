@@ -33,7 +33,11 @@ from typing import Any
 from ..config.schema import Config
 from ..errors import StxError
 
-DRY_RUN_STEPS = 2  # the first a plain step, the second a logging step
+# the first step (lazy initialisation: optimizer states, the pipeline schedule's warm-up), then a plain
+# step (what every step between logging steps does: its collectives and host syncs are reported) and a
+# logging step
+DRY_RUN_STEPS = 3
+PLAIN_STEP = 2
 NO_PEAK = 1e30  # FLOP/s: a dry run's step takes no time, so its MFU means nothing (and must not warn)
 
 
@@ -128,8 +132,8 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 def dry_run_config(cfg: Config) -> Config:
-    """The config a dry run trains: two steps, the second logged, no evaluation, nothing written, no
-    weights read (the run has no data to put them in)."""
+    """The config a dry run trains: DRY_RUN_STEPS steps, the last logged, no evaluation, nothing
+    written, no weights read (the run has no data to put them in)."""
     t, lg, c = cfg.train, cfg.logging, cfg.checkpoint
     return dataclasses.replace(
         cfg,
@@ -200,6 +204,7 @@ def run_rank(
     from ..metrics.sinks import Sinks
     from ..models import count_parameters
     from ..parallel.dims import ParallelDims
+    from ..train.measurement import Measurement
     from ..train.optim import build_optimizer, build_scheduler
     from ..train.run import build_parallel_model
     from ..train.trainer import Trainer
@@ -212,9 +217,12 @@ def run_rank(
         if "trace" in holder:
             holder["trace"]._host_read(None)
 
+    from ..parallel import distributed
+
+    simulated = [(distributed, "SIMULATED_BACKEND", "nccl" if device_type == "cuda" else "gloo")]
     with (
         fake_process_group(rank, world_size),
-        patched(_engine_stubs(device_type, holder)),
+        patched(_engine_stubs(device_type, holder) + simulated),
         _target_device(device_type, rank, devices_per_node, device_sync) as device,
     ):
         dims = ParallelDims.build(cfg, device.type)  # the mesh outside the fake mode (it reads ranks)
@@ -232,6 +240,7 @@ def run_rank(
                 optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
                 scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
                 flops = step_flops(cfg, count_parameters(cfg.model))
+                measurement = Measurement(cfg, device, dims, flops, NO_PEAK, Sinks([]))  # type: ignore[arg-type]
                 trainer = Trainer(
                     cfg,  # type: ignore[arg-type]
                     model,
@@ -239,11 +248,7 @@ def run_rank(
                     scheduler,
                     fake_batches(cfg, device),
                     list,
-                    device,
-                    Sinks([]),
-                    flops,
-                    NO_PEAK,
-                    num_devices=world_size,
+                    measurement,
                     dims=dims,
                     pipeline=pipeline,
                     callbacks=[_StepMarker(trace)],  # type: ignore[list-item]
@@ -262,7 +267,7 @@ def run_rank(
                 f"{type(e).__name__}: {first_line}"
             ) from e
         peak = trace.peak
-        plain_step, logging_step = 1, DRY_RUN_STEPS
+        plain_step, logging_step = PLAIN_STEP, DRY_RUN_STEPS
         plain = _summarize_reads(trace.host_reads, plain_step)
         return RankDryRun(
             rank=rank,
@@ -315,8 +320,8 @@ class _PhaseTimers:
     def __init__(self, trace: Any, timers: Any) -> None:
         self._trace, self._timers = trace, timers
 
-    def __call__(self, name: str) -> Any:
-        return _PhaseTimer(self._trace, self._timers(name), name)
+    def __call__(self, name: str, level: int = 1) -> Any:
+        return _PhaseTimer(self._trace, self._timers(name, level), name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._timers, name)

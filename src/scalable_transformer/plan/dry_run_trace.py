@@ -21,7 +21,11 @@ collectives every op of the `c10d` and `_c10d_functional` namespaces, with the p
 host reads  `aten._local_scalar_dense` (`.item()`, `float()`, `int()`, `.tolist()` of a tensor) raises on
             a fake tensor; here it is answered with a neutral value (0 / False / 1.0) and recorded
             with the first frame of this package on the Python stack. Consecutive reads from one
-            place with no op between them are one synchronization (a `.tolist()`).
+            place with no op between them are one synchronization (a `.tolist()`). On a GPU rank a
+            read of a host tensor (a CPU generator's draw) waits for no device and is not recorded,
+            a blocking copy of a device tensor to the host is;
+            `torch.cuda.synchronize()` and an event's or stream's `synchronize()` are recorded by the
+            dry run through plan/fake_cuda.py.
 
 Considered: `torch.distributed._tools.MemTracker` / `FSDPMemTracker` (same dispatch-mode technique,
 per-module peaks). They do not see DDP's buckets or pipeline buffers as such, report one category
@@ -363,6 +367,9 @@ class DryRunTrace(TorchDispatchMode):
             self._record_outputs(out)
             return out
         if func is _aten._local_scalar_dense.default:
+            if self.device_type != "cpu" and args[0].device.type == "cpu":
+                # a host tensor's value on a GPU rank (a CPU generator's draw): no device to wait for
+                return _neutral(args[0]) if self.read_value is None else self.read_value
             return self._host_read(args[0])
         if func is _aten._pin_memory.default:
             # a page-locked host copy (offload to the CPU of a GPU rank): host memory, which the fake
@@ -371,6 +378,8 @@ class DryRunTrace(TorchDispatchMode):
                 return args[0].clone()
         if dependent:
             return self._data_dependent(func, args, kwargs)
+        if self.device_type != "cpu" and _device_to_host(func, args, kwargs):
+            self._host_read(None)  # a blocking copy to host memory waits for the device's queue
         self._last_read_key = None
         self.op = str(func)
         out = func(*args, **kwargs)
@@ -493,10 +502,7 @@ class DryRunTrace(TorchDispatchMode):
             return None
         if self.read_value is not None:
             return self.read_value
-        # zero: no overflow found (the fp16 step is taken, as in a healthy run), and nothing divides by it
-        if tensor.dtype == torch.bool:
-            return False
-        return 0.0 if tensor.is_floating_point() else 0
+        return _neutral(tensor)
 
     # ------------------------------------------------------------ results
 
@@ -553,6 +559,32 @@ def _unravel(flat: torch.Tensor, shape: Any) -> list[torch.Tensor]:
         coords.append(rest % size)
         rest = rest // size
     return coords[::-1]
+
+
+def _device_to_host(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """A blocking copy of a device tensor into host memory (`.cpu()`, `.to("cpu")`, `cpu_t.copy_(t)`)."""
+    if func is _aten._to_copy.default:
+        src, target = args[0], kwargs.get("device")
+        blocking = not kwargs.get("non_blocking", False)
+        return blocking and target is not None and target.type == "cpu" and src.device.type != "cpu"
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return (
+            blocking
+            and dst.device.type == "cpu"
+            and isinstance(src, torch.Tensor)
+            and src.device.type != "cpu"
+        )
+    return False
+
+
+def _neutral(tensor: torch.Tensor) -> Any:
+    """The answer to a host read of a fake value: zero (no overflow found, so the fp16 step is taken
+    as in a healthy run, and nothing divides by it)."""
+    if tensor.dtype == torch.bool:
+        return False
+    return 0.0 if tensor.is_floating_point() else 0
 
 
 def _only_real_tensors(tree: Any) -> bool:

@@ -144,7 +144,7 @@ class FakeCudaStream(torch.Stream):
         return True
 
     def synchronize(self):
-        pass  # no concurrency to model
+        _synchronize()  # the host waits for the stream: reported as a host synchronization
 
     def __eq__(self, o):
         same = (o.stream_id, o.device_index) == (self.stream_id, self.device_index)
@@ -171,7 +171,7 @@ class FakeCudaEvent:
         return True
 
     def synchronize(self):
-        pass  # no concurrency to model
+        _synchronize()  # the host waits for the event: reported as a host synchronization
 
     def elapsed_time(self, end_event):
         return 0.0

@@ -56,9 +56,12 @@ class CheckpointCallback(Callback):
         self.saver = saver
 
     def on_step_end(self, trainer: Trainer, result: Any) -> None:
+        if self.saver.interval and trainer.iteration % self.saver.interval == 0:
+            trainer.settle()  # the steps since the last read: a non-finite one stops the run unsaved
         self.saver.maybe_save(trainer)
 
     def on_fit_end(self, trainer: Trainer, history: History) -> None:
+        trainer.settle()
         self.saver.save_final(trainer)
 
 

@@ -30,13 +30,13 @@ class ProgressCallback(Callback):
             self.progress.start()
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if self.progress is None:
-            return
-        seconds = trainer.history.iteration_seconds[-1] if trainer.history.iteration_seconds else 0.0
-        rate = f"{trainer.global_batch / seconds:.2f} samples/s" if seconds > 0 else ""
-        self.progress.update(
-            self.task, completed=trainer.iteration, status=f"loss {result.loss:.4f} | {rate}"
-        )
+        if self.progress is not None:  # the loss shown is the last logged one: a step's stays on the device
+            self.progress.update(self.task, completed=trainer.iteration)
+
+    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if self.progress is not None:
+            status = f"loss {record['loss']:.4f} | {record['samples_per_second']:.2f} samples/s"
+            self.progress.update(self.task, completed=trainer.iteration, status=status)
 
     def on_fit_end(self, trainer: Trainer, history: History) -> None:
         if self.progress is not None:

@@ -106,8 +106,10 @@ def nonfinite_message(iteration: int, loss: float, grad_norm: float) -> str:
 
 class NonFiniteSteps:
     """train.on_nonfinite for bf16/fp32 steps: `check` returns True when the step's update must be
-    skipped, raises NonFiniteError when the run must stop. Every rank sees the same loss (all-reduced)
-    and gradient norm (global), so every rank decides the same."""
+    skipped, raises NonFiniteError when the run must stop. The trainer calls it with the global
+    gradient norm (and the loss summed over ranks when it has it), so every rank decides the same:
+    under `skip` at the step itself (one host read), under `stop` when the steps are read (logging
+    steps, checkpoint saves)."""
 
     def __init__(self, policy: str, max_skipped: int) -> None:
         self.policy, self.max_skipped = policy, max_skipped
@@ -119,9 +121,10 @@ class NonFiniteSteps:
         what = nonfinite_message(iteration, loss, grad_norm)
         if self.policy == "stop":
             raise NonFiniteError(
-                f"{what} (train.on_nonfinite = stop): stopped before its update. The last checkpoint "
-                "saved before it is the one checkpoint.load=auto resumes from; train.on_nonfinite=skip "
-                "skips such steps instead"
+                f"{what} (train.on_nonfinite = stop): stopped at the first read of the steps after it "
+                "(a logging step or a checkpoint save, which is not written). The last checkpoint saved "
+                "before it is the one checkpoint.load=auto resumes from; train.on_nonfinite=skip skips "
+                "such steps instead"
             )
         self.skipped.append(iteration)
         if len(self.skipped) > self.max_skipped:

@@ -35,6 +35,7 @@ from ..parallel.apply import parallelize
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import env_world_size, init_distributed, shutdown_distributed
 from .checkpointing import attach_checkpoints, open_resume
+from .measurement import STRAGGLER_MARGIN, Measurement, gather_floats
 from .optim import build_optimizer, build_scheduler
 from .outputs import (
     open_run_dir,
@@ -49,7 +50,7 @@ from .outputs import (
 )
 from .resilience import stop_message
 from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
-from .trainer import STRAGGLER_MARGIN, Callback, Trainer, gather_floats
+from .trainer import Callback, Trainer
 from .watchdog import HangWatchdog
 
 
@@ -183,6 +184,7 @@ def _run(
         from .progress import ProgressCallback
 
         callbacks.append(ProgressCallback(console, cfg.train.train_iters))
+    measurement = Measurement(cfg, device, dims, flops, peak.flops_per_second, Sinks(sinks))
     trainer = Trainer(
         cfg,
         model,
@@ -190,11 +192,7 @@ def _run(
         scheduler,
         iter(train_loader),
         valid_batches,
-        device,
-        Sinks(sinks),
-        flops,
-        peak.flops_per_second,
-        num_devices=world,
+        measurement,
         dims=dims,
         pipeline=pipeline,
         callbacks=callbacks,

@@ -12,8 +12,7 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,77 +20,18 @@ import torch.distributed as dist
 
 from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
-from ..metrics.flops import FlopsCount, throughput_metrics
-from ..metrics.memory import MemoryTracker, model_state_bytes
-from ..metrics.sinks import Sinks
-from ..metrics.timers import Timers, minmax_over_ranks
+from ..metrics.memory import model_state_bytes
 from ..models import spec_for
 from ..parallel.dims import ParallelDims
-from ..parallel.distributed import all_reduce_floats
+from ..parallel.distributed import collective_device
 from ..parallel.grads import clip_grads, grad_norm, local
 from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
+from .measurement import History, Measurement, StepResult, StepValues
 from .resilience import LossSpikes, NonFiniteSteps, StopSignals
 
 Batch = dict[str, torch.Tensor]
-# Megatron's timer names. PHASES are disjoint: with the untimed rest (callbacks, the log record) they
-# add up to the step time. NESTED run inside the phase named (Megatron prints them side by side too).
-PHASES = (
-    "forward-compute",
-    "backward-compute",
-    "all-grads-sync",  # the exposed part of the gradient reduction: after backward compute, until ready
-    "forward-backward",  # a pipeline schedule's step (pp > 1): compute, P2P waits, gradient reductions
-    "metrics-all-reduce",  # the step's token counts and losses over dp (a lagging rank is waited for here)
-    "embedding-grads-all-reduce",  # tied word-embedding copies of the first and last stage (pp > 1)
-    "zero-grad",
-    "optimizer",
-    "batch-generator",
-)
-NESTED = {
-    "pipeline-p2p-wait": "forward-backward",
-    "optimizer-unscale-and-check-inf": "optimizer",
-    "optimizer-clip-main-grad": "optimizer",
-    "optimizer-inner-step": "optimizer",
-}
-WAITS = ("all-grads-sync", "metrics-all-reduce", "embedding-grads-all-reduce", "pipeline-p2p-wait")
-STRAGGLER_MARGIN = 0.10  # a rank busier than the median of the ranks by more than this is flagged
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    skipped: bool  # no update: an fp16 overflow or a non-finite bf16/fp32 step (train.on_nonfinite=skip)
-    lr: float  # the learning rate this step's update used
-    metrics: dict[str, float]
-    nonfinite: bool = False  # skipped because its loss or gradient norm was inf/nan (not an fp16 overflow)
-
-
-@dataclass
-class History:
-    """Per-iteration wall times and the records the summary is computed from."""
-
-    iteration_seconds: list[float] = field(default_factory=list)  # index i = iteration i + 1
-    records: list[dict[str, Any]] = field(default_factory=list)  # one per log interval
-    first_logged_loss: float | None = None
-    last_logged_loss: float | None = None
-    last_valid: dict[str, float] | None = None
-    peak_memory_bytes: int = 0
-    peak_memory_method: str = ""
-    # whole-run high-water mark (bytes), initialization included: interval peaks are reset at each log
-    run_peak_memory_bytes: int = 0
-    # this rank's parameters / gradients / optimizer state after the first optimizer step (bytes)
-    model_state_bytes: dict[str, int] = field(default_factory=dict)
-    skipped_iterations: int = 0
-    nonfinite_iterations: list[int] = field(default_factory=list)  # skipped as non-finite (on_nonfinite=skip)
-    loss_spikes: list[dict[str, float]] = field(default_factory=list)  # {iteration, loss, median}
-    stopped_by: str | None = None  # the signal that stopped the run early (StopSignals), after a checkpoint
-    # iterations left out of the throughput statistics (profiled steps: the profiler slows them)
-    excluded_iterations: set[int] = field(default_factory=set)
-    # per log interval: the rank whose busy time (step minus communication waits) stood out, or None
-    stragglers: list[int | None] = field(default_factory=list)
-    # fields callbacks add to summary.json (telemetry, the profile table)
-    summary_extra: dict[str, Any] = field(default_factory=dict)
+__all__ = ["Batch", "Callback", "History", "StepResult", "Trainer", "step_normalizers"]
 
 
 def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -109,7 +49,9 @@ class Callback:
         """Before every optimizer step (`trainer.iteration` is the number of steps done so far)."""
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        """After every optimizer step (the iteration counter already advanced)."""
+        """After every optimizer step (the iteration counter already advanced). `result` holds device
+        tensors: reading one on the host makes the step wait for the device; figures read at logging
+        steps come to `on_log`."""
 
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After each evaluation, with its metrics."""
@@ -140,7 +82,12 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractCont
 
 
 class Trainer:
-    """Runs `train_iters` optimizer steps of `gradient_accumulation_steps` micro-batches each."""
+    """Runs `train_iters` optimizer steps of `gradient_accumulation_steps` micro-batches each.
+
+    Between logging steps nothing is read from the device on the host: losses, token counts and the
+    gradient norm stay tensors (`train/measurement.py` reads them at logging steps and before a
+    checkpoint). fp16's overflow check and train.on_nonfinite=skip read one flag per step: whether
+    to update."""
 
     def __init__(
         self,
@@ -149,29 +96,22 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         train_batches: Iterator[Batch],
-        valid_batches,
-        device: torch.device,
-        sinks: Sinks,
-        flops: FlopsCount,
-        peak_flops_per_device: float,
-        num_devices: int = 1,
+        valid_batches: Callable[[], Sequence[Batch]],
+        measurement: Measurement,
         dims: ParallelDims | None = None,
         pipeline: Any = None,
         callbacks: Sequence[Callback] = (),
     ):
-        """`dims`: the run's topology (None: a plain single process); `pipeline`: the
-        parallel.pipeline.PipelineRunner of this rank's stages when pp > 1 (`model` is then the
-        ModuleList of those stages)."""
+        """`measurement`: the run's timers, clock, memory tracker, sinks and step ledger; `dims`: the
+        run's topology (None: a plain single process); `pipeline`: the parallel.pipeline.PipelineRunner
+        of this rank's stages when pp > 1 (`model` is then the ModuleList of those stages)."""
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.train_batches, self.valid_batches = train_batches, valid_batches
-        self.device, self.sinks, self.flops = device, sinks, flops
-        self.peak_flops, self.num_devices = peak_flops_per_device, num_devices
+        self.measure = measurement
+        self.device = measurement.device
         self.spec = spec_for(cfg.model)
         self.global_batch = cfg.train.global_batch_size
         self.accumulation = cfg.train.gradient_accumulation_steps
-        sync = torch.cuda.synchronize if device.type == "cuda" and cfg.logging.timers_sync else None
-        self.timers = Timers(sync)
-        self.memory = MemoryTracker(device)
         self.scaler = build_loss_scaler(cfg.train)
         self.dims = dims or ParallelDims(dp=1, tp=1, pp=1)
         self.pipeline = pipeline
@@ -182,11 +122,13 @@ class Trainer:
         world = dist.group.WORLD if dist.is_initialized() else None
         self.stop_signals = StopSignals(world, t.stop_check_interval)
         self.callbacks = list(callbacks)
-        self._sync = sync
         from ..parallel.comm import recorders
 
-        self.comm = recorders(model) + ([pipeline.comm_recorder] if pipeline is not None else [])
-        self.history = History()
+        measurement.attach_comm(recorders(model) + ([pipeline.comm_recorder] if pipeline is not None else []))
+        self.timers = measurement.timers  # the dry run wraps it to name the phase that runs
+        self.history = measurement.history
+        self.sinks = measurement.sinks
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.iteration = 0
         self.consumed_samples = 0
         self.last_lr = 0.0
@@ -203,91 +145,90 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> StepResult:
         """Forward and backward every micro-batch, then one optimizer step on the accumulated gradient.
 
-        Each micro-batch's loss is weighted by its share of the step's target tokens, so that
-        accumulation over k micro-batches computes the same gradient as one batch k times larger.
+        Each micro-batch's loss is weighted by its share of the step's target tokens (counted over
+        every data-parallel rank, on the device), so that accumulation over k micro-batches computes
+        the same gradient as one batch k times larger. Returns device tensors: nothing here waits for
+        the device, except the one flag fp16 (and train.on_nonfinite=skip) needs to decide the update.
         """
         if not self.model.training:  # after evaluate(); walking every module each step costs ~1 ms
             self.model.train()
         with self.timers("zero-grad"):
             self.optimizer.zero_grad(set_to_none=True)
-        dims, pipeline = self.dims, self.pipeline
-        # a collective only with dp > 1: one process has nothing to wait for
-        counting = self.timers("metrics-all-reduce") if dims.dp_group is not None else None
-        with counting or contextlib.nullcontext():
-            normalizers = step_normalizers(micro_batches, dims.dp_group)
-        # DDP/FSDP average gradients over dp; the losses are already shares of the global mean
-        multiplier = float(dims.dp)
-        if pipeline is not None:
-            with self.timers("forward-backward"), autocast_context(self.cfg.train.precision, self.device):
-                totals = pipeline.train_step(micro_batches, normalizers, multiplier * self.scaler.get_scale())
-        else:
-            totals = {}
-            last = len(micro_batches) - 1
-            for i, micro in enumerate(micro_batches):
-                sync = i == last or self.cfg.parallel.reduce_each_micro_batch
-                with gradient_sync(self.model, sync), loss_parallel_context(dims.tp):
-                    with (
-                        self.timers("forward-compute"),
-                        autocast_context(self.cfg.train.precision, self.device),
-                    ):
-                        outputs = self.model(*self.spec.inputs(micro))
-                        loss, metrics = self.spec.loss(outputs, micro, normalizers, loss_ops(dims.tp))
-                    self._backward(self.scaler.scale(loss * multiplier))
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
-        if dims.dp_group is not None:
-            keys = sorted(totals)
-            with self.timers("metrics-all-reduce"):
-                reduced = all_reduce_floats([totals[k] for k in keys], dims.dp_group)
-            totals = dict(zip(keys, reduced, strict=True))
-        if pipeline is not None:
+        normalizers, counted = step_normalizers(micro_batches, self.dims.dp_group, self.dims.dp)
+        if self.pipeline is not None:
+            metrics = self._pipeline_forward_backward(micro_batches, normalizers, counted)
             with self.timers("embedding-grads-all-reduce"):
-                pipeline.sync_tied_grads()
+                self.pipeline.sync_tied_grads()
+        else:
+            metrics = self._forward_backward(micro_batches, normalizers, counted)
         with self.timers("optimizer"):
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            with self.timers("optimizer-unscale-and-check-inf"):
-                found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
-            with self.timers("optimizer-clip-main-grad"):
-                norm = float(grad_norm(params, exclude=self.grad_norm_excluded, pp_group=dims.pp_group))
-                # fp16's scaler decides its own skips; bf16/fp32 follow train.on_nonfinite (may raise)
-                nonfinite = not found_inf and self.nonfinite.check(self.iteration + 1, totals["loss"], norm)
-                if not found_inf and not nonfinite:
-                    clip_grads(params, self.cfg.optim.clip_grad or math.inf, norm)
+            norm, found_inf, nonfinite = self._unscale_and_clip(metrics["loss"])
             lr = self.optimizer.param_groups[0]["lr"]
-            # as Megatron and DeepSpeed: an overflowing fp16 step is skipped and does not advance the schedule
+            # as Megatron and DeepSpeed: a skipped step (fp16 overflow) does not advance the schedule
             if not found_inf and not nonfinite:
-                with self.timers("optimizer-inner-step"):
+                with self.timers("optimizer-inner-step", 2):
                     self.optimizer.step()
                     self.scheduler.step()
             self.scaler.update(found_inf)
-        skipped = found_inf or nonfinite
-        loss = totals.pop("loss")
-        return StepResult(
-            loss=loss, grad_norm=norm, skipped=skipped, lr=lr, metrics=totals, nonfinite=nonfinite
-        )
+        return StepResult(metrics, norm, skipped=found_inf or nonfinite, lr=lr, nonfinite=nonfinite)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), split into `backward-compute` and `all-grads-sync`: the time the training
-        thread waited for gradient collectives after the backward compute (parallel/comm.py)."""
-        if self._sync is not None:
-            self._sync()
-        for recorder in self.comm:
-            recorder.take_blocked()
-        start = time.perf_counter()
-        loss.backward()
-        if self._sync is not None:
-            self._sync()
-        end = time.perf_counter()
-        exposed = 0.0
-        for recorder in self.comm:
-            blocked = recorder.take_blocked()  # synchronous reduce-scatters (FSDP2 on CPU)
-            launch = recorder.last_grad_launch  # DDP: the last bucket is launched when compute ends
-            tail = end - launch if launch is not None and launch >= start else 0.0
-            exposed += max(blocked, tail)
-        exposed = min(exposed, end - start)
-        self.timers.add("backward-compute", end - start - exposed)
-        if self.comm:
-            self.timers.add("all-grads-sync", exposed)
+    def _forward_backward(
+        self, micro_batches: list[Batch], normalizers: dict[str, Any], counted: Callable[[], None]
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of each micro-batch; the metric sums over them, on the device."""
+        dims, precision = self.dims, self.cfg.train.precision
+        ops = loss_ops(dims.tp).for_training()
+        multiplier = float(dims.dp)  # DDP/FSDP average gradients over dp; the losses are global shares
+        totals: dict[str, torch.Tensor] = {}
+        last = len(micro_batches) - 1
+        for i, micro in enumerate(micro_batches):
+            sync = i == last or self.cfg.parallel.reduce_each_micro_batch
+            with gradient_sync(self.model, sync), loss_parallel_context(dims.tp):
+                with self.timers("forward-compute"), autocast_context(precision, self.device):
+                    outputs = self.model(*self.spec.inputs(micro))
+                if i == 0:
+                    self._wait_for_count(counted)  # its all-reduce ran behind the first forward
+                with self.timers("forward-compute"), autocast_context(precision, self.device):
+                    loss, metrics = self.spec.loss(outputs, micro, normalizers, ops)
+                self.measure.timed_backward(self.scaler.scale(loss * multiplier))
+            for k, v in metrics.items():
+                totals[k] = totals[k] + v if k in totals else v
+        return totals
+
+    def _pipeline_forward_backward(
+        self, micro_batches: list[Batch], normalizers: dict[str, Any], counted: Callable[[], None]
+    ) -> dict[str, torch.Tensor]:
+        self._wait_for_count(counted)
+        with self.timers("forward-backward"), autocast_context(self.cfg.train.precision, self.device):
+            scale = float(self.dims.dp) * self.scaler.get_scale()
+            return self.pipeline.train_step(micro_batches, normalizers, scale)
+
+    def _wait_for_count(self, counted: Callable[[], None]) -> None:
+        """Complete the step's token-count all-reduce (timed only when there is one: dp > 1)."""
+        if self.dims.dp_group is None:
+            counted()
+            return
+        with self.timers("metrics-all-reduce"):
+            counted()
+
+    def _unscale_and_clip(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        """(the global gradient norm, fp16 overflow, non-finite under on_nonfinite=skip); clips the
+        gradients on the device unless the step is skipped."""
+        params = self.params
+        with self.timers("optimizer-unscale-and-check-inf", 2):
+            found_inf = self.scaler.unscale_([local(p.grad) for p in params if p.grad is not None])
+        with self.timers("optimizer-clip-main-grad", 2):
+            norm = grad_norm(params, exclude=self.grad_norm_excluded, pp_group=self.dims.pp_group)
+            nonfinite = False
+            if not found_inf and self.nonfinite.policy == "skip":
+                # the update depends on it: read here, like fp16's overflow flag. The norm decides (it
+                # is global, so every rank decides the same); the loss is this rank's, for the message
+                local_loss, value = torch.stack([_local_value(loss).float(), norm.to(loss.device)]).tolist()
+                if not math.isfinite(value):
+                    nonfinite = self.nonfinite.check(self.iteration + 1, local_loss, value)
+            if not found_inf and not nonfinite:
+                clip_grads(params, self.cfg.optim.clip_grad or math.inf, norm)
+        return norm, found_inf, nonfinite
 
     # ------------------------------------------------------------------ evaluation
 
@@ -297,17 +238,26 @@ class Trainer:
         self.model.eval()
         # Every rank evaluates the same batches: ZeRO-3 and pipeline stages need all ranks in each forward.
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.valid_batches()]
-        normalizers = step_normalizers(batches)
+        normalizers, _ = step_normalizers(batches)
         totals: dict[str, float] = {}
         if self.pipeline is not None:
             with autocast_context(self.cfg.train.precision, self.device):
                 totals = self.pipeline.evaluate(batches, normalizers)
-        for batch in batches if self.pipeline is None else []:
-            with autocast_context(self.cfg.train.precision, self.device), loss_parallel_context(self.dims.tp):
-                outputs = self.model(*self.spec.inputs(batch))
-                _, metrics = self.spec.loss(outputs, batch, normalizers, loss_ops(self.dims.tp))
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+        else:
+            sums: dict[str, torch.Tensor] = {}
+            for batch in batches:
+                with (
+                    autocast_context(self.cfg.train.precision, self.device),
+                    loss_parallel_context(self.dims.tp),
+                ):
+                    outputs = self.model(*self.spec.inputs(batch))
+                    _, metrics = self.spec.loss(outputs, batch, normalizers, loss_ops(self.dims.tp))
+                for k, v in metrics.items():
+                    sums[k] = sums[k] + v if k in sums else v
+            keys = sorted(sums)
+            if keys:
+                values = torch.stack([_local_value(sums[k]).float() for k in keys]).tolist()
+                totals = dict(zip(keys, values, strict=True))
         lm_key = self.spec.lm_metric
         result = {"loss": totals["loss"], lm_key: totals[lm_key], "ppl": math.exp(min(totals[lm_key], 50.0))}
         if "mlm_correct" in totals:
@@ -321,57 +271,33 @@ class Trainer:
     def fit(self) -> History:
         """Train to train_iters, or until a stop signal (then `history.stopped_by` names it)."""
         h = self.history
-        self.memory.reset_peak()
+        self.measure.start_interval(self.iteration)
         # the callbacks' end (the final checkpoint) inside too: a second signal must not cut that save short
         with self.stop_signals:
             self._loop()
-            h.run_peak_memory_bytes = self.memory.run_peak().peak_allocated_bytes
+            h.run_peak_memory_bytes = self.measure.memory.run_peak().peak_allocated_bytes
             for callback in self.callbacks:
                 callback.on_fit_end(self, h)
         return h
 
     def _loop(self) -> None:
-        cfg, h = self.cfg, self.history
+        cfg, h, measure = self.cfg, self.history, self.measure
         log_every, eval_every = cfg.logging.log_interval, cfg.train.eval_interval
-        interval = Interval(start=time.perf_counter())
-        interval_first = self.iteration + 1
         while self.iteration < cfg.train.train_iters:
             for callback in self.callbacks:
                 callback.on_step_start(self)
-            t0 = time.perf_counter()
+            measure.clock.start()
             result = self.train_step(self._next_micro_batches())
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()  # one sync per step: iteration time must include queued kernels
-            h.iteration_seconds.append(time.perf_counter() - t0)
+            measure.clock.stop()
             self.iteration += 1
             self.consumed_samples += self.global_batch
             self.last_lr = result.lr
-            self._note_faults(result)
+            measure.step_done(self.iteration, result)
             if not h.model_state_bytes:  # the optimizer state exists from the first step on
                 h.model_state_bytes = model_state_bytes(self.model, self.optimizer)
-            interval.add(result)
-            interval.step_seconds += h.iteration_seconds[-1]
             h.stopped_by = self.stop_signals.agreed(self.iteration)  # every rank stops after the same step
-
-            at_log = self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters
-            if at_log or h.stopped_by:
-                record = self._train_record(interval)
-                for callback in self.callbacks:
-                    callback.on_log(self, record)
-                if h.first_logged_loss is None:
-                    h.first_logged_loss = record["loss"]
-                h.last_logged_loss = record["loss"]
-                profiled = sum(
-                    1 for i in range(interval_first, self.iteration + 1) if i in h.excluded_iterations
-                )
-                if profiled:
-                    record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
-                h.records.append({"iteration": self.iteration, **record})
-                self.sinks.write("train", self.iteration, record)
-                self.memory.reset_peak()
-                interval = Interval(start=time.perf_counter())
-                interval_first = self.iteration + 1
-
+            if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters or h.stopped_by:
+                self._log()
             # evaluation and callbacks (checkpoint saves) are not training throughput
             outside = time.perf_counter()
             at_end = self.iteration == cfg.train.train_iters
@@ -382,23 +308,54 @@ class Trainer:
                     callback.on_evaluate(self, h.last_valid)
             for callback in self.callbacks:
                 callback.on_step_end(self, result)
-            interval.start += time.perf_counter() - outside
+            measure.interval.start += time.perf_counter() - outside
             if h.stopped_by or (cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0):
                 break
 
-    def _note_faults(self, result: StepResult) -> None:
-        """The finished step's skips, non-finite skip and loss spike, in the history (spikes also said)."""
+    def settle(self) -> list[StepValues]:
+        """Read the steps still on the device and act on what they show: skips, non-finite steps under
+        train.on_nonfinite=stop (raises NonFiniteError), loss spikes. Called at logging steps and before
+        a checkpoint is saved, so no checkpoint holds weights a non-finite step touched."""
+        settled = self.measure.ledger.settle()
+        for step in settled:
+            self._note_faults(step)
+        return settled
+
+    def _log(self) -> None:
+        """The interval's record: read its steps, build it, let callbacks add to it, write it."""
+        h, measure = self.history, self.measure
+        self.settle()
+        steps = measure.read_steps()
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        record = measure.record(steps, self.consumed_samples, self.last_lr, scale)
+        for callback in self.callbacks:
+            callback.on_log(self, record)
+        if h.first_logged_loss is None:
+            h.first_logged_loss = record["loss"]
+        h.last_logged_loss = record["loss"]
+        first = measure.interval.first_iteration
+        profiled = sum(1 for i in range(first, self.iteration + 1) if i in h.excluded_iterations)
+        if profiled:
+            record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
+        h.records.append({"iteration": self.iteration, **record})
+        self.sinks.write("train", self.iteration, record)
+        measure.start_interval(self.iteration)
+
+    def _note_faults(self, step: StepValues) -> None:
+        """A read step's skip, non-finite check (stop: raises) and loss spike, in the history."""
         h = self.history
-        h.skipped_iterations += result.skipped
-        if result.nonfinite:
-            h.nonfinite_iterations.append(self.iteration)
-        median = self.spikes.check(result.loss)
+        h.skipped_iterations += step.skipped
+        if step.nonfinite:
+            h.nonfinite_iterations.append(step.iteration)
+        elif not step.skipped and self.nonfinite.policy == "stop":  # raises on a non-finite step
+            self.nonfinite.check(step.iteration, step.loss, step.grad_norm)
+        median = self.spikes.check(step.loss) if not step.skipped else None
         if median is None:
             return
-        h.loss_spikes.append({"iteration": self.iteration, "loss": result.loss, "median": median})
+        h.loss_spikes.append({"iteration": step.iteration, "loss": step.loss, "median": median})
         if self.dims.is_main:
             warnings.warn(
-                f"loss spike at iteration {self.iteration}: {result.loss:.4f} > "
+                f"loss spike at iteration {step.iteration}: {step.loss:.4f} > "
                 f"{self.cfg.train.loss_spike_factor:g} x the median of the recent losses ({median:.4f})",
                 StxWarning,
                 stacklevel=1,
@@ -414,125 +371,38 @@ class Trainer:
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_samples"])
 
-    def _train_record(self, interval: Interval) -> dict[str, Any]:
-        """Interval averages: losses over non-skipped steps, time over all steps since the last log."""
-        cfg = self.cfg
-        seconds = (time.perf_counter() - interval.start) / interval.iterations
-        peak = self.memory.peak()
-        self.history.peak_memory_bytes = max(self.history.peak_memory_bytes, peak.peak_allocated_bytes)
-        self.history.peak_memory_method = peak.method
-        perf = throughput_metrics(self.flops, seconds, self.num_devices, self.peak_flops)
-        record: dict[str, Any] = {
-            "train_iters": cfg.train.train_iters,
-            "consumed_samples": self.consumed_samples,
-            "lr": self.last_lr,
-            **interval.means(),
-            "samples_per_second": self.global_batch / seconds,
-            "tokens_per_second": self.global_batch * cfg.model.seq_length / seconds,
-            "iteration_time_ms": 1000 * seconds,
-            "tflops_per_device": perf["tflops_per_device"],
-            "mfu": perf["mfu"],
-            "hfu": perf["hfu"],
-            "peak_memory_bytes": peak.peak_allocated_bytes,
-            "peak_memory_kind": "allocated" if self.device.type == "cuda" else "rss",
-            "skipped_iterations": interval.skipped,
-            "nonfinite_iterations": interval.nonfinite,
-        }
-        if self.scaler.is_enabled():
-            record["loss_scale"] = self.scaler.get_scale()
-        n = interval.iterations
-        record["step_time_ms"] = 1000 * interval.step_seconds / n  # train_step alone, measured per step
-        timed = [name for name in (*PHASES, *NESTED) if name in self.timers.names()]
-        elapsed = self.timers.elapsed_ms(timed, normalizer=n, reset=True)
-        comm: dict[str, float] = {}
-        for recorder in self.comm:
-            for kind, seconds in recorder.take().items():
-                comm[kind] = comm.get(kind, 0.0) + 1000 * seconds / n
-        if "pipeline-p2p-wait" in comm:  # the schedule's send/recv waits, a part of forward-backward
-            elapsed["pipeline-p2p-wait"] = comm.pop("pipeline-p2p-wait")
-        for name, ms in elapsed.items():
-            record[f"time_ms/{name}"] = ms
-        for kind, ms in comm.items():
-            record[f"comm_ms/{kind}"] = ms
-        if "pipeline-p2p-wait" in elapsed and elapsed.get("forward-backward"):
-            record["pipeline_bubble_measured"] = elapsed["pipeline-p2p-wait"] / elapsed["forward-backward"]
-        if self.dims.world_size > 1:  # every rank logs at the same iterations, so all take part
-            from ..parallel.comm import KINDS
 
-            names = [*PHASES, *NESTED, *(f"comm:{k}" for k in KINDS)]
-            measured = {**elapsed, **{f"comm:{k}": v for k, v in comm.items()}}
-            for name, (low, high) in minmax_over_ranks(measured, names).items():
-                if name.startswith("comm:"):
-                    key = name.split(":", 1)[1]
-                    record[f"comm_ms_min/{key}"], record[f"comm_ms_max/{key}"] = low, high
-                else:
-                    record[f"time_ms_min/{name}"], record[f"time_ms_max/{name}"] = low, high
-            busy = record["step_time_ms"] - sum(elapsed.get(name, 0.0) for name in WAITS)
-            record["busy_ms"] = busy
-            per_rank = gather_floats(busy, self.dims.rank, self.dims.world_size)
-            record["busy_ms_per_rank"] = per_rank
-            record["straggler_rank"] = straggler(per_rank)
-            if self.iteration > self.cfg.logging.warmup_iters:
-                self.history.stragglers.append(record["straggler_rank"])
-        return record
+def _local_value(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def gather_floats(value: float, rank: int, world_size: int, group: Any = None) -> list[float]:
-    """One float from every rank of `group`, in rank order (one all-reduce; all ranks call it)."""
-    slots = [0.0] * world_size
-    slots[rank] = float(value)
-    return all_reduce_floats(slots, group)
-
-
-def straggler(busy_ms: list[float], margin: float = STRAGGLER_MARGIN) -> int | None:
-    """The rank whose busy time (step time minus the time spent waiting in collectives) exceeds the
-    median over ranks by more than `margin`, or None. Waiting is left out because the ranks a straggler
-    holds up show its delay as their own longer steps (they wait for it in the next collective)."""
-    if len(busy_ms) < 2:
-        return None
-    ranked = sorted(busy_ms)
-    median = ranked[(len(ranked) - 1) // 2]  # the lower median: with 2 ranks, the faster one
-    slowest = max(range(len(busy_ms)), key=lambda r: busy_ms[r])
-    return slowest if busy_ms[slowest] > (1 + margin) * median and busy_ms[slowest] - median > 1.0 else None
-
-
-LOSS_KEYS = ("loss", "lm_loss", "mlm_loss", "binary_loss", "grad_norm")
-
-
-@dataclass
-class Interval:
-    """What happened since the last log line."""
-
-    start: float
-    iterations: int = 0
-    skipped: int = 0
-    nonfinite: int = 0  # of the skipped: non-finite bf16/fp32 steps (the others: fp16 overflows)
-    sums: dict[str, float] = field(default_factory=dict)
-    counted: int = 0  # non-skipped steps, the ones whose losses are averaged
-    step_seconds: float = 0.0  # the interval's train_step times (batch generation included)
-
-    def add(self, result: StepResult) -> None:
-        self.iterations += 1
-        self.skipped += result.skipped
-        self.nonfinite += result.nonfinite
-        if result.skipped:
-            return
-        self.counted += 1
-        values = {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
-        for key in LOSS_KEYS:
-            if key in values:
-                self.sums[key] = self.sums.get(key, 0.0) + values[key]
-
-    def means(self) -> dict[str, float]:
-        keys = [k for k in LOSS_KEYS if k in self.sums] or ["loss", "grad_norm"]
-        return {k: self.sums[k] / self.counted if self.counted else math.nan for k in keys}
-
-
-def step_normalizers(micro_batches: list[Batch], dp_group: Any = None) -> dict[str, int]:
+def step_normalizers(
+    micro_batches: list[Batch], dp_group: Any = None, dp: int = 1
+) -> tuple[dict[str, Any], Callable[[], None]]:
     """Counts over the whole step (all data-parallel ranks) that each micro-batch's summed loss is
-    divided by, so every rank's losses are shares of the one global mean."""
-    labelled = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
-    samples = sum(int(b["input_ids"].shape[0]) for b in micro_batches)
-    if dp_group is not None:
-        labelled, samples = (int(x) for x in all_reduce_floats([labelled, samples], dp_group))
-    return {"tokens": max(labelled, 1), "samples": samples}
+    divided by, so every rank's losses are shares of the one global mean: {"tokens": labelled
+    positions (a device tensor), "samples": sequences (every rank's micro-batches have the same size)}.
+
+    The token count's all-reduce over `dp_group` is issued without waiting; the second value completes
+    it (call it before the first loss: on a GPU it only orders the streams, on a CPU it waits)."""
+    labelled = torch.stack([(b["labels"] != -100).sum() for b in micro_batches]).sum()
+    samples = sum(int(b["input_ids"].shape[0]) for b in micro_batches) * dp
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return {"tokens": labelled.clamp(min=1), "samples": samples}, _nothing
+    device = collective_device(dp_group)
+    count = labelled if labelled.device == device else labelled.to(device)
+    work = dist.all_reduce(count, group=dp_group, async_op=True)
+    normalizers: dict[str, Any] = {"samples": samples}
+
+    def counted() -> None:
+        if "tokens" not in normalizers:
+            work.wait()
+            normalizers["tokens"] = count.to(labelled.device).clamp(min=1)
+
+    return normalizers, counted
+
+
+def _nothing() -> None:
+    return None

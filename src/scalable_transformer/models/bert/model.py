@@ -123,14 +123,11 @@ def bert_loss(
     # Sum / clamp(count) rather than mean: a micro-batch without masked tokens gives 0, not NaN.
     token_norm = normalizers["tokens"] if normalizers else count.clamp(min=1)
     mlm_loss = ops.cross_entropy_sum(logits_nv, labels_n, IGNORE_INDEX) / token_norm
-    metrics = {
-        "mlm_loss": mlm_loss.detach(),
+    metrics = {"mlm_loss": mlm_loss.detach(), "mlm_count": count.float()}
+    if ops.accuracy:
         # argmax over the labelled rows only: over all b*s rows it cost ~8% of a tiny-bert step
-        "mlm_correct": (ops.argmax_rows(logits_nv.detach(), labelled_n) == labels_n[labelled_n])
-        .sum()
-        .float(),
-        "mlm_count": count.float(),
-    }
+        picked = ops.argmax_rows(logits_nv.detach(), labelled_n)
+        metrics["mlm_correct"] = (picked == labels_n[labelled_n]).sum().float()
     loss = mlm_loss
     if binary_logits_b2 is not None:
         nsp_b = batch["nsp_labels"].reshape(-1)
@@ -138,8 +135,10 @@ def bert_loss(
         binary_loss = F.cross_entropy(binary_logits_b2.float(), nsp_b, reduction="sum") / sample_norm
         loss = loss + binary_loss
         metrics["binary_loss"] = binary_loss.detach()
-        metrics["binary_correct"] = (binary_logits_b2.detach().argmax(-1) == nsp_b).sum().float()
-        metrics["binary_count"] = torch.tensor(float(nsp_b.numel()))
+        if ops.accuracy:
+            metrics["binary_correct"] = (binary_logits_b2.detach().argmax(-1) == nsp_b).sum().float()
+        # made on the device: a host tensor would be copied to it (a synchronization on a GPU)
+        metrics["binary_count"] = torch.full((), float(nsp_b.numel()), device=nsp_b.device)
     metrics["loss"] = loss.detach()
     return loss, metrics
 
