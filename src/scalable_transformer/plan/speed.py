@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from ..config.model_shapes import gated_mlp, query_groups, stage_params, total_params, vocab
 from ..config.schema import Config
 from ..metrics.flops import ModelShape, flops_per_iteration
-from .hardware import Cluster
-from .memory import DTYPE_BYTES, activation_model, layer_activation_bytes, optimizer_bytes_per_param
+from .cluster import Cluster
+from .memory_model import DTYPE_BYTES, activation_model, layer_activation_bytes, optimizer_bytes_per_param
 
 # torch ops per transformer layer per micro-batch (counted with torch.profiler on our TransformerBlock:
 # forward about 30 dispatched ops, backward about 45); the embedding, head and loss about 60 more.

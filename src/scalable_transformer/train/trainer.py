@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
 from ..metrics.flops import FlopsCount, throughput_metrics
-from ..metrics.memory import MemoryTracker, model_state_bytes
+from ..metrics.peak_memory import MemoryTracker, model_state_bytes
 from ..metrics.sinks import Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
 from ..models import spec_for

@@ -1,6 +1,6 @@
 """logging.profile_*: a torch.profiler window over iterations start..end (inclusive) on the selected
 ranks, a Chrome trace per rank in <run dir>/profile/, optionally a CUDA memory snapshot, and at the end
-the top-operator table with compute / communication / idle shares (metrics/profile.py).
+the top-operator table with compute / communication / idle shares (metrics/trace_analysis.py).
 
 Every rank leaves the window's iterations out of the throughput statistics (the profiler slows the
 profiled ranks, and through the collectives the others): `History.excluded_iterations`.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..metrics.profile import analyze_trace, format_table
+from ..metrics.trace_analysis import analyze_trace, format_table
 from .trainer import Callback, History, StepResult, Trainer
 
 
