@@ -46,7 +46,7 @@ from scalable_transformer.config.load import load_config, to_yaml
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.loader import build_datasets, build_loader
 from scalable_transformer.data.tokenizers import load_tokenizer
-from scalable_transformer.metrics.memory import MemoryTracker
+from scalable_transformer.metrics.peak_memory import MemoryTracker
 from scalable_transformer.models import build_model, compute_loss, count_parameters, model_inputs
 from scalable_transformer.train.optim import param_groups
 from scalable_transformer.train.run import set_seed

@@ -110,9 +110,9 @@ def main() -> int:
         f"torch {torch.__version__}, Python {platform.python_version()}; "
         f"{time.perf_counter() - started:.0f} s.",
         f"Model: {' '.join(plan_accuracy.COMMON)} {' '.join(EXTRA)}. Real: `logging.track_tensor_bytes` "
-        "(torch.profiler allocation events, metrics/tensor_memory.py). Dry: `stx plan --dry-run`'s engine "
-        "on fake tensors, device cpu (plan/dry_run.py); a rank not simulated is compared with the simulated "
-        "rank of its pipeline stage ('class').",
+        "(torch.profiler allocation events, metrics/live_tensor_bytes.py). Dry: `stx plan --dry-run`'s "
+        "engine on fake tensors, device cpu (plan/dry_run.py); a rank not simulated is compared with the "
+        "simulated rank of its pipeline stage ('class').",
         "",
         f"Within {TARGET:.0%}: {within} of {compared} ranks.",
         "",

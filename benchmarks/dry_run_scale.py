@@ -3,7 +3,7 @@ ranks (A100-40GB / A100-80GB nodes of 8 GPUs), beside the analytic planner, for 
 gpt-7b and bert-175b across ZeRO-0/1/2/3, offload, tensor/sequence/pipeline parallelism, every
 pipeline schedule, recompute modes and micro-batch sizes.
 
-For every layout: `plan.search.plan_config` on `plan.hardware.table_cluster(device, nodes, 8)`, then
+For every layout: `plan.search.plan_config` on `plan.cluster.table_cluster(device, nodes, 8)`, then
 `plan.dry_run.verify` (the dry run in a child process, `dry_run_isolated`: one simulated rank per
 pipeline rank, plus ZeRO-1's heaviest optimizer shard). Per simulated rank the record has the dry
 run's peak live tensor bytes against the analytic stage total less its reserve, and where the peak
@@ -124,8 +124,8 @@ LAYOUTS: dict[str, tuple[str, str, int, list[str]]] = {
 def run_layout(name: str) -> dict:
     """Plan and dry-run one layout; every failure becomes the row's `error`."""
     from scalable_transformer.config.load import load_config
+    from scalable_transformer.plan.cluster import table_cluster
     from scalable_transformer.plan.dry_run import verify
-    from scalable_transformer.plan.hardware import table_cluster
     from scalable_transformer.plan.search import plan_config
 
     preset, device, nodes, overrides = LAYOUTS[name]

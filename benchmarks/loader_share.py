@@ -30,9 +30,9 @@ from scalable_transformer.config.schema import ResolvedConfig
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.data.loader import build_datasets, build_loader, eval_batches
 from scalable_transformer.data.tokenizers import load_tokenizer
+from scalable_transformer.metrics.device_specs import resolve_peak
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import step_flops
-from scalable_transformer.metrics.hardware import resolve_peak
 from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters
 from scalable_transformer.parallel.apply import parallelize

@@ -14,7 +14,7 @@ Four parts, each a section of the record:
   layers  bytes one layer keeps per micro-batch by dry run (plan/dry_run.py `saved_bytes_per_layer`)
           at gpt-13b shapes (tp 8, seq 2048, bf16, micro-batch 1, 2, 4) beside Korthikanti et al.
           2022 (the paper's 16-bit formula) and the paper adapted to our attention and dtypes
-          (plan/memory.py `layer_activation_bytes`).
+          (plan/memory_model.py `layer_activation_bytes`).
   cpu     real 2-process runs on this CPU (fp32, gloo): peak live tensor bytes and median iteration
           time of each option against its baseline, alternated A B B A in one run of this script.
 
@@ -40,9 +40,9 @@ from scalable_transformer.config.load import load_config, to_yaml
 from scalable_transformer.config.schema import Config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.environment import record_sections
+from scalable_transformer.plan.cluster import table_cluster
 from scalable_transformer.plan.dry_run import saved_bytes_per_layer
-from scalable_transformer.plan.hardware import table_cluster
-from scalable_transformer.plan.memory import (
+from scalable_transformer.plan.memory_model import (
     activation_model,
     kept_input_fraction,
     korthikanti,

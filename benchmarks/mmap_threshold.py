@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from scalable_transformer.metrics.memory import peak_rss_bytes
+    from scalable_transformer.metrics.peak_memory import peak_rss_bytes
     from scalable_transformer.models import build_model
     from scalable_transformer.parallel.init import return_large_frees_to_the_os
     from step_vs_bare import adamw, bare_step, benchmark_config, synthetic_batches

@@ -1,7 +1,7 @@
 """The planner against measurements on this machine: predicted vs measured peak live tensor bytes per
 rank and step time, for layouts on 1-4 CPU processes (issue 13's "must show").
 
-For every layout: the prediction (`plan.search.plan_config` on `plan.hardware.cpu_cluster(nproc)`:
+For every layout: the prediction (`plan.search.plan_config` on `plan.cluster.cpu_cluster(nproc)`:
 this CPU's measured GEMM, memory-bandwidth, op-overhead and gloo rates) and one run of
 `stx launch -n N train BASE ... logging.track_tensor_bytes=true`, whose summary.json gives the
 measured `peak_tensor_bytes_per_rank` (torch.profiler allocation events, steps 1-3, the largest rank)
@@ -82,7 +82,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 
 def predict(base: str, nproc: int, overrides: list[str]) -> dict:
     from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.hardware import cpu_cluster
+    from scalable_transformer.plan.cluster import cpu_cluster
     from scalable_transformer.plan.search import plan_config
 
     cfg = load_config(base, overrides)
@@ -126,7 +126,7 @@ def ratio_text(pred: float | None, meas: float | None, target: float) -> tuple[s
 def search_timing() -> str:
     """`--search` over every layout of 8 x 8 A100-40GB for bert-175b: wall and CPU seconds."""
     from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.cluster import table_cluster
     from scalable_transformer.plan.search import search_layouts
 
     wall, cpu = time.perf_counter(), time.process_time()

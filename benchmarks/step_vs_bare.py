@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from scalable_transformer.config.load import ConfigError, load_config, to_yaml
 from scalable_transformer.config.schema import ResolvedConfig
 from scalable_transformer.config.validate import resolve
+from scalable_transformer.metrics.device_specs import PeakInfo, resolve_peak
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import (
     FlopsCount,
@@ -46,7 +47,6 @@ from scalable_transformer.metrics.flops import (
     flops_per_iteration,
     throughput_metrics,
 )
-from scalable_transformer.metrics.hardware import PeakInfo, resolve_peak
 from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters, padded_vocab_size
 from scalable_transformer.parallel.apply import parallelize

@@ -43,10 +43,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scalable_transformer.config.load import load_config, to_yaml
 from scalable_transformer.config.validate import resolve
+from scalable_transformer.metrics.device_sampler import Telemetry
+from scalable_transformer.metrics.device_specs import resolve_peak
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import ModelShape, flops_per_iteration
-from scalable_transformer.metrics.hardware import resolve_peak
-from scalable_transformer.metrics.telemetry import Telemetry
 from scalable_transformer.metrics.timers import Timers
 from scalable_transformer.models import count_parameters
 from step_vs_bare import build_ours, quartiles, synthetic_batches

@@ -1,5 +1,10 @@
 """Writing a file so that no reader ever sees part of it: the one helper every writer uses.
 
+`atomic_output` / `write_atomic` for a file written in one go; `temporary_beside` + `publish` for a
+writer whose file outlives one block (the indexed dataset builder streams tokens into its .bin for
+hours, then publishes the .bin and the .idx in that order). The one other rename in the package is
+checkpoint/manager.py's, of a whole checkpoint directory that every rank staged.
+
 A root module that imports nothing of the package (as cache.py and errors.py), so any layer may use it.
 """
 
@@ -13,28 +18,42 @@ from pathlib import Path
 from typing import BinaryIO
 
 
+def temporary_beside(path: Path) -> Path:
+    """A new empty file in `path`'s directory (so the rename stays on one file system), named after
+    it and unique per writer, so concurrent ranks never share one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def publish(tmp: Path, path: Path, *, durable: bool = False) -> None:
+    """Rename the finished temporary file `tmp` over `path` (os.replace): a reader sees the old file or
+    the new one, never part of one. `durable`: fsync the directory after the rename."""
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary files
+    os.replace(tmp, path)
+    if durable:
+        fsync_directory(path.parent)
+
+
 @contextlib.contextmanager
 def atomic_output(path: Path, *, durable: bool = False) -> Iterator[BinaryIO]:
     """A binary file that becomes `path` when the block ends without an error, all at once: it is
-    written as a temporary file in the same directory (unique per writer, so concurrent ranks never
-    share one) and renamed over `path` (os.replace), so a reader sees the old file or the new one.
-    On an error the temporary file is removed and `path` is untouched. `durable`: fsync the file
-    before the rename and the directory after it (a checkpoint's metadata must survive a power cut,
-    not only a crash)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    written as a temporary file beside `path` (`temporary_beside`; the file's `name` is its path, for
+    a caller that checks the file before it is published) and renamed over `path` (`publish`). On an
+    error the temporary file is removed and `path` is untouched. `durable`: fsync the file before the
+    rename and the directory after it (a checkpoint's metadata must survive a power cut, not only a
+    crash)."""
+    tmp = temporary_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with tmp.open("wb") as f:
             yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary files
-        os.replace(tmp, path)
+        publish(tmp, path, durable=durable)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    if durable:
-        fsync_directory(path.parent)
 
 
 def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> None:

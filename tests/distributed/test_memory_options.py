@@ -82,10 +82,10 @@ def _per_layer(measured: dict[str, dict[str, int]], name: str) -> float:
 
 
 def _model(name: str) -> float:
-    """The planner's bytes per layer for the case (plan/memory.py, docs/PLANNER.md's table)."""
+    """The planner's bytes per layer for the case (plan/memory_model.py, docs/PLANNER.md's table)."""
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
-    from scalable_transformer.plan.memory import activation_model, layer_activation_bytes
+    from scalable_transformer.plan.memory_model import activation_model, layer_activation_bytes
 
     cfg = resolve(load_config("tiny-gpt", [*COMMON, *CASES[name], "model.num_layers=2"]), 2)
     m, p = cfg.model, cfg.parallel

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
-from scalable_transformer.metrics.memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
+from scalable_transformer.metrics.peak_memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from scalable_transformer.models import build_model
 from scalable_transformer.parallel.dims import ParallelDims
 from scalable_transformer.train.run import build_parallel_model

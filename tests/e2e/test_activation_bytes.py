@@ -1,5 +1,5 @@
 """Per-layer activation bytes of the real engine, by dry run at gpt-13b shapes (tp 8, seq 2048, bf16),
-against Korthikanti et al. 2022 adapted to our attention and dtypes (plan/memory.py
+against Korthikanti et al. 2022 adapted to our attention and dtypes (plan/memory_model.py
 `layer_activation_bytes`; with the paper's choices it is the paper's formula, test_plan.py checks
 that): flash attention on CUDA, SDPA's math path on CPU with attention dropout (the a s^2 terms)."""
 
@@ -10,7 +10,11 @@ import pytest
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.plan.dry_run import saved_bytes_per_layer
-from scalable_transformer.plan.memory import activation_model, kept_input_fraction, layer_activation_bytes
+from scalable_transformer.plan.memory_model import (
+    activation_model,
+    kept_input_fraction,
+    layer_activation_bytes,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.plan import probe as probe_mod
-from scalable_transformer.plan.hardware import cpu_cluster
+from scalable_transformer.plan.cluster import cpu_cluster
 from scalable_transformer.plan.search import plan_config
 
 STX = str(Path(sys.executable).with_name("stx"))

@@ -1,13 +1,16 @@
 """The seams of the architecture: torch-free layout rules, the one topology object, trainer callbacks
-and Stateful loop position, cross-rank timer min/max."""
+and Stateful loop position, cross-rank timer min/max, module names that are not twins."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
+import scalable_transformer
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.rules import layout_label, pipeline_bubble, stage_ids, stage_rank
 from scalable_transformer.config.validate import resolve
@@ -123,3 +126,39 @@ def test_trainer_calls_callbacks_in_order_and_restores_its_position(tmp_path):
     fresh = make_trainer(cfg, [])
     fresh.load_state_dict(trainer.state_dict())
     assert (fresh.iteration, fresh.consumed_samples) == (trainer.iteration, trainer.consumed_samples)
+
+
+def twin_modules(root: Path) -> dict[str, list[str]]:
+    """Base names held by more than one module under `root`, with their paths relative to it.
+    Allowed to repeat (docs/ARCHITECTURE.md): `__init__.py` and `__main__.py`; `cli/<command>.py`, the
+    one front-end per `stx` command, next to the library module it calls; and the same role in each
+    model family's package (`models/bert/model.py`, `models/gpt/model.py`)."""
+    by_name: dict[str, set[str]] = defaultdict(set)
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.name in ("__init__.py", "__main__.py") or rel.parts[0] == "cli":
+            continue
+        if rel.parts[0] == "models" and len(rel.parts) == 3:
+            by_name[rel.name].add(f"models/<family>/{rel.name}")
+        else:
+            by_name[rel.name].add(rel.as_posix())
+    return {name: sorted(paths) for name, paths in sorted(by_name.items()) if len(paths) > 1}
+
+
+def test_no_two_modules_share_a_base_name():
+    """A base name says what a module holds: `metrics/memory.py` next to `plan/memory.py` made every
+    reader open both to learn which one measured and which one predicted (issue 23)."""
+    twins = twin_modules(Path(scalable_transformer.__file__).parent)
+    assert not twins, "modules sharing a base name across packages (rename one of each): " + "; ".join(
+        f"{name}: {', '.join(paths)}" for name, paths in twins.items()
+    )
+
+
+def test_twin_check_sees_twins_and_allows_the_exceptions(tmp_path):
+    for rel in (
+        "__init__.py", "a/__init__.py", "cli/__main__.py", "cli/report.py", "bench/report.py",
+        "models/bert/model.py", "models/gpt/model.py", "metrics/memory.py", "plan/memory.py",
+    ):  # fmt: skip
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).touch()
+    assert twin_modules(tmp_path) == {"memory.py": ["metrics/memory.py", "plan/memory.py"]}

@@ -1,4 +1,4 @@
-"""`stx config import` (config/importers.py) and how config warnings reach users: each source format,
+"""`stx config import` (config/foreign_configs.py) and how config warnings reach users: each source format,
 what is carried over and what is listed in comments, conflicts and unsupported features as errors, and
 a failed import leaving no file behind."""
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from scalable_transformer.cli import main
-from scalable_transformer.config.importers import (
+from scalable_transformer.config.foreign_configs import (
     ImportSources,
     import_configs,
     megatron_args_from_command,
@@ -231,7 +231,7 @@ def _reference_names(path: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("reference", [p for p in REFERENCES if p.is_file()], ids=lambda p: p.parent.name)
 def test_every_neox_parameter_is_classified(reference):
-    from scalable_transformer.config.importers import NEOX_PARAMETERS, classify
+    from scalable_transformer.config.foreign_configs import NEOX_PARAMETERS, classify
 
     names = _reference_names(reference)
     assert len(names) > 100  # the table was parsed, not skipped
@@ -244,7 +244,7 @@ def test_every_neox_parameter_is_classified(reference):
 def test_classification_is_what_the_loader_does(tmp_path, capsys):
     """Each status in the table is the loader's behaviour: mapped sets the key, ignored warns, rejected
     fails with the message."""
-    from scalable_transformer.config.importers import classify
+    from scalable_transformer.config.foreign_configs import classify
 
     assert classify("model-parallel-size") == ("mapped", "`parallel.tp`")
     path = tmp_path / "neox.yml"

@@ -191,7 +191,7 @@ def _model_params(cfg):
 
 
 def test_an_engine_failure_keeps_the_prediction(monkeypatch):
-    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.cluster import table_cluster
     from scalable_transformer.plan.search import plan_config
 
     cfg = load_config("tiny-gpt", TINY)
@@ -232,7 +232,7 @@ def test_fake_batches_have_the_loaders_keys_shapes_and_dtypes(preset):
 def test_every_simulated_pipeline_rank_gets_its_prediction_after_a_search(monkeypatch):
     """A search predicts only the first and last pipeline ranks; the middle ones a dry run simulates
     are compared with their own analytic figure."""
-    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.cluster import table_cluster
     from scalable_transformer.plan.search import search_layouts
 
     cfg = load_config("tiny-gpt", [*TINY, "model.num_layers=4", "train.global_batch_size=16"])

@@ -12,6 +12,7 @@ import pytest
 from scalable_transformer.cli.flops import add_arguments, run
 from scalable_transformer.metrics import flops as flops_module
 from scalable_transformer.metrics.calculator import estimate_num_params
+from scalable_transformer.metrics.device_specs import lookup_peak
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
     FlopsCount,
@@ -20,7 +21,6 @@ from scalable_transformer.metrics.flops import (
     flops_per_iteration,
     throughput_metrics,
 )
-from scalable_transformer.metrics.hardware import lookup_peak
 
 # A toy shape small enough to do by hand: L=2, h=4, s=8, V=16, N=1000, F=4h=16, B=3 samples.
 SHAPE = ModelShape(num_layers=2, hidden_size=4, seq_length=8, vocab_size=16, num_params=1000)

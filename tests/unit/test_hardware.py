@@ -10,8 +10,8 @@ import pytest
 
 from scalable_transformer import cache, files
 from scalable_transformer.cache import cache_dir
-from scalable_transformer.metrics import hardware
-from scalable_transformer.metrics.hardware import (
+from scalable_transformer.metrics import device_specs
+from scalable_transformer.metrics.device_specs import (
     CPU_PEAK_METHOD,
     PEAK_TFLOPS,
     cpu_fingerprint,
@@ -50,7 +50,7 @@ def test_table_is_dense_and_consistent():
     for name, row in PEAK_TFLOPS.items():
         assert row, name
         for dtype, value in row.items():
-            assert dtype in hardware.DTYPES and value > 0, (name, dtype)
+            assert dtype in device_specs.DTYPES and value > 0, (name, dtype)
         if "bf16" in row and "fp32" in row:
             assert row["bf16"] >= row["fp32"], name
 
@@ -100,7 +100,6 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "scalable-transformer"
-    assert hardware.cache_dir is cache_dir  # the old import path still works
 
 
 def test_cache_module_imports_nothing_of_the_package_but_the_atomic_writer():
@@ -120,7 +119,7 @@ def fake_measure(tmp_path, monkeypatch):
         calls.append(dtype)
         return {"bf16": 1.0e12, "fp32": 2.0e11, "fp16": 2.1e11}[dtype]
 
-    monkeypatch.setattr(hardware, "measure_cpu_peak", measure)
+    monkeypatch.setattr(device_specs, "measure_cpu_peak", measure)
     return calls
 
 
@@ -139,9 +138,10 @@ def test_cpu_peak_is_measured_once_then_read_from_the_cache(fake_measure, tmp_pa
 
 def test_cpu_peak_refresh_never_lowers_the_peak(fake_measure, monkeypatch):
     assert cpu_peak("bf16") == pytest.approx(1.0e12)
-    monkeypatch.setattr(hardware, "measure_cpu_peak", lambda dtype, threads=None: 0.4e12)  # a loaded machine
+    # a loaded machine
+    monkeypatch.setattr(device_specs, "measure_cpu_peak", lambda dtype, threads=None: 0.4e12)
     assert cpu_peak("bf16", refresh=True) == pytest.approx(1.0e12)
-    monkeypatch.setattr(hardware, "measure_cpu_peak", lambda dtype, threads=None: 1.5e12)
+    monkeypatch.setattr(device_specs, "measure_cpu_peak", lambda dtype, threads=None: 1.5e12)
     assert cpu_peak("bf16", refresh=True) == pytest.approx(1.5e12)
     assert cpu_peak("bf16") == pytest.approx(1.5e12)
 
@@ -193,7 +193,7 @@ def test_measure_cpu_peak_times_every_gemm_of_a_linear_layer(dtype):
 def test_measure_cpu_peak_is_the_best_of_the_kernels(monkeypatch):
     rates = {"forward": 2.0e10, "grad_input": 1.0e9, "grad_weight": 1.9e10}
     monkeypatch.setattr(
-        hardware, "measure_cpu_kernels", lambda dtype, threads=None, budget_seconds=2.0: rates
+        device_specs, "measure_cpu_kernels", lambda dtype, threads=None, budget_seconds=2.0: rates
     )
     assert measure_cpu_peak("bf16") == pytest.approx(2.0e10)
 
@@ -201,19 +201,19 @@ def test_measure_cpu_peak_is_the_best_of_the_kernels(monkeypatch):
 @pytest.fixture
 def fake_peaks(monkeypatch):
     peaks = {"fp32": 1.5e11, "bf16": 2.0e10, "fp16": 1.4e11}
-    monkeypatch.setattr(hardware, "cpu_peak", lambda dtype, threads=None: peaks[dtype])
+    monkeypatch.setattr(device_specs, "cpu_peak", lambda dtype, threads=None: peaks[dtype])
     return peaks
 
 
 def test_precision_warning_names_both_rates_and_the_missing_flags(fake_peaks, monkeypatch):
-    monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(device_specs, "_cpu_flags", lambda: {"avx2", "fma"})
     line = cpu_precision_warning("bfloat16", threads=2)
     assert line is not None and "\n" not in line
     assert "bf16 runs at 20 GFLOP/s" in line and "fp32 150 GFLOP/s" in line and "2 threads" in line
     assert "no native bf16 (no amx_bf16/avx512_bf16)" in line and "8x slower" in line
     assert cpu_precision_warning("fp32") is None
     assert cpu_precision_warning("fp16") is None  # not clearly slower than fp32: nothing to say
-    monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"amx_bf16"})
+    monkeypatch.setattr(device_specs, "_cpu_flags", lambda: {"amx_bf16"})
     line = cpu_precision_warning("bf16", threads=2)
     assert line is not None and "despite amx_bf16" in line
     fake_peaks["bf16"] = 1.0e12  # an AMX machine: bf16 faster than fp32

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scalable_transformer.bench import report
-from scalable_transformer.bench.importers import import_log, parse_deepspeed, parse_megatron
+from scalable_transformer.bench.log_import import import_log, parse_deepspeed, parse_megatron
 from scalable_transformer.bench.results import ResultsStore
 from scalable_transformer.cli import main
 

@@ -246,7 +246,7 @@ def test_llama_8b_flops_at_seq_8192_by_hand():
 
 
 def test_planner_searches_llama_8b_on_8_h100():
-    from scalable_transformer.plan.hardware import table_cluster
+    from scalable_transformer.plan.cluster import table_cluster
     from scalable_transformer.plan.search import search_layouts
 
     results = search_layouts(load_config("llama-8b"), table_cluster("h100-80gb", 1, 8))

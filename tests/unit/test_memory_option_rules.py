@@ -10,7 +10,7 @@ import pytest
 
 from scalable_transformer.config.load import ConfigError, load_config
 from scalable_transformer.config.validate import resolve
-from scalable_transformer.plan.hardware import table_cluster
+from scalable_transformer.plan.cluster import table_cluster
 from scalable_transformer.plan.search import predict, prepare, search_layouts
 
 

@@ -18,8 +18,8 @@ from scalable_transformer.config.load import load_config
 from scalable_transformer.config.model_shapes import stage_params, total_params
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.errors import ConfigError
-from scalable_transformer.plan.hardware import load_cluster, table_cluster
-from scalable_transformer.plan.memory import (
+from scalable_transformer.plan.cluster import load_cluster, table_cluster
+from scalable_transformer.plan.memory_model import (
     ActivationModel,
     inflight_microbatches,
     korthikanti,
@@ -65,7 +65,7 @@ def test_korthikanti_per_layer_formulas() -> None:
 
 def test_engine_terms_found_by_the_cuda_dry_runs() -> None:
     """What the dry runs at scale showed the engine keeps (docs/PLANNER.md, "Memory per device")."""
-    from scalable_transformer.plan.memory import activation_model, largest_param_group, stage_memory
+    from scalable_transformer.plan.memory_model import activation_model, largest_param_group, stage_memory
 
     def cfg_of(overrides: list[str], world: int):
         return resolve(load_config("gpt-13b", overrides), world)

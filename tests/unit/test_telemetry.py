@@ -16,8 +16,8 @@ from scalable_transformer.bench.sweep_record import record_from_summary
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.errors import ConfigError
-from scalable_transformer.metrics.profile import analyze_trace, format_table
-from scalable_transformer.metrics.telemetry import GPU_FIELDS, Rapl, Telemetry, short
+from scalable_transformer.metrics.device_sampler import GPU_FIELDS, Rapl, Telemetry, short
+from scalable_transformer.metrics.trace_analysis import analyze_trace, format_table
 from scalable_transformer.train.measurement import straggler
 
 
@@ -245,7 +245,7 @@ def test_energy_per_sample_from_the_counter_over_the_post_warmup_intervals(tmp_p
     import torch
 
     from scalable_transformer.train.run import run_training
-    from scalable_transformer.train.telemetry import TelemetryCallback
+    from scalable_transformer.train.telemetry_callback import TelemetryCallback
 
     telemetry = Telemetry("cuda", gpu=FakeGpu(), rapl=no_rapl(tmp_path), period=60.0)  # no thread reads
     callback = TelemetryCallback(torch.device("cpu"), telemetry=telemetry)

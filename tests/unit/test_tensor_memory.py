@@ -1,11 +1,11 @@
-"""Live tensor bytes on CPU (metrics/tensor_memory.py): the peak counts what exists from the first
+"""Live tensor bytes on CPU (metrics/live_tensor_bytes.py): the peak counts what exists from the first
 step on, including tensors freed before the end, and nothing allocated before the window."""
 
 from __future__ import annotations
 
 import torch
 
-from scalable_transformer.metrics.tensor_memory import TRACKED_STEPS, TensorBytesTracker
+from scalable_transformer.metrics.live_tensor_bytes import TRACKED_STEPS, TensorBytesTracker
 
 
 def test_cpu_tracker_sees_the_peak_of_the_window() -> None:

@@ -1,11 +1,11 @@
-"""metrics.tensor_memory: the replay of CPU allocation events that puts back the frees the profiler
+"""metrics.live_tensor_bytes: the replay of CPU allocation events that puts back the frees the profiler
 cannot see (those made on an untracked thread, gloo's worker)."""
 
 from __future__ import annotations
 
 import torch
 
-from scalable_transformer.metrics.tensor_memory import (
+from scalable_transformer.metrics.live_tensor_bytes import (
     _MARK,
     Allocation,
     peak_from_profile,

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from scalable_transformer.metrics import memory
-from scalable_transformer.metrics.memory import MemoryTracker
+from scalable_transformer.metrics import peak_memory
+from scalable_transformer.metrics.peak_memory import MemoryTracker
 from scalable_transformer.metrics.timers import Timers, format_ms
 
 
@@ -105,12 +105,12 @@ def test_cpu_peak_rises_by_a_large_allocation_and_resets():
 
 def test_cpu_fallbacks_say_what_they_measure(tmp_path, monkeypatch):
     tracker = MemoryTracker("cpu")
-    monkeypatch.setattr(memory, "_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    monkeypatch.setattr(peak_memory, "_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
     tracker.reset_peak()
     stats = tracker.peak()
     if os.path.exists("/proc/self/status"):
         assert "reset unavailable" in stats.method
-    monkeypatch.setattr(memory, "_STATUS", str(tmp_path / "missing" / "status"))
+    monkeypatch.setattr(peak_memory, "_STATUS", str(tmp_path / "missing" / "status"))
     stats = tracker.peak()
     assert "ru_maxrss" in stats.method and stats.peak_allocated_bytes > 0
 
@@ -145,10 +145,10 @@ def test_model_state_bytes_counts_each_storage_once():
     head.weight = emb.weight  # tied: one storage of 40 floats
     model = torch.nn.Sequential(emb, head)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    assert memory.model_state_bytes(model, opt)["optimizer"] == 0  # no state before the first step
+    assert peak_memory.model_state_bytes(model, opt)["optimizer"] == 0  # no state before the first step
     model(torch.tensor([1, 2])).sum().backward()
     opt.step()
-    sizes = memory.model_state_bytes(model, opt)
+    sizes = peak_memory.model_state_bytes(model, opt)
     params = (40 + 10) * 4
     assert sizes == {"parameters": params, "gradients": params, "optimizer": 2 * params}
 
@@ -167,6 +167,6 @@ def test_model_state_bytes_sees_zero_redundancy_shards():
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
         model(torch.ones(1, 8)).sum().backward()
         opt.step()
-        assert memory.model_state_bytes(model, opt)["optimizer"] == 2 * (64 + 8) * 4
+        assert peak_memory.model_state_bytes(model, opt)["optimizer"] == 2 * (64 + 8) * 4
     finally:
         dist.destroy_process_group()

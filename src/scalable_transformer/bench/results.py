@@ -82,7 +82,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("finished_at", "TEXT"),
     ("scheduler", "TEXT"),  # slurm | pbs for a member run as a batch job (NULL: stx launch here)
     ("job_id", "TEXT"),  # its job id
-    # device telemetry (metrics/telemetry.py): medians over ranks of each rank's median; memory the max;
+    # device telemetry (metrics/device_sampler.py): medians over ranks of each rank's median; memory the max;
     # NULL where it was not measured (GPU fields on a CPU run), with the reason in telemetry_note
     ("device_util", "REAL"),  # fraction of time a kernel ran (NVML) / GFX activity (amdsmi)
     ("device_power_w", "REAL"),

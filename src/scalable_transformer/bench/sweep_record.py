@@ -146,7 +146,7 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
     if key in _PREDICTIONS:
         return _PREDICTIONS[key]
     try:
-        from ..plan.hardware import cpu_cluster, table_cluster
+        from ..plan.cluster import cpu_cluster, table_cluster
         from ..plan.search import predict
 
         cluster = None
@@ -154,7 +154,7 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
             import torch
 
             if torch.cuda.is_available():
-                from ..metrics.hardware import detect_device_name
+                from ..metrics.device_specs import detect_device_name
 
                 name = cfg.logging.device_name or detect_device_name()
                 cluster = table_cluster(name, 1, nproc) if name else None

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import CheckpointError
 from ..files import write_atomic
+from ..parallel.torch_compat import init_optimizer_state
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -314,10 +315,8 @@ def _zero1_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     (`state.<fqn>.<key>`, `param_groups.<fqn>.<key>`), holding the local optimizer's own tensors so
     that dcp.load fills them in place. torch's get/set_optimizer_state_dict cannot take the local
     optimizer: a rank may own no parameter of a group (an empty group breaks its unflattening)."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     local = optimizer.optim
-    _init_optim_state(local)  # creates the state tensors of a fresh optimizer (a zero-lr step)
+    init_optimizer_state(local)  # creates the state tensors of a fresh optimizer (a zero-lr step)
     fqns = {id(p): _clean_fqn(n) for n, p in model.named_parameters()}
     out: dict[str, Any] = {}
     for group in local.param_groups:

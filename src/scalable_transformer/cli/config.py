@@ -41,7 +41,7 @@ class ConfigOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ImportOptions:
-    """`stx config import`: the sources (config.importers.ImportSources), the file to write, and whether
+    """`stx config import`: the sources (config.foreign_configs.ImportSources), the file to write, and whether
     an existing one may be replaced."""
 
     sources: Any
@@ -50,7 +50,7 @@ class ImportOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ImportOptions:
-        from ..config.importers import ImportSources
+        from ..config.foreign_configs import ImportSources
 
         if args.output is None:
             raise ValueError("stx config import needs -o FILE: the config file to write")
@@ -184,7 +184,7 @@ def _print_from_hf(hf_dir: Path) -> None:
 
 
 def _import(opts: ImportOptions) -> int:
-    from ..config.importers import import_configs, render_yaml, write_config
+    from ..config.foreign_configs import import_configs, render_yaml, write_config
 
     imported = import_configs(opts.sources)
     write_config(render_yaml(imported, opts.sources.base, str(opts.output)), opts.output, opts.force)

@@ -9,8 +9,8 @@ import sys
 from typing import Any
 
 from ..metrics.calculator import FlopsOptions, calculate
+from ..metrics.device_specs import DTYPES, PEAK_TFLOPS
 from ..metrics.flops import CONVENTIONS, RECOMPUTE_MODES
-from ..metrics.hardware import DTYPES, PEAK_TFLOPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

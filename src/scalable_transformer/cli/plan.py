@@ -142,7 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_cluster(opts: PlanOptions, precision: str) -> Any:
-    from ..plan import hardware
+    from ..plan.cluster import cpu_cluster, load_cluster, table_cluster, with_nodes
 
     nodes: int
     per_node: int | None
@@ -151,20 +151,20 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
     else:
         nodes, per_node = opts.nodes or 1, opts.gpus_per_node
     if opts.hardware:
-        cluster = hardware.load_cluster(opts.hardware, nodes=opts.nodes)
+        cluster = load_cluster(opts.hardware, nodes=opts.nodes)
         if opts.world_size is not None:
             # a world size on a multi-node cluster file: as many nodes as it takes
             per = cluster.devices_per_node
-            cluster = hardware.with_nodes(cluster, -(-opts.world_size // per), min(per, opts.world_size))
+            cluster = with_nodes(cluster, -(-opts.world_size // per), min(per, opts.world_size))
         elif per_node is not None:
-            cluster = hardware.with_nodes(cluster, nodes, per_node)
+            cluster = with_nodes(cluster, nodes, per_node)
     elif (opts.device or "").lower() == "cpu":
-        cluster = hardware.cpu_cluster(nodes * (per_node or 1), precision)
+        cluster = cpu_cluster(nodes * (per_node or 1), precision)
     else:
         assert opts.device is not None
         if opts.world_size is not None:
             # a world size spans as many full nodes of the device's usual size as it takes
-            usual = hardware.table_cluster(opts.device, 1).devices_per_node
+            usual = table_cluster(opts.device, 1).devices_per_node
             if opts.world_size > usual:
                 if opts.world_size % usual:
                     from ..errors import UsageError
@@ -174,7 +174,7 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
                         f"{opts.device} nodes; give --nodes K --gpus-per-node G"
                     )
                 nodes, per_node = opts.world_size // usual, usual
-        cluster = hardware.table_cluster(opts.device, nodes, per_node, opts.host_memory_gb)
+        cluster = table_cluster(opts.device, nodes, per_node, opts.host_memory_gb)
     if opts.host_memory_gb is not None:
         cluster = dataclasses.replace(cluster, host_memory_bytes=int(opts.host_memory_gb * 2**30))
     return cluster

@@ -187,7 +187,7 @@ def export(opts: ExportOptions) -> int:
 
 
 def import_log(opts: ImportLogOptions) -> int:
-    from ..bench.importers import import_log as import_one
+    from ..bench.log_import import import_log as import_one
 
     record = import_one(
         Path(opts.file),

@@ -51,7 +51,7 @@ def reference_markdown() -> str:
 
 
 def _blocks() -> list[tuple[str, str, Callable[[], str]]]:
-    from .importers import neox_classification_markdown
+    from .foreign_configs import neox_classification_markdown
 
     return [(START, END, reference_markdown), (NEOX_START, NEOX_END, neox_classification_markdown)]
 

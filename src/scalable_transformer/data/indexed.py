@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import tempfile
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import IndexedDatasetError
+from ..files import publish, temporary_beside
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -88,9 +88,7 @@ def _dtype_code(dtype: npt.DTypeLike) -> int:
 
 def _temp_beside(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    return Path(tmp)
+    return temporary_beside(path)
 
 
 class IndexedDatasetBuilder:
@@ -212,12 +210,10 @@ class IndexedDatasetBuilder:
                 f.write(lengths.astype("<i4", copy=False).tobytes())
                 f.write(pointers.astype("<i8", copy=False).tobytes())
                 f.write(np.frombuffer(self._doc_indices, dtype=np.int64).astype("<i8", copy=False).tobytes())
-            for tmp in (self._tmp_bin, self._tmp_idx):
-                os.chmod(tmp, 0o644)  # mkstemp makes 0600; a dataset is an ordinary file
             # .bin first: once the .idx exists under its final name, its .bin is complete.
-            os.replace(self._tmp_bin, self.bin_path)
+            publish(self._tmp_bin, self.bin_path)
             self._tmp_bin = None
-            os.replace(self._tmp_idx, final_idx)
+            publish(self._tmp_idx, final_idx)
             self._tmp_idx = None
             self._finalized = True
         except BaseException:

@@ -11,8 +11,8 @@ import dataclasses
 import warnings
 from typing import Any
 
+from .device_specs import normalize_dtype, resolve_peak
 from .flops import CONVENTIONS, ModelShape, flops_per_iteration, throughput_metrics
-from .hardware import normalize_dtype, resolve_peak
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "seq_length", "vocab_size", "ffn_hidden_size")
 

@@ -1,4 +1,4 @@
-"""Rates of this CPU that the planner needs beyond the GEMM peak (metrics/hardware.py): a GEMM of a
+"""Rates of this CPU that the planner needs beyond the GEMM peak (metrics/device_specs.py): a GEMM of a
 given shape, memory bandwidth, the fixed cost of one small torch op, and gloo collective bandwidth
 and latency between local processes. Cached per machine / torch / thread count as JSON in the user
 cache (`cache.cache_dir()`), like the CPU peak; the quick ones are measured again at each use and the
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import cache_dir, put_json_entry, read_json_entries
-from .hardware import _cpu_model
+from .device_specs import _cpu_model
 
 CACHE_NAME = "cpu_rates.json"
 METHOD = "v1"
@@ -46,7 +46,7 @@ def _write(key: str, value: float) -> None:
 def _cached(what: str, threads: int, measure, lower_is_better: bool = False) -> float:
     """The best value ever measured here: measured again at every call (a fraction of a second) and
     the better of the new and the cached value kept, because a shared machine disturbs measurements
-    only one way (the planner accounts for the load separately, `plan.hardware.cpu_cluster`)."""
+    only one way (the planner accounts for the load separately, `plan.cluster.cpu_cluster`)."""
     key = _key(what, threads)
     if key in _MEASURED:  # once per process: a search asks for the same rate thousands of times
         return _MEASURED[key]

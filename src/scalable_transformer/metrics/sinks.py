@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from .telemetry import short as short_telemetry
+from .device_sampler import short as short_telemetry
 
 
 class Sink(Protocol):

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from ..config.schema import Config
 from ..errors import ConfigError
 from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
 from .dims import ParallelDims
+from .torch_compat import checkpoint_wrapped, replicate
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,21 +82,17 @@ def apply_activation_checkpointing(
             _replace_block(
                 model,
                 name,
-                checkpoint_wrapper(
-                    block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=wrapper_fn
-                ),
+                checkpoint_wrapped(block, checkpoint_fn=wrapper_fn),
             )
         else:
             attention = block.get_submodule("attention")
-            attention.core = checkpoint_wrapper(  # type: ignore[assignment]
-                attention.get_submodule("core"), checkpoint_impl=CheckpointImpl.NO_REENTRANT
-            )
+            attention.core = checkpoint_wrapped(attention.get_submodule("core"))  # type: ignore[assignment]
 
 
 def _checkpoint_module(
     checkpoint_fn: Callable[..., Any], module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
 ) -> Any:
-    """The form `checkpoint_wrapper(checkpoint_fn=...)` calls: the module and its arguments."""
+    """The form `checkpoint_wrapped(checkpoint_fn=...)` calls: the module and its arguments."""
     return checkpoint_fn(module, x, *args, **kwargs)
 
 
@@ -136,7 +132,6 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
 def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any) -> None:
     """ZeRO-0 with tensor parallel: DDP cannot replicate DTensor parameters, so use torch's FSDP2-based
     `replicate` (same all-reduce semantics, composes with DTensor) per block and on the root."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[cfg.parallel.grad_reduce_dtype])

@@ -14,9 +14,10 @@ figures are launch-to-completion of the future/Work (DDP) or call time (FSDP2), 
 exposed time is what the trainer measures around backward with timers_sync on.
 
 Built on the public seams of each wrapper: `DistributedDataParallel.register_comm_hook`,
-`FSDPModule.set_custom_reduce_scatter / set_custom_all_gather` (torch's Comm API). Pipelining has no
-such seam in 2.13: its module-level `_wait_batch_p2p` is wrapped for the duration of a schedule step
-(`pipeline_wait_timing`), and restored after.
+`FSDPModule.set_custom_reduce_scatter / set_custom_all_gather` (torch's Comm interface, implemented
+here with the public collectives FSDP2's defaults call). Pipelining has no such seam in 2.13: its
+module-level `_wait_batch_p2p` is wrapped for the duration of a schedule step (`pipeline_wait_timing`,
+through parallel/torch_compat.py), and restored after.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from .torch_compat import pipeline_p2p_wait_wrapped
 
 KINDS = ("grads-all-reduce", "grads-reduce-scatter", "params-all-gather", "pipeline-p2p-wait")
 GRAD_KINDS = ("grads-all-reduce", "grads-reduce-scatter")
@@ -109,47 +113,34 @@ def timed_ddp_hook(inner: Callable[[Any, Any], torch.futures.Future]) -> Callabl
 # ---------------------------------------------------------------- FSDP2
 
 
-def _fsdp_comm_classes() -> tuple[Any, Any, Any, Any]:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
-    )
-
-    return AllGather, ReduceScatter, DefaultAllGather, DefaultReduceScatter
-
-
 def instrument_fsdp(module: Any, recorder: CommRecorder) -> None:
-    """Time an FSDP2 module's all-gathers and reduce-scatters (the default comms, wrapped)."""
-    AllGather, ReduceScatter, DefaultAllGather, DefaultReduceScatter = _fsdp_comm_classes()
+    """Time an FSDP2 module's all-gathers and reduce-scatters. The comms do what FSDP2's defaults
+    (DefaultAllGather / DefaultReduceScatter in torch 2.13) do, with public calls: a plain buffer and
+    one collective, so the timing changes nothing else (torch_compat.py says why no subclass)."""
 
-    class TimedAllGather(AllGather):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            self.inner = DefaultAllGather()
-
+    class TimedAllGather:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)
+            return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
             start = recorder.clock()
-            work = self.inner(output_tensor, input_tensor, group, async_op)
+            work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
             recorder.record("params-all-gather", start, recorder.clock())
             # an async all-gather's later wait is not timed: FSDP2 checks isinstance(work, dist.Work)
             return work
 
-    class TimedReduceScatter(ReduceScatter):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            self.inner = DefaultReduceScatter()
-
+    class TimedReduceScatter:
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)
+            return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(
             self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
         ) -> Any:
             start = recorder.clock()
             recorder.grad_launched(start)
-            work = self.inner(output_tensor, input_tensor, group, op, async_op)
+            work = dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+            )
             end = recorder.clock()
             recorder.record("grads-reduce-scatter", start, end)
             if work is None or not async_op:  # a synchronous call: the training thread waited for it
@@ -167,19 +158,16 @@ def instrument_fsdp(module: Any, recorder: CommRecorder) -> None:
 def pipeline_wait_timing(recorder: CommRecorder) -> Iterator[None]:
     """Record the time each pipeline schedule spends waiting on its P2P send/recv batches (the
     bubble plus the transfers) while the block runs."""
-    from torch.distributed.pipelining import schedules
 
-    original = schedules._wait_batch_p2p
+    def wrap(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def timed(work: Any) -> Any:
+            start = recorder.clock()
+            try:
+                return original(work)
+            finally:
+                recorder.record("pipeline-p2p-wait", start, recorder.clock())
 
-    def timed(work: Any) -> Any:
-        start = recorder.clock()
-        try:
-            return original(work)
-        finally:
-            recorder.record("pipeline-p2p-wait", start, recorder.clock())
+        return timed
 
-    schedules._wait_batch_p2p = timed  # type: ignore[assignment]
-    try:
+    with pipeline_p2p_wait_wrapped(wrap):
         yield
-    finally:
-        schedules._wait_batch_p2p = original  # type: ignore[assignment]

@@ -20,10 +20,6 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 # Set once this process has started a process group: its backend's native threads may outlive
 # destroy_process_group (see `native_threads_may_outlive_python`).
 _started = False
@@ -57,7 +53,7 @@ def init_distributed(device: torch.device, timeout_minutes: float, *, needed: bo
     if world == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        rank = env_rank()
+        rank = int(os.environ.get("RANK", "0"))
         dist.init_process_group(
             backend, store=attempt_store(timeout), rank=rank, world_size=world, timeout=timeout
         )

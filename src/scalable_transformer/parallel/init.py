@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config.schema import ModelConfig
 from ..models.layers import init_rules, initial_value, reset_derived_buffers
+from .torch_compat import is_persistent_buffer, unset_fake_temporarily
 
 # Name parts that wrappers applied by parallel/apply.py insert into parameter names (activation
 # checkpointing, torch.compile); the canonical name is the plain model's (= the checkpoint key).
@@ -43,8 +44,6 @@ def meta_device() -> Iterator[None]:
     """Build modules here: shapes on the meta device, no storage. A dry run (`stx plan --dry-run`)
     builds inside a FakeTensorMode, which is paused here: a meta tensor has no data to fake, and a
     fake one carries the mode's weakrefs, which stop `to_empty` from swapping it for its storage."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily(), torch.device("meta"):
         yield
 
@@ -139,7 +138,7 @@ def materialize(
                 module.register_buffer(
                     name,
                     torch.empty_like(buffer, device=device),
-                    persistent=name not in module._non_persistent_buffers_set,
+                    persistent=is_persistent_buffer(module, name),
                 )
     rules = {canonical_name(name): rule for name, rule in init_rules(model, cfg).items()}
     fill_parameters(model, lambda name, shape: initial_value(rules[name], shape, seed, name))

@@ -36,7 +36,7 @@ schedule for any number of batches (see `PipelineRunner._schedule`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,6 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -68,10 +67,14 @@ from .dims import ParallelDims
 from .distributed import all_reduce_floats, collective_device
 from .grads import local
 from .tensor import loss_ops, loss_parallel_context
+from .torch_compat import fsdp_mixed_precision, pipeline_action
+
+if TYPE_CHECKING:
+    from .torch_compat import PipelineSchedule
 
 Batch = dict[str, torch.Tensor]
 
-SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+SCHEDULES: dict[str, type[PipelineSchedule]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -137,11 +140,9 @@ def _output_dtype(stage: nn.Module) -> torch.dtype:
     """dtype of the hidden states a stage sends: FSDP2's mixed-precision output/param dtype when
     set, else the parameters' dtype (autocast keeps the residual stream in the parameter dtype)."""
     module = _unwrap(stage)
-    state_getter = getattr(module, "_get_fsdp_state", None)
-    if state_getter is not None:
-        policy = state_getter()._mp_policy
-        if policy.output_dtype is not None or policy.param_dtype is not None:
-            return policy.output_dtype or policy.param_dtype
+    policy = fsdp_mixed_precision(module)
+    if policy is not None and (policy.output_dtype is not None or policy.param_dtype is not None):
+        return policy.output_dtype or policy.param_dtype
     for param in module.parameters():
         if param.is_floating_point():
             return param.dtype
@@ -191,7 +192,7 @@ class PipelineRunner:
         self.metric_keys = sorted(self.spec.metric_names(m))
         self._eval_ops = loss_ops(p.tp)
         self._loss_ops = self._eval_ops.for_training()  # the one the loss function gets this call
-        self._train_schedule: _PipelineSchedule | None = None
+        self._train_schedule: PipelineSchedule | None = None
         # per-call state read by the loss function, which the schedule calls on the last stage
         self._normalizers: dict[str, int] = {}
         self._loss_multiplier = 1.0
@@ -230,7 +231,7 @@ class PipelineRunner:
             group=self.group,
         )
 
-    def _schedule(self, n: int, *, train: bool) -> _PipelineSchedule:
+    def _schedule(self, n: int, *, train: bool) -> PipelineSchedule:
         """A schedule over n micro-batches.
 
         Evaluation (any n): GPipe for one stage per rank (1F1B needs n >= stages); for several,
@@ -242,7 +243,7 @@ class PipelineRunner:
         name = self.schedule_name
         if not train:
             name = "gpipe" if name in SINGLE_STAGE else "zbv" if name in V_SHAPED else "looped-bfs"
-        cls: Callable[..., _PipelineSchedule] = SCHEDULES[name]
+        cls: Callable[..., PipelineSchedule] = SCHEDULES[name]
         # scale_grads=False: each micro-batch's loss is already its share of the step's mean
         if name in SINGLE_STAGE:
             return cls(self.pipeline_stages[0], n, loss_fn=self._loss, scale_grads=False)
@@ -250,7 +251,7 @@ class PipelineRunner:
         if not train:
             for action in ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "REDUCE_GRAD"):
                 schedule.register_custom_function(  # type: ignore[attr-defined]
-                    getattr(_ComputationType, action), _skip_action
+                    pipeline_action(action), _skip_action
                 )
         return schedule
 

@@ -3,12 +3,13 @@ it, and rank every layout of a cluster (`stx plan`). Torch-free on the GPU path:
 thousands of layouts with `config.rules` and closed-form models (docs/PLANNER.md has every formula
 and its source); only planning for this machine's CPU measures (and caches) rates with torch.
 
-Modules: `layout` (the layout of one candidate), `model` (parameter counts per pipeline stage, as
-models/ builds them), `hardware` (devices and clusters: the table, a YAML file, or this CPU),
-`memory` (bytes per device), `speed` (seconds per step), `search` (one layout or all of them).
+Modules: `layout` (the layout of one candidate), `cluster` (devices and clusters: the table, a YAML
+file, or this CPU), `memory_model` (bytes per device), `speed` (seconds per step), `search` (one
+layout or all of them), `probe` (measured step times on this CPU), `dry_run` (the real engine on fake
+tensors). Parameter counts per pipeline stage are `config.model_shapes`'.
 """
 
-from .hardware import Cluster, load_cluster
+from .cluster import Cluster, load_cluster
 from .layout import Layout
 from .search import Prediction, plan_config, predict, search_layouts
 

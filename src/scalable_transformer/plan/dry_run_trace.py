@@ -90,7 +90,7 @@ _KINDS = {
 # and all_gather_into_tensor each peaked one full-size buffer above their input and output; all_reduce
 # and broadcast none). NCCL works in the output buffer. The buffer lives while the collective runs
 # (a synchronous op on the issuing thread here): counted as a spike. (A real gloo run's worker thread
-# often frees it, out of the profiler's sight: metrics/tensor_memory.replay_allocations dates those.)
+# often frees it, out of the profiler's sight: metrics/live_tensor_bytes.replay_allocations dates those.)
 _GLOO_STAGED = {
     "_allgather_base_",
     "_reduce_scatter_base_",
@@ -100,7 +100,7 @@ _GLOO_STAGED = {
 # ops whose output shape depends on tensor values (the fake mode cannot run them)
 _DATA_DEPENDENT = {_aten.nonzero.default, _aten.masked_select.default}
 
-# breakdown keys, in the planner's vocabulary (plan/memory.py), in the order they are assigned
+# breakdown keys, in the planner's vocabulary (plan/memory_model.py), in the order they are assigned
 CATEGORIES = (
     "parameters",
     "optimizer_state",

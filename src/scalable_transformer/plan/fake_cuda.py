@@ -254,7 +254,7 @@ def _python_stubs() -> list[tuple[Any, str, Any]]:
         # distributed_c10d.broadcast asks the compute capability of a CUDA tensor's device (ZeRO-1's
         # parameter broadcast after each step): an A100's, 8.0 (the answer selects no allocation)
         (c, "get_device_capability", lambda device=None: (8, 0)),
-        # the trainer's MemoryTracker (metrics/memory.py): the dry run measures memory itself
+        # the trainer's MemoryTracker (metrics/peak_memory.py): the dry run measures memory itself
         (c, "reset_peak_memory_stats", lambda device=None: None),
         (c, "max_memory_allocated", lambda device=None: 0),
         (c, "max_memory_reserved", lambda device=None: 0),

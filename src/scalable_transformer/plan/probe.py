@@ -123,7 +123,7 @@ def _cache_key(cfg: Config, world_size: int, num_layers: int, iters: int, warmup
     import platform
 
     from ..config.load import to_yaml
-    from ..metrics.hardware import _cpu_model
+    from ..metrics.device_specs import _cpu_model
 
     body = to_yaml(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=num_layers)))
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]

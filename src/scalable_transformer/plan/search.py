@@ -12,9 +12,9 @@ from ..config import rules
 from ..config.model_shapes import family_options
 from ..config.schema import Config
 from ..errors import ConfigError
-from .hardware import Cluster
+from .cluster import Cluster
 from .layout import Layout
-from .memory import StageMemory, stage_memory
+from .memory_model import StageMemory, stage_memory
 from .speed import StepTime, step_time
 
 RATE_MODEL = "rate model (plan/speed.py)"

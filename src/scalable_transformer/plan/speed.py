@@ -3,7 +3,7 @@ memory-bound elementwise work, per-op overhead), tensor-parallel collectives, da
 collectives and how much of them overlaps, the pipeline bubble and point-to-point sends, the
 optimizer, offload transfers. docs/PLANNER.md gives every formula and its source.
 
-Legend as memory.py; m micro-batches per step, d data-parallel size, B bytes.
+Legend as memory_model.py; m micro-batches per step, d data-parallel size, B bytes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from ..config.model_shapes import gated_mlp, query_groups, stage_params, total_params, vocab
 from ..config.schema import Config
 from ..metrics.flops import ModelShape, flops_per_iteration
-from .hardware import Cluster
-from .memory import DTYPE_BYTES, activation_model, layer_activation_bytes, optimizer_bytes_per_param
+from .cluster import Cluster
+from .memory_model import DTYPE_BYTES, activation_model, layer_activation_bytes, optimizer_bytes_per_param
 
 # torch ops per transformer layer per micro-batch (counted with torch.profiler on our TransformerBlock:
 # forward about 30 dispatched ops, backward about 45); the embedding, head and loss about 60 more.

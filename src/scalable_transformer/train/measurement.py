@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..config.schema import ResolvedConfig
 from ..metrics.flops import FlopsCount, throughput_metrics
-from ..metrics.memory import MemoryTracker
+from ..metrics.peak_memory import MemoryTracker
 from ..metrics.sinks import Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
 from ..parallel.dims import ParallelDims

@@ -27,8 +27,8 @@ from ..config.validate import resolve
 from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
 from ..errors import ConfigError
+from ..metrics.device_specs import cpu_precision_warning, resolve_peak
 from ..metrics.flops import step_flops
-from ..metrics.hardware import cpu_precision_warning, resolve_peak
 from ..metrics.sinks import Sink, Sinks
 from ..models import build_model, count_parameters
 from ..parallel.apply import parallelize
@@ -49,7 +49,7 @@ from .outputs import (
     write_json,
 )
 from .resilience import stop_message
-from .tensor_bytes import TensorBytesCallback, tensor_bytes_tracker
+from .tensor_bytes_callback import TensorBytesCallback, tensor_bytes_tracker
 from .trainer import Callback, Trainer
 from .watchdog import HangWatchdog
 
@@ -263,13 +263,13 @@ def observers(cfg: ResolvedConfig, device: torch.device, dims: ParallelDims, run
     """The measuring callbacks the config asks for: device telemetry, a profiler window."""
     out: list[Callback] = []
     if cfg.logging.telemetry:
-        from .telemetry import TelemetryCallback
+        from .telemetry_callback import TelemetryCallback
 
         out.append(TelemetryCallback(device, cfg.logging.telemetry_interval))
     lg = cfg.logging
     if lg.profile_start_step is not None:
         from ..config.rules import profile_ranks
-        from .profiling import ProfileCallback
+        from .profiler_window import ProfileCallback
 
         shared = share_run_dir(run_dir, dims)
         out.append(

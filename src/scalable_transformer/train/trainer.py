@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
-from ..metrics.memory import model_state_bytes
+from ..metrics.peak_memory import model_state_bytes
 from ..models import spec_for
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import collective_device

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..parallel.torch_compat import profiler_allocation_tag
+
 TRACKED_STEPS = 3
 _MARK = "stx::tensor-bytes-window"
 _log = logging.getLogger(__name__)
@@ -86,8 +88,7 @@ def peak_from_profile(prof: Any) -> int | None:
     its own references; those frees never show, and the counter keeps them for good (measured on 2
     gloo ranks: 2-8 MB after 20 reduce-scatters, varying by rank and run). `replay_allocations` puts
     them back; see there."""
-    from torch._C._profiler import _EventType
-
+    allocation = profiler_allocation_tag()
     results = prof.profiler.kineto_results
     allocations: list[Allocation] = []
     worker_ends: list[tuple[int, int]] = []  # (thread, end) of every top-level event
@@ -98,7 +99,7 @@ def peak_from_profile(prof: Any) -> int | None:
         stack.append((root, None))
     while stack:
         event, collective_end = stack.pop()
-        if event.tag == _EventType.Allocation:
+        if event.tag == allocation:
             fields = event.extra_fields
             if fields.device.type == "cpu":
                 allocations.append(

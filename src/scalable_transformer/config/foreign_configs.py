@@ -13,16 +13,15 @@ import ast
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import shlex
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..errors import ConfigError, ConfigWarning
+from ..files import atomic_output
 from .load import (
     IGNORED_KEYS,
     SPECIAL_KEYS,
@@ -370,24 +369,19 @@ def write_config(text: str, output: Path, force: bool = False) -> None:
     if not output.parent.is_dir():
         raise ConfigError(f"the folder of output '{output}' does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".yaml", dir=output.parent)
+        with atomic_output(output) as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            tmp = f.name
+            try:
+                with grouped_config_warnings(emit=False):  # the file lists them; the command prints a count
+                    load_config(tmp)  # field-level checks with the loader itself, before it is published
+            except ConfigError as e:  # name the file the user asked for, not our hidden temporary one
+                raise ConfigError(str(e).replace(tmp, str(output))) from None
+            if not force and output.exists():
+                raise ConfigError(f"output '{output}' appeared while importing; give --force to replace it")
     except OSError as e:
         raise ConfigError(f"cannot write '{output}': {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        try:
-            with grouped_config_warnings(emit=False):  # the file lists them; the command prints a count
-                load_config(tmp)  # field-level checks with the loader itself, before it is published
-        except ConfigError as e:  # name the file the user asked for, not our hidden temporary one
-            raise ConfigError(str(e).replace(tmp, str(output))) from None
-        if not force and output.exists():
-            raise ConfigError(f"output '{output}' appeared while importing; give --force to replace it")
-        os.replace(tmp, output)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------- the GPT-NeoX reference

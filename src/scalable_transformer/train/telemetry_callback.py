@@ -1,4 +1,4 @@
-"""Device telemetry wired into training: the sampler (metrics/telemetry.py) runs from the first step to
+"""Device telemetry wired into training: the sampler (metrics/device_sampler.py) runs from the first step to
 the end of `fit`; each log record gets the interval's figures; the summary gets per-rank medians and
 maxima, energy per sample and per token, and the reasons for any figure that is None.
 
@@ -14,7 +14,7 @@ import os
 import statistics
 from typing import Any
 
-from ..metrics.telemetry import GPU_FIELDS, Telemetry
+from ..metrics.device_sampler import GPU_FIELDS, Telemetry
 from ..parallel.distributed import all_reduce_floats
 from .trainer import Callback, History, Trainer
 

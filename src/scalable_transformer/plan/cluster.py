@@ -1,5 +1,5 @@
 """The hardware a plan is for: a cluster of nodes with devices, from the device table
-(metrics/hardware.py), a YAML file describing a custom cluster, or this machine's CPU (measured).
+(metrics/device_specs.py), a YAML file describing a custom cluster, or this machine's CPU (measured).
 
 A cluster YAML file (every size in the units its key names):
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..metrics.hardware import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
+from ..metrics.device_specs import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
 
 GIB = 2**30
 # What the CUDA context, NCCL communicators and the caching allocator's fragmentation take of a GPU
@@ -72,7 +72,7 @@ class Cluster:
 def table_cluster(
     device: str, nodes: int, devices_per_node: int | None = None, host_memory_gb: float | None = None
 ) -> Cluster:
-    """A cluster of a table device (metrics/hardware.py DEVICE_SPECS and PEAK_TFLOPS)."""
+    """A cluster of a table device (metrics/device_specs.py DEVICE_SPECS and PEAK_TFLOPS)."""
     try:
         spec = lookup_device(device)
     except ValueError as e:
@@ -193,7 +193,7 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
     machine's RAM shared by the ranks. Imports torch (measurement), cached after the first time."""
     from ..config.rules import physical_memory_bytes
     from ..metrics import cpu_rates
-    from ..metrics.hardware import cpu_peak
+    from ..metrics.device_specs import cpu_peak
 
     cores = os.cpu_count() or 1
     threads = max(1, cores // world_size)

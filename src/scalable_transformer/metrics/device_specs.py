@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache import (
-    cache_dir,  # re-exported: callers of metrics.hardware.cache_dir keep working
+    cache_dir,
     put_json_entry,
     read_json_entries,
 )

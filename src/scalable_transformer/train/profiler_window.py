@@ -1,6 +1,6 @@
 """logging.profile_*: a torch.profiler window over iterations start..end (inclusive) on the selected
 ranks, a Chrome trace per rank in <run dir>/profile/, optionally a CUDA memory snapshot, and at the end
-the top-operator table with compute / communication / idle shares (metrics/profile.py).
+the top-operator table with compute / communication / idle shares (metrics/trace_analysis.py).
 
 Every rank leaves the window's iterations out of the throughput statistics (the profiler slows the
 profiled ranks, and through the collectives the others): `History.excluded_iterations`.
@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from ..metrics.profile import analyze_trace, format_table
+from ..metrics.trace_analysis import analyze_trace, format_table
+from ..parallel.torch_compat import (
+    dump_cuda_memory_snapshot,
+    record_cuda_memory_history,
+    stop_cuda_memory_history,
+)
 from .trainer import Callback, History, StepResult, Trainer
 
 
@@ -39,7 +44,7 @@ class ProfileCallback(Callback):
         if trainer.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             if self.memory:
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                record_cuda_memory_history(max_entries=100_000)
         self.profiler = torch.profiler.profile(activities=activities, profile_memory=self.memory)
         self.profiler.__enter__()
         self._open_step(trainer)
@@ -65,8 +70,8 @@ class ProfileCallback(Callback):
         profiler.export_chrome_trace(str(trace))
         if trainer.device.type == "cuda" and self.memory:
             self.snapshot = self.out_dir / f"memory_snapshot_rank{rank}.pickle"
-            torch.cuda.memory._dump_snapshot(str(self.snapshot))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_cuda_memory_snapshot(self.snapshot)
+            stop_cuda_memory_history()
         try:
             self.analysis = analyze_trace(trace)
         except (OSError, ValueError, KeyError) as e:  # a measuring problem is reported, never fatal

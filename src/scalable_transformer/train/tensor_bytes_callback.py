@@ -1,11 +1,11 @@
-"""The Callback that feeds `metrics.tensor_memory.TensorBytesTracker` the step boundaries."""
+"""The Callback that feeds `metrics.live_tensor_bytes.TensorBytesTracker` the step boundaries."""
 
 from __future__ import annotations
 
 import torch
 
 from ..config.schema import ResolvedConfig
-from ..metrics.tensor_memory import TensorBytesTracker
+from ..metrics.live_tensor_bytes import TensorBytesTracker
 from .trainer import Callback, Trainer
 
 
