@@ -81,7 +81,7 @@ def test_declared_metric_names_are_the_keys_the_loss_returns(family, overrides):
 
 
 @pytest.mark.parametrize(("family", "overrides"), VARIANTS)
-def test_parameter_breakdown_matches_the_built_model(family, overrides):
+def test_parameter_count_and_flops_shape_match_the_built_model(family, overrides):
     cfg = tiny(family, **overrides)
     model = build_model(cfg)
     assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
