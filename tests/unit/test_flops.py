@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from scalable_transformer.cli.flops import add_arguments, run
+from scalable_transformer.config.model_shapes import sized_model, total_params
 from scalable_transformer.metrics import flops as flops_module
-from scalable_transformer.metrics.calculator import estimate_num_params
 from scalable_transformer.metrics.device_specs import lookup_peak
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
@@ -290,7 +290,7 @@ def test_calculator_estimates_params_and_works_without_peak(capsys):
     assert code == 0, out.err
     result = json.loads(out.out)
     # 12*L*h^2 + 13*L*h + V*h + s*h + 2h = 384 + 104 + 64 + 32 + 8 = 592
-    assert result["shape"]["num_params"] == 592 == estimate_num_params(2, 4, 8, 16)
+    assert result["shape"]["num_params"] == 592 == total_params(sized_model(2, 4, 8, 16))
     assert "estimated" in result["num_params_source"]
     (row,) = result["results"]
     assert row["mfu"] is None and result["peak"] is None

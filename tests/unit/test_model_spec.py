@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+from scalable_transformer.config.model_shapes import ModelShape
 from scalable_transformer.config.schema import ModelConfig
-from scalable_transformer.models import SPECS, build_model, get_spec, spec_for
+from scalable_transformer.models import SPECS, build_model, count_parameters, get_spec, spec_for
 from scalable_transformer.models.spec import ModelSpec
 
 FAMILIES = sorted(SPECS)
@@ -80,13 +81,12 @@ def test_declared_metric_names_are_the_keys_the_loss_returns(family, overrides):
 
 
 @pytest.mark.parametrize(("family", "overrides"), VARIANTS)
-def test_parameter_breakdown_matches_the_built_model(family, overrides):
+def test_parameter_count_and_flops_shape_match_the_built_model(family, overrides):
     cfg = tiny(family, **overrides)
-    spec = spec_for(cfg)
     model = build_model(cfg)
-    assert spec.num_params(cfg) == sum(p.numel() for p in model.parameters())
-    shape = spec.shape(cfg, tp=2)
-    assert shape.num_params == spec.num_params(cfg) and shape.vocab_size % 16 == 0
+    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    shape = ModelShape.from_config(cfg, tp=2)
+    assert shape.num_params == count_parameters(cfg) and shape.vocab_size % 16 == 0
 
 
 @pytest.mark.parametrize(("family", "overrides"), VARIANTS)

@@ -268,7 +268,8 @@ def cross_check_tflops(summary: dict[str, Any], world: int | None) -> dict[str, 
     None when the log lacks something the formula needs (named in the note). DeepSpeed's FLOPs
     profiler figure is a measurement (3 x the profiled forward), not a formula, so it is not checked.
     """
-    from ..metrics.flops import ModelShape, flops_per_iteration
+    from ..config.model_shapes import ModelShape, sized_model
+    from ..metrics.flops import flops_per_iteration
 
     logged, sps = summary.get("tflops_per_device"), summary.get("samples_per_second")
     if logged is None or sps is None:
@@ -297,14 +298,15 @@ def cross_check_tflops(summary: dict[str, Any], world: int | None) -> dict[str, 
             "mismatch": None,
             "note": f"not checked: no {', '.join(missing)} in the log",
         }
-    shape = ModelShape(
-        num_layers=summary["num_layers"],
-        hidden_size=summary["hidden_size"],
-        seq_length=summary["seq_length"],
-        vocab_size=summary["padded_vocab_size"],
-        num_params=1,  # not used by the megatron formula
-        ffn_hidden_size=summary.get("ffn_hidden_size"),
+    # the log's sizes as a model (its vocabulary already padded); N does not enter the megatron formula
+    logged_model = sized_model(
+        summary["num_layers"],
+        summary["hidden_size"],
+        summary["seq_length"],
+        summary["padded_vocab_size"],
+        summary.get("ffn_hidden_size"),
     )
+    shape = ModelShape.from_config(logged_model)
     recompute = "full" if summary.get("activation_checkpointing") == "full" else "none"
     count = flops_per_iteration(shape, sps, "megatron", recompute)  # FLOPs of one second
     kind = summary.get("tflops_kind") or "hardware"

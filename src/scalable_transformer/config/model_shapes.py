@@ -1,6 +1,9 @@
-"""Parameter counts of the model as models/ builds it, per pipeline stage and per tensor-parallel
-rank, without torch (tests/unit/test_plan.py checks them against the built modules). In config/, as
-the family rules a torch-free caller (the planner) needs: only models/ and config/ look at model.type.
+"""The model's shape arithmetic, once, without torch: parameter counts by part, per pipeline stage
+and per tensor-parallel rank, and the shape the FLOPs formulas read (`ModelShape`). models/ counts
+its parameters here (tests check them against the built modules: tests/unit/test_shapes.py),
+metrics/ builds its FLOPs shape here, plan/ sizes stages here, bench/ recomputes logged FLOPs here.
+In config/, below all of them, because the torch-free planner needs it; only models/ and config/
+look at model.type.
 
 Legend: h hidden, f MLP inner size, v padded vocabulary, t tensor-parallel size, n attention heads,
 g key/value groups, d head dim.
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from .rules import padded_vocab_size, stage_ids, stage_layer_counts
 from .schema import ModelConfig
@@ -66,30 +70,59 @@ def default_ffn_hidden_size(m: ModelConfig) -> int:
 
 
 def norm_numel(m: ModelConfig) -> int:
+    """Parameters of one norm layer: LayerNorm has weight and bias, RMSNorm only a weight."""
     return m.hidden_size * (1 if m.norm == "rmsnorm" else 2)
 
 
 def vocab(m: ModelConfig) -> int:
+    """v: the padded vocabulary the model embeds (rows of the word embedding)."""
     assert m.vocab_size is not None
     return padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
 
 
-def block_numel(m: ModelConfig, tp: int = 1) -> int:
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameters of one TransformerBlock on one tensor-parallel rank, by part (local shards).
+
+    attention   the fused qkv projection and the output projection (weights and biases)
+    mlp         the up projection (value, and gate when gated) and the down projection
+    norms       the two norms (replicated)
+    """
+
+    attention: int
+    mlp: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mlp + self.norms
+
+
+def block_params(m: ModelConfig, tp: int = 1) -> BlockParams:
     """One TransformerBlock on one tp rank: qkv and up column-sharded (weight and bias), proj and
     down row-sharded (weight; bias replicated), norms replicated. Biases only with add_bias_linear.
-    With more tp ranks than key/value groups the qkv projection is replicated (parallel/tensor.py)."""
+    With more tp ranks than key/value groups the qkv projection is replicated (parallel/tensor.py).
+    The layout rules (config/rules.py) make every sharded part divisible by tp."""
     assert m.ffn_hidden_size is not None
     h, f, qkv = m.hidden_size, m.ffn_hidden_size, qkv_width(m)
     up = 2 * f if gated_mlp(m) else f
     bias = 1 if m.add_bias_linear else 0
     qkv_numel = h * qkv + bias * qkv
-    replicated = qkv_numel if query_groups(m) % tp else 0
-    sharded = qkv_numel - replicated + h * h + (h * up + bias * up) + f * h
-    return sharded // tp + replicated + bias * 2 * h + 2 * norm_numel(m)
+    qkv_local = qkv_numel if query_groups(m) % tp else qkv_numel // tp
+    return BlockParams(
+        attention=qkv_local + h * h // tp + bias * h,
+        mlp=(h * up + bias * up) // tp + f * h // tp + bias * h,
+        norms=2 * norm_numel(m),
+    )
+
+
+def block_numel(m: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one TransformerBlock on one tp rank (see `block_params`)."""
+    return block_params(m, tp).total
 
 
 def embedding_numel(m: ModelConfig, tp: int = 1) -> int:
-    """Word embedding (vocabulary rows sharded), learned positions, token types, post-LN norm."""
+    """Word embedding (vocabulary rows sharded), learned positions, token types (BERT), post-LN norm."""
     assert m.max_position_embeddings is not None
     h = m.hidden_size
     numel = vocab(m) * h // tp
@@ -102,23 +135,49 @@ def embedding_numel(m: ModelConfig, tp: int = 1) -> int:
     return numel
 
 
-def head_numel(m: ModelConfig, tp: int = 1, with_tied_copy: bool = False) -> int:
-    """Final norm and output head (BERT: dense + norm + per-token bias [+ binary head]); the untied
-    output matrix, or the tied word-embedding copy a later pipeline stage holds, sharded over tp."""
+def final_norm_numel(m: ModelConfig) -> int:
+    """The norm after the last block (none in a post-LN model: its blocks end with their norm)."""
+    return 0 if m.apply_residual_connection_post_layernorm else norm_numel(m)
+
+
+def lm_head_numel(m: ModelConfig, tp: int = 1, with_tied_copy: bool = False) -> int:
+    """The language-model head on one tp rank: the untied output matrix, or the tied word-embedding
+    copy a later pipeline stage holds (sharded over tp); BERT adds its transform (dense + norm) and
+    per-token output bias. A tied matrix on the embedding's own stage is counted in the embedding."""
     h, v = m.hidden_size, vocab(m)
-    final_norm = 0 if m.apply_residual_connection_post_layernorm else norm_numel(m)
     output = v * h // tp if (not m.tie_word_embeddings or with_tied_copy) else 0
     if m.type == "bert":
-        head = (h * h + h) + norm_numel(m) + v // tp + output
-        if m.bert_binary_head:
-            head += (h * h + h) + (2 * h + 2)
-        return final_norm + head
-    return final_norm + output
+        return (h * h + h) + norm_numel(m) + v // tp + output
+    return output
+
+
+def binary_head_numel(m: ModelConfig) -> int:
+    """BERT's pooler (dense h -> h) and NSP/SOP classifier (h -> 2), replicated; none without it."""
+    h = m.hidden_size
+    return (h * h + h) + (2 * h + 2) if m.type == "bert" and m.bert_binary_head else 0
+
+
+def head_numel(m: ModelConfig, tp: int = 1, with_tied_copy: bool = False) -> int:
+    """Everything after the blocks on one tp rank: final norm, LM head, binary head."""
+    return final_norm_numel(m) + lm_head_numel(m, tp, with_tied_copy) + binary_head_numel(m)
+
+
+def parameter_parts(m: ModelConfig) -> dict[str, int]:
+    """Parameters by part (tp = 1, no pipeline): embedding, layers (num_layers blocks), final_norm,
+    lm_head, binary_head. A tied output matrix is counted once, in `embedding`. The values sum to
+    `total_params(m)`; `block_params(m)` splits one layer into attention, MLP and norms."""
+    return {
+        "embedding": embedding_numel(m),
+        "layers": m.num_layers * block_numel(m),
+        "final_norm": final_norm_numel(m),
+        "lm_head": lm_head_numel(m),
+        "binary_head": binary_head_numel(m),
+    }
 
 
 def total_params(m: ModelConfig) -> int:
     """N: every parameter once (a tied embedding once), tp = 1; equals models.count_parameters."""
-    return embedding_numel(m) + m.num_layers * block_numel(m) + head_numel(m)
+    return sum(parameter_parts(m).values())
 
 
 def stage_params(
@@ -170,3 +229,110 @@ def _stage_params(
 def family_options(m: ModelConfig) -> ModelConfig:
     """`m` without the options its family does not have (as resolve drops them): no binary head on GPT."""
     return dataclasses.replace(m, bert_binary_head=m.bert_binary_head and m.type == "bert")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOPs formulas (metrics/flops.py) need to know about a transformer; build it from a
+    config with `ModelShape.from_config`.
+
+    vocab_size is the padded vocabulary (Megatron pads to a multiple of make_vocab_size_divisible_by
+    * tp); num_params is the total parameter count N (a tied embedding counted once);
+    ffn_hidden_size None means 4 * hidden_size; gated_mlp marks a GeGLU/SwiGLU MLP whose
+    up-projection is h -> 2 * ffn_hidden_size; kv_heads_ratio is num_query_groups /
+    num_attention_heads (grouped-query attention: K and V have that fraction of Q's features).
+    The conventions counting 2*N per token see both through num_params.
+    """
+
+    num_layers: int
+    hidden_size: int
+    seq_length: int
+    vocab_size: int
+    num_params: int
+    ffn_hidden_size: int | None = None
+    gated_mlp: bool = False
+    kv_heads_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_heads_ratio <= 1:
+            raise ValueError(f"ModelShape.kv_heads_ratio must be in (0, 1], got {self.kv_heads_ratio!r}")
+        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "num_params"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        if self.ffn_hidden_size is not None and (
+            not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1
+        ):
+            raise ValueError(
+                f"ModelShape.ffn_hidden_size must be a positive int or None, got {self.ffn_hidden_size!r}"
+            )
+
+    @property
+    def ffn(self) -> int:
+        """MLP inner size F (units: features)."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @classmethod
+    def from_config(cls, m: ModelConfig, num_params: int | None = None, tp: int = 1) -> ModelShape:
+        """Shape of a resolved ModelConfig; the vocabulary is padded as the model pads it (for `tp`
+        tensor-parallel ranks). num_params is N, by default `total_params(m)` (which equals
+        `models.count_parameters(m)`); pass another N to count with it (`stx flops --params`)."""
+        if m.vocab_size is None:
+            raise ValueError(
+                "model.vocab_size is None: resolve the config first "
+                "(config.validate.resolve) or set model.vocab_size"
+            )
+        return cls(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            seq_length=m.seq_length,
+            vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
+            num_params=int(total_params(m) if num_params is None else num_params),
+            ffn_hidden_size=m.ffn_hidden_size,
+            gated_mlp=gated_mlp(m),
+            kv_heads_ratio=query_groups(m) / m.num_attention_heads,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "seq_length": self.seq_length,
+            "vocab_size": self.vocab_size,
+            "num_params": self.num_params,
+            "ffn_hidden_size": self.ffn,
+            "gated_mlp": self.gated_mlp,
+            "kv_heads_ratio": self.kv_heads_ratio,
+        }
+
+
+def sized_model(
+    num_layers: int,
+    hidden_size: int,
+    seq_length: int,
+    vocab_size: int,
+    ffn_hidden_size: int | None = None,
+    make_vocab_size_divisible_by: int = 1,
+) -> ModelConfig:
+    """The model meant when only its sizes are known (`stx flops` without a config, a Megatron log):
+    a Megatron-style GPT with biases, LayerNorm, a plain MLP of ffn_hidden_size (default 4 h), one
+    key/value head per head, a tied word embedding and a learned position table of seq_length rows.
+    Its `total_params` is 12*L*h^2 + 13*L*h + V*h + s*h + 2h for F = 4h (no BERT heads, no pooler)."""
+    return ModelConfig(
+        type="gpt",
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=1,  # the count does not depend on the heads; 1 divides every h
+        ffn_hidden_size=ffn_hidden_size if ffn_hidden_size is not None else 4 * hidden_size,
+        seq_length=seq_length,
+        max_position_embeddings=seq_length,
+        vocab_size=vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        activation="gelu",
+        add_bias_linear=True,
+        norm="layernorm",
+        position_embedding_type="learned",
+        tie_word_embeddings=True,
+        apply_residual_connection_post_layernorm=False,
+        bert_binary_head=False,
+    )

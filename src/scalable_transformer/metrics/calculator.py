@@ -11,8 +11,9 @@ import dataclasses
 import warnings
 from typing import Any
 
+from ..config.model_shapes import ModelShape, sized_model, total_params
 from .device_specs import normalize_dtype, resolve_peak
-from .flops import CONVENTIONS, ModelShape, flops_per_iteration, throughput_metrics
+from .flops import CONVENTIONS, flops_per_iteration, throughput_metrics
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "seq_length", "vocab_size", "ffn_hidden_size")
 
@@ -42,24 +43,6 @@ class FlopsOptions:
     peak_tflops: float | None = None  # dense peak TFLOP/s per device (overrides device)
     activation_checkpointing: str | None = None  # default: the config's, else none
     convention: str = "all"  # one of CONVENTIONS, or "all"
-
-
-def estimate_num_params(
-    num_layers: int,
-    hidden_size: int,
-    seq_length: int,
-    vocab_size: int,
-    ffn_hidden_size: int | None = None,
-    gated_mlp: bool = False,
-) -> int:
-    """Parameter count of a Megatron-style transformer with biases, two norms per layer, a tied word
-    embedding and a learned position table of seq_length rows: 12*L*h^2 + 13*L*h + V*h + s*h + 2h
-    for F = 4h. An estimate: model heads (BERT's LM transform, pooler) are not included."""
-    h = hidden_size
-    f = ffn_hidden_size if ffn_hidden_size is not None else 4 * h
-    up = 2 * f if gated_mlp else f
-    block = (4 * h * h + 4 * h) + (h * up + up) + (f * h + h) + 4 * h
-    return num_layers * block + vocab_size * h + seq_length * h + 2 * h
 
 
 def _resolve_config(spec: str, overrides: list[str], devices: int) -> tuple[Any, int | None]:
@@ -96,9 +79,7 @@ def calculate(opts: FlopsOptions) -> dict[str, Any]:
         if opts.params is not None:
             n, n_source = opts.params, "given (--params)"
         else:
-            from scalable_transformer.models import count_parameters
-
-            n, n_source = count_parameters(cfg.model), f"counted from the model of {opts.config}"
+            n, n_source = total_params(cfg.model), f"counted from the model of {opts.config}"
         shape = ModelShape.from_config(cfg.model, n, tp=cfg.parallel.tp)
     else:
         layers, hidden, seq, raw_vocab = opts.num_layers, opts.hidden_size, opts.seq_length, opts.vocab_size
@@ -114,15 +95,14 @@ def calculate(opts: FlopsOptions) -> dict[str, Any]:
             value = getattr(opts, name, None)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
-        from scalable_transformer.models import padded_vocab_size
-
-        vocab = padded_vocab_size(raw_vocab, opts.make_vocab_size_divisible_by)
+        divisible_by = opts.make_vocab_size_divisible_by
+        model = sized_model(layers, hidden, seq, raw_vocab, opts.ffn_hidden_size, divisible_by)
         if opts.params is not None:
             n, n_source = opts.params, "given (--params)"
         else:
-            n = estimate_num_params(layers, hidden, seq, vocab, opts.ffn_hidden_size)
+            n = total_params(model)
             n_source = "estimated: 12*L*h^2 + 13*L*h + V*h + s*h (pass --params for the exact count)"
-        shape = ModelShape(layers, hidden, seq, vocab, n, opts.ffn_hidden_size)
+        shape = ModelShape.from_config(model, n)
 
     recompute = opts.activation_checkpointing or (cfg.parallel.activation_checkpointing if cfg else "none")
     dtype = normalize_dtype(opts.dtype or (cfg.train.precision if cfg else "bf16"))

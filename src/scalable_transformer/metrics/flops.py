@@ -51,6 +51,10 @@ llm-foundry -- MosaicML llm-foundry's current code (`scripts/train/benchmarking/
   equals `llm-foundry` exactly (12*L*h*s per token = 12*L*h*s^2 per sequence); the two names are kept
   because users quote both. nanoGPT passes N without the position table (`get_num_params()`); give
   such an N through `ModelShape.num_params` if you want that variant.
+
+The shape the formulas read (`ModelShape`: layers, hidden, sequence, padded vocabulary, N, MLP size,
+gated or not, key/value heads per head) is built from a config by `ModelShape.from_config`, in
+config/model_shapes.py with the parameter counts it takes N from; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -60,92 +64,16 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config.model_shapes import gated_mlp, query_groups
+from ..config.model_shapes import ModelShape
 from ..errors import MFUError
 
 if TYPE_CHECKING:
-    from scalable_transformer.config.schema import ModelConfig, ResolvedConfig
+    from scalable_transformer.config.schema import ResolvedConfig
 
 _log = logging.getLogger(__name__)
 
 CONVENTIONS: tuple[str, ...] = ("megatron", "mosaic", "llm-foundry", "6n")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the FLOPs formulas need to know about a transformer.
-
-    vocab_size is the padded vocabulary (Megatron pads to a multiple of make_vocab_size_divisible_by
-    * tp); num_params is the total parameter count N (a tied embedding counted once);
-    ffn_hidden_size None means 4 * hidden_size; gated_mlp marks a GeGLU/SwiGLU MLP whose
-    up-projection is h -> 2 * ffn_hidden_size; kv_heads_ratio is num_query_groups /
-    num_attention_heads (grouped-query attention: K and V have that fraction of Q's features).
-    The conventions counting 2*N per token see both through num_params.
-    """
-
-    num_layers: int
-    hidden_size: int
-    seq_length: int
-    vocab_size: int
-    num_params: int
-    ffn_hidden_size: int | None = None
-    gated_mlp: bool = False
-    kv_heads_ratio: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.kv_heads_ratio <= 1:
-            raise ValueError(f"ModelShape.kv_heads_ratio must be in (0, 1], got {self.kv_heads_ratio!r}")
-        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "num_params"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
-        if self.ffn_hidden_size is not None and (
-            not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1
-        ):
-            raise ValueError(
-                f"ModelShape.ffn_hidden_size must be a positive int or None, got {self.ffn_hidden_size!r}"
-            )
-
-    @property
-    def ffn(self) -> int:
-        """MLP inner size F (units: features)."""
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
-
-    @classmethod
-    def from_config(cls, model_cfg: ModelConfig, num_params: int, tp: int = 1) -> ModelShape:
-        """Shape of a resolved ModelConfig; the vocabulary is padded as the model pads it (for `tp`
-        tensor-parallel ranks). num_params is N, e.g. `models.count_parameters(model_cfg)`."""
-        if model_cfg.vocab_size is None:
-            raise ValueError(
-                "model.vocab_size is None: resolve the config first "
-                "(config.validate.resolve) or set model.vocab_size"
-            )
-        from scalable_transformer.models import padded_vocab_size  # lazy: models imports torch
-
-        vocab = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp)
-        return cls(
-            num_layers=model_cfg.num_layers,
-            hidden_size=model_cfg.hidden_size,
-            seq_length=model_cfg.seq_length,
-            vocab_size=vocab,
-            num_params=int(num_params),
-            ffn_hidden_size=model_cfg.ffn_hidden_size,
-            gated_mlp=gated_mlp(model_cfg),
-            kv_heads_ratio=query_groups(model_cfg) / model_cfg.num_attention_heads,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "seq_length": self.seq_length,
-            "vocab_size": self.vocab_size,
-            "num_params": self.num_params,
-            "ffn_hidden_size": self.ffn,
-            "gated_mlp": self.gated_mlp,
-            "kv_heads_ratio": self.kv_heads_ratio,
-        }
 
 
 @dataclass(frozen=True)
@@ -242,9 +170,10 @@ def flops_per_iteration(
     return FlopsCount(model_flops=float(model), hardware_flops=float(hardware), convention=convention)
 
 
-def step_flops(cfg: ResolvedConfig, num_params: int) -> FlopsCount:
+def step_flops(cfg: ResolvedConfig, num_params: int | None = None) -> FlopsCount:
     """FLOPs of one optimizer step of a resolved run config: its global batch, its
-    `logging.flops_convention` and recompute mode; `num_params` is `models.count_parameters(cfg.model)`."""
+    `logging.flops_convention` and recompute mode; `num_params` is N, by default the model's count
+    (`config.model_shapes.total_params`, equal to `models.count_parameters(cfg.model)`)."""
     return flops_per_iteration(
         ModelShape.from_config(cfg.model, num_params),
         cfg.train.global_batch_size,

@@ -4,9 +4,10 @@ One folder per family (bert/, gpt/), each exposing a `ModelSpec` (spec.py) regis
 registry.py; layers.py holds the shared blocks, stage.py the pipeline-stage pruning.
 """
 
+from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.models.bert import BertModel
 from scalable_transformer.models.gpt import GPTModel
-from scalable_transformer.models.layers import TransformerBlock, padded_vocab_size
+from scalable_transformer.models.layers import TransformerBlock
 from scalable_transformer.models.registry import (
     SPECS,
     build_model,

@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from scalable_transformer.config.model_shapes import gated_mlp, qkv_width, query_groups
-from scalable_transformer.config.rules import check_model, padded_vocab_size
+from scalable_transformer.config.rules import check_model
 from scalable_transformer.config.schema import ModelConfig, check_section
 
 _CHOICES = {
@@ -52,35 +52,6 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-
-
-def norm_numel(cfg: ModelConfig) -> int:
-    """Parameters of one norm layer: LayerNorm has weight and bias, RMSNorm only a weight."""
-    return cfg.hidden_size * (1 if cfg.norm == "rmsnorm" else 2)
-
-
-def embedding_numel(cfg: ModelConfig, num_tokentypes: int) -> int:
-    """Parameters of `Embedding`: word (padded vocabulary), learned positions, token types, post-LN norm."""
-    assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
-    h = cfg.hidden_size
-    numel = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by) * h
-    if cfg.position_embedding_type == "learned":
-        numel += cfg.max_position_embeddings * h
-    numel += num_tokentypes * h
-    if cfg.apply_residual_connection_post_layernorm:
-        numel += norm_numel(cfg)
-    return numel
-
-
-def block_numel(cfg: ModelConfig) -> int:
-    """Parameters of one `TransformerBlock`: attention (qkv + proj), MLP (up, down), two norms."""
-    assert cfg.ffn_hidden_size is not None
-    h, f, qkv = cfg.hidden_size, cfg.ffn_hidden_size, qkv_width(cfg)
-    up = 2 * f if gated_mlp(cfg) else f
-    bias = 1 if cfg.add_bias_linear else 0
-    attention = (h * qkv + bias * qkv) + (h * h + bias * h)
-    mlp = (h * up + bias * up) + (f * h + bias * h)
-    return attention + mlp + 2 * norm_numel(cfg)
 
 
 # Llama 3.1's rotary scaling constants (Megatron hard-codes the same; only the factor is an option).

@@ -10,9 +10,10 @@ Adding a family, say a LLaMA-style decoder, is one new folder `models/llama/`:
     normalizers, ops) reducing over the vocabulary only through `ops`, and its metric names;
   - `hf.py` (optional): to/from Hugging Face `LlamaForCausalLM`;
   - `__init__.py`: `SPEC = ModelSpec(...)`: input keys, TP names (e.g. untied output "output"),
-    embedding/head part names, pipeline inputs/outputs/target packing, data kind ("eod", "causal-lm"),
-    parameter breakdown;
-and one line here in `SPECS` (plus the choice in config/schema.py's model.type docs). Nothing in
+    embedding/head part names, pipeline inputs/outputs/target packing, data kind ("eod", "causal-lm");
+and one line here in `SPECS` (plus the choice in config/schema.py's model.type docs); its parameter
+counts by part go into config/model_shapes.py (torch-free, for the planner; tests/unit/test_shapes.py
+checks them against the built model). Nothing in
 parallel/, data/, train/ or checkpoint/ changes unless the family needs a new kind of part there
 (e.g. grouped-query attention needs its TP plan to split K/V heads: a new field in
 TensorParallelNames and its use in parallel/tensor.py).
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scalable_transformer.config.model_shapes import parameter_parts
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.bert import SPEC as BERT
 from scalable_transformer.models.gpt import SPEC as GPT
@@ -96,10 +98,11 @@ def compute_loss(
 
 def count_parameters_breakdown(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by part, without building the model; the values sum to `count_parameters(cfg)`.
-    `layers` is num_layers times one block. Tied output weights are counted once, in `embedding`."""
-    spec = spec_for(cfg)
+    `layers` is num_layers times one block. Tied output weights are counted once, in `embedding`.
+    The arithmetic is config.model_shapes.parameter_parts (torch-free); this checks cfg first."""
+    spec_for(cfg)  # an unknown family is an error here too
     check_model_config(cfg)
-    return spec.parameter_breakdown(cfg)
+    return parameter_parts(cfg)
 
 
 def count_parameters(cfg: ModelConfig) -> int:

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalable_transformer.config.model_shapes import gated_mlp
 from scalable_transformer.config.schema import ModelConfig
 
 Batch = dict[str, torch.Tensor]
@@ -154,24 +153,10 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
-class ShapeFacts:
-    """What FLOPs formulas need (metrics/flops.py `ModelShape`): vocab_size is the padded vocabulary
-    (for tp ranks), num_params the total N with a tied embedding counted once, ffn_hidden_size the MLP
-    inner size F, gated_mlp whether the up-projection is h -> 2 F (GeGLU)."""
-
-    num_layers: int
-    hidden_size: int
-    seq_length: int
-    vocab_size: int
-    num_params: int
-    ffn_hidden_size: int
-    gated_mlp: bool
-
-
-@dataclass(frozen=True)
 class ModelSpec:
     """One model family (`model.type` = name): how to build, feed, score, shard, pipeline, export,
-    load data for and count it. See models/registry.py for how to add one.
+    load data for it (its parameter counts and FLOPs shape are torch-free, in config/model_shapes.py,
+    for the planner). See models/registry.py for how to add one.
 
     build(cfg)            the model, initialised; construction is meta-device safe (under
                           `torch.device("meta")` nothing is computed; `model.init_weights()` fills it)
@@ -185,11 +170,9 @@ class ModelSpec:
     hf                    the Hugging Face mappings, in order of preference: a model exports to the
                           first whose `unsupported` finds nothing (none: no equivalent)
     data                  what the data loader needs
-    parameter_breakdown(cfg) -> parameters by part without building the model (sums to the total)
     batch_shapes(cfg, b)  key -> shape of a collated micro-batch of b samples (int64), as the data
                           loader makes it (default: every input and label key [b, seq_length]); a
                           dry run (plan/dry_run.py) feeds such batches without data
-    shape(cfg, tp)        the FLOPs-relevant shape facts (`ShapeFacts`)
     """
 
     name: str
@@ -203,7 +186,6 @@ class ModelSpec:
     head_parts: tuple[str, ...]
     pipeline: PipelineSpec
     data: DataSpec
-    parameter_breakdown: Callable[[ModelConfig], dict[str, int]]
     hf: tuple[HFMapping, ...] = ()
     batch_shapes: Callable[[ModelConfig, int], dict[str, tuple[int, ...]]] | None = None
 
@@ -220,26 +202,6 @@ class ModelSpec:
         if missing:
             raise KeyError(f"{self.name} batch lacks {missing}; it has {sorted(batch)}")
         return tuple(batch[key] for key in self.input_keys)
-
-    def num_params(self, cfg: ModelConfig) -> int:
-        """Exactly sum(p.numel() for p in build(cfg).parameters()), computed analytically."""
-        return sum(self.parameter_breakdown(cfg).values())
-
-    def shape(self, cfg: ModelConfig, tp: int = 1) -> ShapeFacts:
-        """The FLOPs-relevant facts of a resolved cfg; the vocabulary padded for `tp` ranks, as the
-        model pads it (models.layers.padded_vocab_size)."""
-        from scalable_transformer.models.layers import padded_vocab_size
-
-        assert cfg.vocab_size is not None and cfg.ffn_hidden_size is not None
-        return ShapeFacts(
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            seq_length=cfg.seq_length,
-            vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
-            num_params=self.num_params(cfg),
-            ffn_hidden_size=cfg.ffn_hidden_size,
-            gated_mlp=gated_mlp(cfg),
-        )
 
     def stage(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
         """`model` with the parts a pipeline stage does not hold removed: layers `layer_ids` only (an

@@ -154,6 +154,26 @@ def layer_activation_bytes(
     return replicated + inputs + sharded + core + stats
 
 
+def config_layer_bytes(cfg: Config, recompute: str, am: ActivationModel) -> float:
+    """`layer_activation_bytes` of cfg's layer (its micro-batch, shape and tensor/sequence
+    parallelism) under the recompute mode `recompute`, in bytes per micro-batch."""
+    mc, p = cfg.model, cfg.parallel
+    assert mc.ffn_hidden_size is not None
+    return layer_activation_bytes(
+        cfg.train.micro_batch_size,
+        mc.seq_length,
+        mc.hidden_size,
+        mc.num_attention_heads,
+        mc.ffn_hidden_size,
+        p.tp,
+        p.sequence_parallel,
+        recompute,
+        am,
+        gated_mlp(mc),
+        query_groups(mc) / mc.num_attention_heads,
+    )
+
+
 def korthikanti(
     b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, selective: bool = False
 ) -> float:
@@ -389,27 +409,17 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
     """What recomputation adds during backward: the activations of the chunk being recomputed (full:
     checkpoint_num_layers layers), or of one attention core (selective). This happens after the
     loss's backward has freed the logits buffers, so the peak holds the larger of the two."""
-    mc, p, t = cfg.model, cfg.parallel, cfg.train
-    assert mc.ffn_hidden_size is not None
+    p = cfg.parallel
     mode = p.activation_checkpointing
     if mode == "none" or not sp_.layers:
         return 0.0
     am = activation_model(cfg, device_kind)
-    b, s, h, a, f = (
-        t.micro_batch_size,
-        mc.seq_length,
-        mc.hidden_size,
-        mc.num_attention_heads,
-        mc.ffn_hidden_size,
-    )
-    gated, kv = gated_mlp(mc), query_groups(mc) / mc.num_attention_heads
-    full_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "none", am, gated, kv)
+    full_layer = config_layer_bytes(cfg, "none", am)
     if mode == "full":
         # a distributed or host-kept input is rebuilt whole on the device for the recomputation
-        rebuilt = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, "full", am, gated, kv)
-        rebuilt *= 1 - kept_input_fraction(cfg, device_kind)
+        rebuilt = config_layer_bytes(cfg, "full", am) * (1 - kept_input_fraction(cfg, device_kind))
         return full_layer * min(p.checkpoint_num_layers, sp_.layers) + rebuilt
-    return full_layer - layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated, kv)
+    return full_layer - config_layer_bytes(cfg, mode, am)
 
 
 def activation_bytes(
@@ -420,16 +430,8 @@ def activation_bytes(
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
     am = activation_model(cfg, device_kind)
-    b, s, h, a, f = (
-        t.micro_batch_size,
-        mc.seq_length,
-        mc.hidden_size,
-        mc.num_attention_heads,
-        mc.ffn_hidden_size,
-    )
-    gated, kv = gated_mlp(mc), query_groups(mc) / mc.num_attention_heads
     mode = p.activation_checkpointing
-    per_layer = layer_activation_bytes(b, s, h, a, f, p.tp, p.sequence_parallel, mode, am, gated, kv)
+    per_layer = config_layer_bytes(cfg, mode, am)
     inflight = inflight_microbatches(
         p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank, later
     )
@@ -439,7 +441,7 @@ def activation_bytes(
     total = per_layer * layers * inflight
     # the embedding's dropout mask (its output is the first block's input, counted there)
     seq_shard = p.tp if p.sequence_parallel else 1
-    bsh = b * s * h
+    bsh = t.micro_batch_size * mc.seq_length * mc.hidden_size
     if sp_.first:
         total += am.mask_bytes * bsh * inflight
     if p.pp > 1:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.model_shapes import gated_mlp, query_groups, stage_params, total_params, vocab
+from ..config.model_shapes import ModelShape, stage_params
 from ..config.schema import Config
-from ..metrics.flops import ModelShape, flops_per_iteration
+from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
-from .memory_model import DTYPE_BYTES, activation_model, layer_activation_bytes, optimizer_bytes_per_param
+from .memory_model import DTYPE_BYTES, activation_model, config_layer_bytes, optimizer_bytes_per_param
 
 # torch ops per transformer layer per micro-batch (counted with torch.profiler on our TransformerBlock:
 # forward about 30 dispatched ops, backward about 45); the embedding, head and loss about 60 more.
@@ -85,28 +85,11 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
     dtype = t.precision
     e = DTYPE_BYTES[dtype]
-    b, s, h, a, f = (
-        t.micro_batch_size,
-        mc.seq_length,
-        mc.hidden_size,
-        mc.num_attention_heads,
-        mc.ffn_hidden_size,
-    )
+    b, s, h, f = t.micro_batch_size, mc.seq_length, mc.hidden_size, mc.ffn_hidden_size
     tp, pp, dp, m, v = p.tp, p.pp, p.dp, t.gradient_accumulation_steps, p.virtual_pipeline_stages
     world = tp * pp * dp
-    n_params = total_params(mc)
-    shape = ModelShape(
-        num_layers=mc.num_layers,
-        hidden_size=h,
-        seq_length=s,
-        vocab_size=vocab(mc),
-        num_params=n_params,
-        ffn_hidden_size=f,
-        gated_mlp=gated_mlp(mc),
-        kv_heads_ratio=query_groups(mc) / mc.num_attention_heads,
-    )
     flops = flops_per_iteration(
-        shape, t.global_batch_size or b * m * dp, "megatron", p.activation_checkpointing
+        ModelShape.from_config(mc), t.global_batch_size or b * m * dp, "megatron", p.activation_checkpointing
     )
     hw_per_device = flops.hardware_flops / world
     rate = _gemm_rate(cluster, b * s, h, f // tp, dtype)
@@ -116,9 +99,7 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
     # in backward, about 3 passes over the activations
     am = activation_model(cfg, cluster.kind)
     layers_per_rank = mc.num_layers / pp
-    act_layer = layer_activation_bytes(
-        b, s, h, a, f, tp, p.sequence_parallel, "none", am, gated_mlp(mc), query_groups(mc) / a
-    )
+    act_layer = config_layer_bytes(cfg, "none", am)
     recompute_pass = 1.0 if p.activation_checkpointing == "full" else 0.0
     elementwise = (3 + recompute_pass) * act_layer * layers_per_rank * m / cluster.device.memory_bandwidth
     op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.bert import hf
 from scalable_transformer.models.bert.model import BertLMHead, BertModel, bert_loss, bert_metric_names
-from scalable_transformer.models.layers import block_numel, embedding_numel, norm_numel, padded_vocab_size
 from scalable_transformer.models.spec import (
     DataSpec,
     HFMapping,
@@ -16,22 +16,6 @@ from scalable_transformer.models.spec import (
     PipelineSpec,
     TensorParallelNames,
 )
-
-
-def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by part; `layers` is num_layers blocks; a tied decoder is counted in `embedding`
-    (lm_head is dense + norm + output bias [+ untied decoder])."""
-    assert cfg.vocab_size is not None
-    h = cfg.hidden_size
-    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-    untied_decoder = 0 if cfg.tie_word_embeddings else vocab * h
-    return {
-        "embedding": embedding_numel(cfg, cfg.num_tokentypes),
-        "layers": cfg.num_layers * block_numel(cfg),
-        "final_norm": 0 if cfg.apply_residual_connection_post_layernorm else norm_numel(cfg),
-        "lm_head": (h * h + h) + norm_numel(cfg) + vocab + untied_decoder,
-        "binary_head": (h * h + h) + (2 * h + 2) if cfg.bert_binary_head else 0,
-    }
 
 
 def _batch_shapes(cfg: ModelConfig, micro_batch: int) -> dict[str, tuple[int, ...]]:
@@ -96,7 +80,6 @@ SPEC = ModelSpec(
     data=DataSpec(
         corpus="sentences", dataset="masked-lm", tokenizer_vocab=True, label_keys=("labels", "nsp_labels")
     ),
-    parameter_breakdown=parameter_breakdown,
     batch_shapes=_batch_shapes,
     hf=(
         HFMapping(
@@ -118,4 +101,4 @@ SPEC = ModelSpec(
     ),
 )
 
-__all__ = ["SPEC", "BertLMHead", "BertModel", "bert_loss", "bert_metric_names", "parameter_breakdown"]
+__all__ = ["SPEC", "BertLMHead", "BertModel", "bert_loss", "bert_metric_names"]

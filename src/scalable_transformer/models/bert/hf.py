@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.hf_shape import Needs, classic_block, mismatches, refuse
-from scalable_transformer.models.layers import padded_vocab_size
 
 
 def _bert_shape_unsupported(cfg: ModelConfig) -> list[str]:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.layers import (
     Embedding,
@@ -18,7 +19,6 @@ from scalable_transformer.models.layers import (
     check_model_config,
     init_weights,
     make_norm,
-    padded_vocab_size,
     rotary_for,
     rotary_length,
     run_blocks,

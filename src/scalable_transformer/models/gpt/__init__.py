@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.gpt import hf
 from scalable_transformer.models.gpt.model import GPTModel, gpt_loss, gpt_metric_names
-from scalable_transformer.models.layers import block_numel, embedding_numel, norm_numel, padded_vocab_size
 from scalable_transformer.models.spec import (
     DataSpec,
     HFMapping,
@@ -15,19 +15,6 @@ from scalable_transformer.models.spec import (
     PipelineSpec,
     TensorParallelNames,
 )
-
-
-def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by part; `layers` is num_layers blocks; a tied output matrix is counted in `embedding`."""
-    assert cfg.vocab_size is not None
-    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by)
-    return {
-        "embedding": embedding_numel(cfg, num_tokentypes=0),
-        "layers": cfg.num_layers * block_numel(cfg),
-        "final_norm": 0 if cfg.apply_residual_connection_post_layernorm else norm_numel(cfg),
-        "lm_head": 0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size,
-        "binary_head": 0,
-    }
 
 
 def _logits_shape(cfg: ModelConfig, micro_batch: int) -> tuple[tuple[int, ...], ...]:
@@ -59,7 +46,6 @@ SPEC = ModelSpec(
         unpack_target=_labels,
     ),
     data=DataSpec(corpus="eod", dataset="causal-lm", tokenizer_vocab=False, label_keys=("labels",)),
-    parameter_breakdown=parameter_breakdown,
     hf=(
         HFMapping(
             model_type="gpt2",
@@ -88,4 +74,4 @@ SPEC = ModelSpec(
     ),
 )
 
-__all__ = ["SPEC", "GPTModel", "gpt_loss", "gpt_metric_names", "parameter_breakdown"]
+__all__ = ["SPEC", "GPTModel", "gpt_loss", "gpt_metric_names"]

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
 from scalable_transformer.models.hf_shape import GPT, Needs, classic_block, mismatches, pre_ln, refuse
-from scalable_transformer.models.layers import padded_vocab_size
 
 
 def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
