@@ -162,3 +162,21 @@ def test_twin_check_sees_twins_and_allows_the_exceptions(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).touch()
     assert twin_modules(tmp_path) == {"memory.py": ["metrics/memory.py", "plan/memory.py"]}
+
+
+def test_no_function_in_train_is_longer_than_80_lines():
+    """The loop, the step and the run's builder read top to bottom (issue 23): a function that grew past
+    80 lines has taken on a second job, which belongs in a function (or module) of its own."""
+    import ast
+    from pathlib import Path
+
+    import scalable_transformer.train as train_package
+
+    long = []
+    for path in sorted(Path(train_package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > 80:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

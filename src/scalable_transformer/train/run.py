@@ -104,6 +104,20 @@ def run_training(
         shutdown_distributed(created)
 
 
+@dataclasses.dataclass
+class BuiltRun:
+    """What `_build` makes from the resolved config: the trainer and what the summary needs of the run."""
+
+    trainer: Trainer
+    run_dir: Path | None
+    flops: Any
+    peak: Any
+    num_params: int
+    tracker: Any
+    watchdog: HangWatchdog | None
+    callbacks: list[Callback]
+
+
 def _run(
     raw: Config,
     console: Console,
@@ -112,91 +126,10 @@ def _run(
     start: float,
     callbacks: Sequence[Callback],
 ) -> tuple[Path | None, dict]:
-    world = dims.world_size
-    d = raw.data
-    with rank_zero_first(dims):
-        tokenizer = load_tokenizer(
-            d.tokenizer,
-            d.tokenizer_vocab_size,
-            vocab_file=d.vocab_file,
-            merge_file=d.merge_file,
-            tokenizer_type=d.tokenizer_type,
-        )
-    if raw.model.vocab_size is None:
-        raw = dataclasses.replace(raw, model=dataclasses.replace(raw.model, vocab_size=tokenizer.vocab_size))
-    elif raw.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({raw.model.vocab_size}) is smaller than the tokenizer's "
-            f"vocabulary ({tokenizer.vocab_size}); remove it to use the tokenizer's size"
-        )
-    cfg = resolve(raw, world_size=world)
+    cfg, tokenizer = _resolved(raw, dims)
     resume = open_resume(cfg)  # a bad checkpoint or save directory fails here, before anything runs
-
-    with rank_zero_first(dims):
-        train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
-        peak = resolve_peak(
-            device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops
-        )
-        slow_precision = (
-            cpu_precision_warning(cfg.train.precision) if dims.is_main and device.type == "cpu" else None
-        )
-        if slow_precision is not None:
-            console.print(f"[bold yellow]warning[/]: {slow_precision}")
-        no_export = export_warning(cfg) if dims.is_main else None
-        if no_export is not None:
-            console.print(f"[bold yellow]warning[/]: {no_export}", markup=False)
-    train_loader = build_loader(
-        train_ds,
-        cfg.train.micro_batch_size,
-        consumed_samples=resume.consumed_samples if resume is not None else 0,
-        seed=cfg.train.seed,
-        dp_rank=dims.dp_rank,
-        dp_size=dims.dp,
-        num_workers=cfg.data.num_workers,
-    )
-
-    def valid_batches():
-        return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
-
-    set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
-    tracker = tensor_bytes_tracker(cfg, device)  # before the model: its tensors are counted
-    if tracker is not None:
-        callbacks = [*callbacks, TensorBytesCallback(tracker)]
-    model, pipeline = build_parallel_model(cfg, dims, device)
-    num_params = count_parameters(cfg.model)
-    zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
-    optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
-
-    flops = step_flops(cfg, num_params)
-
-    run_dir: Path | None = None
-    sinks: list[Sink] = []
-    if dims.is_main:
-        run_dir, sinks = open_run_dir(cfg, console, continuing=resume is not None)
-        print_banner(console, cfg, num_params, device, world, flops, peak)
-
-    callbacks = [*callbacks, *observers(cfg, device, dims, run_dir)]
-    watchdog = hang_watchdog(cfg, dims, run_dir)
-    if watchdog is not None:
-        callbacks.append(watchdog)
-    if dims.is_main and console.is_terminal:  # a live bar; plain log lines in files and pipes
-        from .progress import ProgressCallback
-
-        callbacks.append(ProgressCallback(console, cfg.train.train_iters))
-    measurement = Measurement(cfg, device, dims, flops, peak.flops_per_second, Sinks(sinks))
-    trainer = Trainer(
-        cfg,
-        model,
-        optimizer,
-        scheduler,
-        iter(train_loader),
-        valid_batches,
-        measurement,
-        dims=dims,
-        pipeline=pipeline,
-        callbacks=callbacks,
-    )
+    built = _build(cfg, tokenizer, resume, console, device, dims, callbacks)
+    trainer, run_dir = built.trainer, built.run_dir
     try:
         attach_checkpoints(cfg, trainer, resume, console if dims.is_main else None, dims.is_main)
     except BaseException:  # e.g. a checkpoint of another shape: the run never started, so no directory
@@ -216,31 +149,149 @@ def _run(
         history = trainer.fit()
     finally:
         trainer.sinks.close()
-        if watchdog is not None:  # also after a failure: no thread or heartbeat left behind
-            watchdog.close()
+        if built.watchdog is not None:  # also after a failure: no thread or heartbeat left behind
+            built.watchdog.close()
+    return _finish(cfg, built, history, console, dims, start, first_iteration)
+
+
+def _resolved(raw: Config, dims: ParallelDims) -> tuple[ResolvedConfig, Any]:
+    """The tokenizer (rank 0 builds or reads it first) and the config resolved once, for this world
+    size, with the tokenizer's vocabulary size."""
+    d = raw.data
+    with rank_zero_first(dims):
+        tokenizer = load_tokenizer(
+            d.tokenizer,
+            d.tokenizer_vocab_size,
+            vocab_file=d.vocab_file,
+            merge_file=d.merge_file,
+            tokenizer_type=d.tokenizer_type,
+        )
+    if raw.model.vocab_size is None:
+        raw = dataclasses.replace(raw, model=dataclasses.replace(raw.model, vocab_size=tokenizer.vocab_size))
+    elif raw.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({raw.model.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}); remove it to use the tokenizer's size"
+        )
+    return resolve(raw, world_size=dims.world_size), tokenizer
+
+
+def _build(
+    cfg: ResolvedConfig,
+    tokenizer: Any,
+    resume: Any,
+    console: Console,
+    device: torch.device,
+    dims: ParallelDims,
+    callbacks: Sequence[Callback],
+) -> BuiltRun:
+    """Data, model, optimizer, measurement and callbacks of the run, from the resolved config."""
+    with rank_zero_first(dims):
+        train_ds, valid_ds, _ = build_datasets(cfg, tokenizer)
+        peak = resolve_peak(
+            device.type, cfg.train.precision, cfg.logging.device_name, cfg.logging.peak_tflops
+        )
+        _print_warnings(cfg, console, device, dims)
+    train_loader = build_loader(
+        train_ds,
+        cfg.train.micro_batch_size,
+        consumed_samples=resume.consumed_samples if resume is not None else 0,
+        seed=cfg.train.seed,
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp,
+        num_workers=cfg.data.num_workers,
+    )
+
+    def valid_batches():
+        return eval_batches(valid_ds, cfg.train.micro_batch_size, cfg.train.eval_iters)
+
+    set_seed(cfg.train.seed)  # right before init: nothing above may shift the weights or dropout masks
+    tracker = tensor_bytes_tracker(cfg, device)  # before the model: its tensors are counted
+    callbacks = [*callbacks, TensorBytesCallback(tracker)] if tracker is not None else list(callbacks)
+    model, pipeline = build_parallel_model(cfg, dims, device)
+    num_params = count_parameters(cfg.model)
+    zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
+    optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
+    flops = step_flops(cfg, num_params)
+    run_dir: Path | None = None
+    sinks: list[Sink] = []
+    if dims.is_main:
+        run_dir, sinks = open_run_dir(cfg, console, continuing=resume is not None)
+        print_banner(console, cfg, num_params, device, dims.world_size, flops, peak)
+    callbacks = [*callbacks, *observers(cfg, device, dims, run_dir)]
+    watchdog = hang_watchdog(cfg, dims, run_dir)
+    if watchdog is not None:
+        callbacks.append(watchdog)
+    if dims.is_main and console.is_terminal:  # a live bar; plain log lines in files and pipes
+        from .progress import ProgressCallback
+
+        callbacks.append(ProgressCallback(console, cfg.train.train_iters))
+    measurement = Measurement(cfg, device, dims, flops, peak.flops_per_second, Sinks(sinks))
+    trainer = Trainer(
+        cfg,
+        model,
+        optimizer,
+        scheduler,
+        iter(train_loader),
+        valid_batches,
+        measurement,
+        dims,
+        pipeline,
+        callbacks,
+    )
+    return BuiltRun(trainer, run_dir, flops, peak, num_params, tracker, watchdog, callbacks)
+
+
+def _print_warnings(cfg: ResolvedConfig, console: Console, device: torch.device, dims: ParallelDims) -> None:
+    if not dims.is_main:
+        return
+    slow_precision = cpu_precision_warning(cfg.train.precision) if device.type == "cpu" else None
+    if slow_precision is not None:
+        console.print(f"[bold yellow]warning[/]: {slow_precision}")
+    no_export = export_warning(cfg)
+    if no_export is not None:
+        console.print(f"[bold yellow]warning[/]: {no_export}", markup=False)
+
+
+def _finish(
+    cfg: ResolvedConfig,
+    built: BuiltRun,
+    history: Any,
+    console: Console,
+    dims: ParallelDims,
+    start: float,
+    first_iteration: int,
+) -> tuple[Path | None, dict]:
+    """summary.json (written once, by rank 0) and the closing lines; every rank takes part in the
+    per-rank gathers."""
+    world, device = dims.world_size, built.trainer.device
     per_rank_peak = gather_per_rank(history.peak_memory_bytes, dims)
-    summary = summarize(cfg, history, flops, peak, num_params, time.perf_counter() - start, world)
+    summary = summarize(
+        cfg, history, built.flops, built.peak, built.num_params, time.perf_counter() - start, world
+    )
     summary["peak_memory_bytes_per_rank"] = per_rank_peak
     summary["run_peak_memory_bytes_per_rank"] = gather_per_rank(history.run_peak_memory_bytes, dims)
     summary["model_state_bytes_per_rank"] = {
         part: gather_per_rank(history.model_state_bytes.get(part, 0), dims)
         for part in ("parameters", "gradients", "optimizer")
     }
-    summary["peak_tensor_bytes_per_rank"] = peak_tensor_bytes(tracker, device, per_rank_peak, dims)
+    summary["peak_tensor_bytes_per_rank"] = peak_tensor_bytes(built.tracker, device, per_rank_peak, dims)
     summary["layout"] = layout_label(cfg)
     summary["world_size"] = world
     summary["pipeline_bubble_theoretical"] = pipeline_bubble(cfg)
-    summary["final_iteration"] = trainer.iteration
+    summary["final_iteration"] = built.trainer.iteration
     wall = time.perf_counter() - start
     segment = segment_record(time.time() - wall, wall, first_iteration, history)
     if history.stopped_by and cfg.checkpoint.save:
         summary["resume_from"] = cfg.checkpoint.save
+    run_dir = built.run_dir
     if run_dir is None:
         return None, summary
     summary.update(with_segment(read_previous_summary(run_dir), segment))
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
-    print_observations(console, summary, callbacks)
+    print_observations(console, summary, built.callbacks)
     if history.stopped_by:
         console.print(f"[bold yellow]{stop_message(summary, cfg.train.train_iters)}[/]")
     return run_dir, summary
