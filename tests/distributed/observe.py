@@ -1,4 +1,5 @@
-"""A real training run observed by the dry run's trace (`DryRunTrace`) during its first step.
+"""A real training run observed by the dry run's trace (`DryRunTrace`) during one step (the first, or
+the dry run's plain step: the second).
 
 On real tensors the trace records and fakes nothing: collectives (group, kind, bytes), storage lifetimes
 and what the first micro-batch keeps for its backward. The parameters, made before it starts, are
@@ -11,8 +12,9 @@ import io
 from typing import Any
 
 
-def observed_run(config: str, overrides: list[str]) -> tuple[Any, dict[str, Any]]:
-    """(the trace of step 1, summary.json's dict) of `stx train config overrides` in this process."""
+def observed_run(config: str, overrides: list[str], step: int = 1) -> tuple[Any, dict[str, Any]]:
+    """(the trace of iteration `step`, summary.json's dict) of `stx train config overrides` in this
+    process."""
     from rich.console import Console
 
     from scalable_transformer.config.load import load_config
@@ -26,14 +28,14 @@ def observed_run(config: str, overrides: list[str]) -> tuple[Any, dict[str, Any]
             self.trace: DryRunTrace | None = None
 
         def on_step_start(self, trainer) -> None:
-            if trainer.iteration == 0:
+            if trainer.iteration == step - 1:
                 self.trace = DryRunTrace(_group_names(trainer.dims), backend="gloo", device_type="cpu")
-                self.trace.step, self.trace.phase = 1, "forward-compute"
+                self.trace.step, self.trace.phase = step, "forward-compute"
                 self.trace.adopt(list(trainer.model.parameters()), "parameters")
                 self.trace.__enter__()
 
         def on_step_end(self, trainer, result) -> None:
-            if trainer.iteration == 1 and self.trace is not None:
+            if trainer.iteration == step and self.trace is not None:
                 self.trace.__exit__(None, None, None)
 
     observer = FirstStep()
