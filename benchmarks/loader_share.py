@@ -85,7 +85,7 @@ def run_once(cfg: ResolvedConfig, tokenizer, datasets, num_workers: int, warmup:
     # Records average their log interval; keep the intervals that start after the warm-up.
     kept = [r for r in history.records if r["iteration"] - interval >= warmup]
     iteration_ms = [1000 * s for s in history.iteration_seconds[kept[0]["iteration"] - interval :]]
-    batch_ms = statistics.fmean(r["time_ms/batch-generator"] for r in kept)
+    batch_ms = statistics.fmean(r.phase_ms["batch-generator"] for r in kept)
     step_ms = statistics.fmean(iteration_ms)
     del loader, trainer
     return {"batch_ms": batch_ms, "iteration_ms": step_ms}

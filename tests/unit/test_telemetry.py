@@ -222,12 +222,13 @@ def test_cpu_run_summary_store_row_and_profile_window(tmp_path):
 
 
 def test_profiled_steps_are_left_out_of_the_median():
+    from scalable_transformer.metrics.sinks import LogRecord
     from scalable_transformer.train.measurement import History
     from scalable_transformer.train.outputs import summarize
 
     cfg = resolve(load_config("tiny-gpt", ["train.train_iters=6", "logging.warmup_iters=1"]), 1)
     history = History(iteration_seconds=[9.0, 1.0, 50.0, 60.0, 1.0, 1.0], excluded_iterations={3, 4})
-    history.records = [{"iteration": 6, "loss": 1.0}]
+    history.records = [LogRecord({"iteration": 6, "loss": 1.0})]
 
     class Flops:
         convention, model_flops, hardware_flops = "megatron", 1e9, 1e9

@@ -1,13 +1,17 @@
 """Where metrics go: the console (rich, Megatron-style lines), a JSONL file and TensorBoard events.
 
-Every record is a flat dict of numbers keyed by name with the unit in the name
-(`samples_per_second`, `time_ms/forward-compute`, `peak_memory_bytes`).
+A training interval's record is a `LogRecord`: scalars by name with the unit in the name
+(`samples_per_second`, `peak_memory_bytes`) and the per-phase and per-collective times as maps, so no
+sink parses names back. Its `flat()` form is what metrics.jsonl and TensorBoard hold, as before
+(`time_ms/forward-compute`, `comm_ms/all_reduce`, `time_ms_max/optimizer`). Evaluation records are flat
+dicts of scalars.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -15,9 +19,57 @@ from rich.console import Console
 
 from .device_sampler import short as short_telemetry
 
+# the maps of a LogRecord and the prefix each has in the flat form
+TIME_MAPS = {
+    "phase_ms": "time_ms",
+    "phase_ms_min": "time_ms_min",
+    "phase_ms_max": "time_ms_max",
+    "comm_ms": "comm_ms",
+    "comm_ms_min": "comm_ms_min",
+    "comm_ms_max": "comm_ms_max",
+}
+
+
+@dataclass
+class LogRecord:
+    """One training log interval. Scalars are read and added by name (`record["loss"]`, callbacks add
+    telemetry fields); times are per iteration, in milliseconds."""
+
+    scalars: dict[str, Any] = field(default_factory=dict)
+    phase_ms: dict[str, float] = field(default_factory=dict)  # each timed phase (train.measurement.PHASES)
+    phase_ms_min: dict[str, float] = field(default_factory=dict)  # its min over ranks
+    phase_ms_max: dict[str, float] = field(default_factory=dict)  # its max over ranks
+    comm_ms: dict[str, float] = field(default_factory=dict)  # each collective kind's measured time
+    comm_ms_min: dict[str, float] = field(default_factory=dict)
+    comm_ms_max: dict[str, float] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.scalars[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.scalars[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.scalars
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.scalars.get(key, default)
+
+    def flat(self) -> dict[str, Any]:
+        """metrics.jsonl's and TensorBoard's form: the scalars, then `<prefix>/<name>` for each time."""
+        out = dict(self.scalars)
+        for attr, prefix in TIME_MAPS.items():
+            for name, value in getattr(self, attr).items():
+                out[f"{prefix}/{name}"] = value
+        return out
+
+
+def _flat(record: dict[str, Any] | LogRecord) -> dict[str, Any]:
+    return record.flat() if isinstance(record, LogRecord) else record
+
 
 class Sink(Protocol):
-    def write(self, kind: str, step: int, record: dict[str, Any]) -> None: ...
+    def write(self, kind: str, step: int, record: dict[str, Any] | LogRecord) -> None: ...
 
     def close(self) -> None: ...
 
@@ -29,8 +81,9 @@ class JsonlSink:
         self.path = path
         self._file = path.open("a", encoding="utf-8")
 
-    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    def write(self, kind: str, step: int, record: dict[str, Any] | LogRecord) -> None:
+        flat = _flat(record)
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in flat.items()}
         self._file.write(json.dumps({"kind": kind, "iteration": step, **clean}) + "\n")
         self._file.flush()
 
@@ -46,8 +99,8 @@ class TensorBoardSink:
 
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
-    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
-        for name, value in record.items():
+    def write(self, kind: str, step: int, record: dict[str, Any] | LogRecord) -> None:
+        for name, value in _flat(record).items():
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 self._writer.add_scalar(f"{kind}/{name}", value, step)
         self._writer.flush()
@@ -77,7 +130,7 @@ class ConsoleSink:
     def __init__(self, console: Console | None = None):
         self.console = console or Console(highlight=False, soft_wrap=True)
 
-    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
+    def write(self, kind: str, step: int, record: dict[str, Any] | LogRecord) -> None:
         r = record
         if kind == "valid":
             parts = [f"validation at iteration {step}", f"loss: {r['loss']:.4E}", f"ppl: {r['ppl']:.3f}"]
@@ -109,18 +162,19 @@ class ConsoleSink:
             parts.append(f"skipped (non-finite): {nonfinite}")
         if "loss_scale" in r:
             parts.append(f"loss scale: {r['loss_scale']:.1f}")
-        timers = [f"{k.split('/', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("time_ms/")]
+        typed = r if isinstance(r, LogRecord) else LogRecord(scalars=dict(r))
+        timers = [f"{name}: {ms:.2f}" for name, ms in typed.phase_ms.items()]
         if r.get("straggler_rank") is not None:
             parts.append(f"straggler: rank {r['straggler_rank']}")
         if r.get("pipeline_bubble_measured") is not None:
             parts.append(f"pipeline bubble (measured): {100 * r['pipeline_bubble_measured']:.1f}%")
-        devices = short_telemetry(r)
+        devices = short_telemetry(typed.scalars)
         if devices:
             parts.append(devices)
         line = " | ".join(parts)
         if timers:
             line += " | time (ms) | " + " | ".join(timers)
-        comm = [f"{k.split('/', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("comm_ms/")]
+        comm = [f"{kind}: {ms:.2f}" for kind, ms in typed.comm_ms.items()]
         if comm:
             line += " | comm (ms) | " + " | ".join(comm)
         self.console.print(" " + line)
@@ -158,7 +212,7 @@ class Sinks:
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
 
-    def write(self, kind: str, step: int, record: dict[str, Any]) -> None:
+    def write(self, kind: str, step: int, record: dict[str, Any] | LogRecord) -> None:
         for sink in self.sinks:
             sink.write(kind, step, record)
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..config.schema import ResolvedConfig
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.peak_memory import MemoryTracker
-from ..metrics.sinks import Sinks
+from ..metrics.sinks import LogRecord, Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import all_reduce_floats, collective_device
@@ -180,7 +180,9 @@ class History:
     """Per-iteration wall times and the records the summary is computed from."""
 
     iteration_seconds: list[float] = field(default_factory=list)  # index i = iteration i + 1 of this job
-    records: list[dict[str, Any]] = field(default_factory=list)  # one per log interval
+    records: list[LogRecord] = field(
+        default_factory=list
+    )  # one per log interval, `iteration` among its scalars
     first_logged_loss: float | None = None
     last_logged_loss: float | None = None
     last_valid: dict[str, float] | None = None
@@ -301,7 +303,7 @@ class Measurement:
 
     def record(
         self, steps: Sequence[StepValues], consumed_samples: int, lr: float, scale: float | None
-    ) -> dict:
+    ) -> LogRecord:
         """The interval's log record: averages over its steps, rates, phase times, memory, spread."""
         cfg, n = self.cfg, max(self.interval.iterations, 1)
         seconds = (time.perf_counter() - self.interval.start) / n
@@ -311,7 +313,7 @@ class Measurement:
         h.peak_memory_method = peak.method
         perf = throughput_metrics(self.flops, seconds, self.dims.world_size, self.peak_flops)
         gb = cfg.train.global_batch_size
-        record: dict[str, Any] = {
+        scalars: dict[str, Any] = {
             "train_iters": cfg.train.train_iters,
             "consumed_samples": consumed_samples,
             "lr": lr,
@@ -328,13 +330,10 @@ class Measurement:
             "nonfinite_iterations": sum(s.nonfinite for s in steps),
         }
         if scale is not None:
-            record["loss_scale"] = scale
-        record["step_time_ms"] = 1000 * self.interval.step_seconds / n  # train_step alone, per step
+            scalars["loss_scale"] = scale
+        scalars["step_time_ms"] = 1000 * self.interval.step_seconds / n  # train_step alone, per step
         elapsed, comm = self._phase_times(n)
-        for name, ms in elapsed.items():
-            record[f"time_ms/{name}"] = ms
-        for kind, ms in comm.items():
-            record[f"comm_ms/{kind}"] = ms
+        record = LogRecord(scalars=scalars, phase_ms=elapsed, comm_ms=comm)
         if "pipeline-p2p-wait" in elapsed and elapsed.get("forward-backward"):
             record["pipeline_bubble_measured"] = elapsed["pipeline-p2p-wait"] / elapsed["forward-backward"]
         if self.dims.world_size > 1:  # every rank logs at the same iterations, so all take part
@@ -352,7 +351,7 @@ class Measurement:
             elapsed["pipeline-p2p-wait"] = comm.pop("pipeline-p2p-wait")
         return elapsed, comm
 
-    def _spread(self, record: dict[str, Any], elapsed: dict[str, float], comm: dict[str, float]) -> None:
+    def _spread(self, record: LogRecord, elapsed: dict[str, float], comm: dict[str, float]) -> None:
         """Min/max of every phase over the ranks, each rank's busy time and the straggler among them."""
         from ..parallel.comm import KINDS
 
@@ -360,10 +359,10 @@ class Measurement:
         measured = {**elapsed, **{f"comm:{k}": v for k, v in comm.items()}}
         for name, (low, high) in minmax_over_ranks(measured, names).items():
             if name.startswith("comm:"):
-                key = name.split(":", 1)[1]
-                record[f"comm_ms_min/{key}"], record[f"comm_ms_max/{key}"] = low, high
+                kind = name.removeprefix("comm:")
+                record.comm_ms_min[kind], record.comm_ms_max[kind] = low, high
             else:
-                record[f"time_ms_min/{name}"], record[f"time_ms_max/{name}"] = low, high
+                record.phase_ms_min[name], record.phase_ms_max[name] = low, high
         busy = record["step_time_ms"] - sum(elapsed.get(name, 0.0) for name in WAITS)
         record["busy_ms"] = busy
         per_rank = gather_floats(busy, self.dims.rank, self.dims.world_size)

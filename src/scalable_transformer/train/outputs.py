@@ -20,7 +20,7 @@ from ..config.schema import ResolvedConfig
 from ..files import write_atomic
 from ..metrics.environment import environment
 from ..metrics.flops import FlopsCount, throughput_metrics
-from ..metrics.sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, percent
+from ..metrics.sinks import ConsoleSink, JsonlSink, LogRecord, Sink, TensorBoardSink, percent
 from .trainer import History
 
 SUBMITTED_MARKER = ".stx-submit"  # launch.batch.MARKER_NAME (launch sits above train)
@@ -139,9 +139,8 @@ def summarize(
     records = [
         r for r in history.records if r["iteration"] > warmup and not r.get("profiled_steps")
     ] or history.records
-    for key in records[0] if records else {}:
-        if key.startswith("time_ms/"):
-            phases[key.split("/", 1)[1]] = statistics.median(r[key] for r in records)
+    for name in records[0].phase_ms if records else {}:
+        phases[name] = statistics.median(r.phase_ms[name] for r in records if name in r.phase_ms)
     return {
         "iterations": len(times),
         "global_batch_size": global_batch,
@@ -234,13 +233,15 @@ def with_segment(previous: dict[str, Any] | None, segment: dict[str, Any]) -> di
     }
 
 
-def communication_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the log intervals of the measured communication (comm_ms/*: totals, which overlap
+def communication_summary(records: list[LogRecord]) -> dict[str, Any]:
+    """Medians over the log intervals of the measured communication (comm_ms: totals, which overlap
     compute), of each phase's max over ranks, and of the measured pipeline bubble."""
     out: dict[str, Any] = {}
-    for prefix, name in (("comm_ms/", "comm_time_ms_median"), ("time_ms_max/", "phase_time_ms_max_median")):
-        keys = dict.fromkeys(k for r in records for k in r if k.startswith(prefix))
-        values = {k.split("/", 1)[1]: statistics.median(r[k] for r in records if k in r) for k in keys}
+    for attr, name in (("comm_ms", "comm_time_ms_median"), ("phase_ms_max", "phase_time_ms_max_median")):
+        keys = dict.fromkeys(k for r in records for k in getattr(r, attr))
+        values = {
+            k: statistics.median(getattr(r, attr)[k] for r in records if k in getattr(r, attr)) for k in keys
+        }
         if values:
             out[name] = values
     bubbles = [

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from ..metrics.sinks import progress_columns
+from ..metrics.sinks import LogRecord, progress_columns
 from .trainer import Callback, History, StepResult, Trainer
 
 
@@ -33,7 +33,7 @@ class ProgressCallback(Callback):
         if self.progress is not None:  # the loss shown is the last logged one: a step's stays on the device
             self.progress.update(self.task, completed=trainer.iteration)
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
         if self.progress is not None:
             status = f"loss {record['loss']:.4f} | {record['samples_per_second']:.2f} samples/s"
             self.progress.update(self.task, completed=trainer.iteration, status=status)

@@ -15,6 +15,7 @@ import statistics
 from typing import Any
 
 from ..metrics.device_sampler import GPU_FIELDS, Telemetry
+from ..metrics.sinks import LogRecord
 from ..parallel.distributed import all_reduce_floats
 from .trainer import Callback, History, Trainer
 
@@ -36,9 +37,9 @@ class TelemetryCallback(Callback):
             self.started = True
             self.last_samples = trainer.consumed_samples
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
         figures = self.telemetry.interval() if self.started else {}
-        record.update({k: v for k, v in figures.items() if v is not None or k in GPU_FIELDS})
+        record.scalars.update({k: v for k, v in figures.items() if v is not None or k in GPU_FIELDS})
         samples = trainer.consumed_samples - self.last_samples
         self.last_samples = trainer.consumed_samples
         energy = self._job_energy(trainer, figures)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
 from ..metrics.peak_memory import model_state_bytes
+from ..metrics.sinks import TIME_MAPS, LogRecord
 from ..models import spec_for
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import collective_device
@@ -62,7 +63,7 @@ class Callback:
     def on_checkpoint_staged(self, trainer: Trainer, iteration: int) -> None:
         """A checkpoint's shards are written on every rank and it is not yet published."""
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: Trainer, record: LogRecord) -> None:
         """Every log interval on every rank, before the record goes to the sinks: add fields to it
         (telemetry). Every rank calls it at the same iterations, so collectives are allowed."""
 
@@ -337,7 +338,7 @@ class Trainer:
         profiled = sum(1 for i in range(first, self.iteration + 1) if i in h.excluded_iterations)
         if profiled:
             record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
-        h.records.append({"iteration": self.iteration, **record})
+        h.records.append(LogRecord({"iteration": self.iteration, **record.scalars}, *_maps(record)))
         self.sinks.write("train", self.iteration, record)
         measure.start_interval(self.iteration)
 
@@ -370,6 +371,10 @@ class Trainer:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_samples"])
+
+
+def _maps(record: LogRecord) -> tuple[dict[str, float], ...]:
+    return tuple(getattr(record, attr) for attr in TIME_MAPS)
 
 
 def _local_value(t: torch.Tensor) -> torch.Tensor:
