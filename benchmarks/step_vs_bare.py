@@ -61,7 +61,7 @@ VARIANTS = ("A", "B", "C")
 # each variant after each other one equally often (a step may pay for what the previous one left).
 ORDERS = ("ABC", "BCA", "CAB", "ACB", "CBA", "BAC")
 NAMES = {"A": "ours: Trainer.train_step", "B": "bare PyTorch, same model", "C": "HF transformers"}
-TARGET_VS_BARE = 1.03  # A/B at most this
+TARGET_VS_BARE = 1.02  # A/B at most this (issue 23)
 TARGET_VS_HF = 1.00  # A/C (per FLOP) at most this
 LOSS_TOLERANCE = 1e-6  # relative: A and B run the same ops on the same weights
 REPO = Path(__file__).resolve().parents[1]
@@ -464,7 +464,7 @@ def render(data: dict, args: argparse.Namespace, command: str) -> str:
         "",
         "| target | measured | result |",
         "|---|---:|---|",
-        target_row("ours <= 1.03x bare (A/B)", med_ab, iqr["ratio_ab"], TARGET_VS_BARE),
+        target_row(f"ours <= {TARGET_VS_BARE:.2f}x bare (A/B)", med_ab, iqr["ratio_ab"], TARGET_VS_BARE),
         target_row("ours not slower than HF (A/C per FLOP)", med_acf, iqr["ratio_ac_per_flop"], TARGET_VS_HF),
         "",
         'PASS/FAIL is decided on the median ratio; "within noise" marks an IQR that straddles the threshold.',
