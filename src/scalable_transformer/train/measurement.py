@@ -32,6 +32,7 @@ from ..metrics.sinks import LogRecord, Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import all_reduce_floats, collective_device
+from ..parallel.grads import local
 
 # Megatron's timer names. PHASES are disjoint: with the untimed rest (callbacks, the log record) they
 # add up to the step time. NESTED run inside the phase named (Megatron prints them side by side too).
@@ -105,14 +106,14 @@ class StepLedger:
             return []
         keys = sorted(self.pending[0][1].metrics)
         rows = torch.stack(
-            [torch.stack([_plain(r.metrics[k]).float() for k in keys]) for _, r in self.pending]
+            [torch.stack([local(r.metrics[k]).float() for k in keys]) for _, r in self.pending]
         )
         for group in self.groups:
             device = collective_device(group)
             staged = rows if rows.device == device else rows.to(device)
             dist.all_reduce(staged, group=group)
             rows = staged
-        norms = torch.stack([_plain(r.grad_norm).float().to(rows.device) for _, r in self.pending])
+        norms = torch.stack([local(r.grad_norm).float().to(rows.device) for _, r in self.pending])
         flat = torch.cat([rows, norms[:, None]], dim=1).flatten().tolist()  # the one host read
         width = len(keys) + 1
         settled = []
@@ -130,12 +131,6 @@ class StepLedger:
         self.settle()
         taken, self.read = self.read, []
         return taken
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _size(group: Any) -> int:
@@ -238,7 +233,6 @@ class Measurement:
         flops: FlopsCount,
         peak_flops_per_device: float,
         sinks: Sinks,
-        comm: Sequence[Any] = (),
     ) -> None:
         self.cfg, self.device, self.dims = cfg, device, dims
         self.flops, self.peak_flops, self.sinks = flops, peak_flops_per_device, sinks
@@ -250,7 +244,7 @@ class Measurement:
         self.clock = StepClock(device)
         self.memory = MemoryTracker(device)
         self.ledger = StepLedger(dims)
-        self.comm = list(comm)  # parallel.comm recorders: DDP hook, FSDP2 comms, pipeline waits
+        self.comm: list[Any] = []  # parallel.comm recorders (DDP hook, FSDP2 comms, pipeline waits)
         self.history = History()
         self.interval = Interval(start=time.perf_counter(), first_iteration=1)
 

@@ -9,6 +9,7 @@ checkpointer never pokes at fields.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
 from ..metrics.peak_memory import model_state_bytes
-from ..metrics.sinks import TIME_MAPS, LogRecord
+from ..metrics.sinks import LogRecord
 from ..models import spec_for
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import collective_device
@@ -192,8 +193,7 @@ class Trainer:
                 with self.timers("forward-compute"), autocast_context(precision, self.device):
                     loss, metrics = self.spec.loss(outputs, micro, normalizers, ops)
                 self.measure.timed_backward(self.scaler.scale(loss * multiplier))
-            for k, v in metrics.items():
-                totals[k] = totals[k] + v if k in totals else v
+            accumulate(totals, metrics)
         return totals
 
     def _pipeline_forward_backward(
@@ -224,7 +224,7 @@ class Trainer:
             if not found_inf and self.nonfinite.policy == "skip":
                 # the update depends on it: read here, like fp16's overflow flag. The norm decides (it
                 # is global, so every rank decides the same); the loss is this rank's, for the message
-                local_loss, value = torch.stack([_local_value(loss).float(), norm.to(loss.device)]).tolist()
+                local_loss, value = torch.stack([local(loss).float(), norm.to(loss.device)]).tolist()
                 if not math.isfinite(value):
                     nonfinite = self.nonfinite.check(self.iteration + 1, local_loss, value)
             if not found_inf and not nonfinite:
@@ -253,11 +253,10 @@ class Trainer:
                 ):
                     outputs = self.model(*self.spec.inputs(batch))
                     _, metrics = self.spec.loss(outputs, batch, normalizers, loss_ops(self.dims.tp))
-                for k, v in metrics.items():
-                    sums[k] = sums[k] + v if k in sums else v
+                accumulate(sums, metrics)
             keys = sorted(sums)
             if keys:
-                values = torch.stack([_local_value(sums[k]).float() for k in keys]).tolist()
+                values = torch.stack([local(sums[k]).float() for k in keys]).tolist()
                 totals = dict(zip(keys, values, strict=True))
         lm_key = self.spec.lm_metric
         result = {"loss": totals["loss"], lm_key: totals[lm_key], "ppl": math.exp(min(totals[lm_key], 50.0))}
@@ -338,7 +337,7 @@ class Trainer:
         profiled = sum(1 for i in range(first, self.iteration + 1) if i in h.excluded_iterations)
         if profiled:
             record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
-        h.records.append(LogRecord({"iteration": self.iteration, **record.scalars}, *_maps(record)))
+        h.records.append(dataclasses.replace(record, scalars={"iteration": self.iteration, **record.scalars}))
         self.sinks.write("train", self.iteration, record)
         measure.start_interval(self.iteration)
 
@@ -373,14 +372,10 @@ class Trainer:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def _maps(record: LogRecord) -> tuple[dict[str, float], ...]:
-    return tuple(getattr(record, attr) for attr in TIME_MAPS)
-
-
-def _local_value(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's metric tensors to the running sums, on the device."""
+    for k, v in metrics.items():
+        totals[k] = totals[k] + v if k in totals else v
 
 
 def step_normalizers(
