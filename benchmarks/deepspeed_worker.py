@@ -79,6 +79,23 @@ def _rss_bytes() -> int:
     return 0
 
 
+def _profile_window(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    return int(first), int(last or first)
+
+
+def _top_operators(profiler, steps: int, top: int = 12) -> dict:
+    """Self host time per operator over the window, ms per iteration, the largest first."""
+    rows = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "steps": steps,
+        "ms_per_iteration": {e.key: e.self_cpu_time_total / 1e3 / steps for e in rows},
+        "calls_per_iteration": {e.key: e.count / steps for e in rows},
+    }
+
+
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -126,6 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch: torch.optim.AdamW(foreach=True), as ours (default); fused: DeepSpeed's FusedAdam",
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
+    p.add_argument(
+        "--profile-steps",
+        metavar="A-B",
+        help="torch.profiler over iterations A..B (1-based, inclusive) on rank 0; its top host operators "
+        "go into the JSON (`profile`), as ours prints them with logging.profile_start_step/end_step",
+    )
     return p.parse_args(argv)
 
 
@@ -176,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     accumulation = cfg.train.gradient_accumulation_steps
     global_batch = cfg.train.global_batch_size
     tracker = MemoryTracker("cpu")
+    profile: dict | None = None
     seconds: list[float] = []
     losses: list[float] = []
     grad_norms: list[float | None] = []
@@ -183,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     rss_before = _rss_bytes()
     tracker.reset_peak()
-    for _ in range(cfg.train.train_iters):
+    window = _profile_window(args.profile_steps) if rank == 0 else None
+    profiler = None
+    for step in range(1, cfg.train.train_iters + 1):
+        if window and step == window[0]:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(accumulation)]  # what our trainer's batch-generator does
         step_loss = 0.0
@@ -197,13 +226,23 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(step_loss)
         norm = engine.get_global_grad_norm()
         grad_norms.append(None if norm is None else float(norm))
+        if profiler is not None and window and step == window[1]:
+            profiler.__exit__(None, None, None)
+            profile = _top_operators(profiler, window[1] - window[0] + 1)
+            profiler = None
     peak = tracker.peak()
 
     # Mean of the ranks' losses: the global batch's loss (equal-sized, fully labelled micro-batches).
     loss_t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_t)
     warmup = cfg.logging.warmup_iters if len(seconds) > cfg.logging.warmup_iters else 0
-    median = statistics.median(seconds[warmup:])
+    # the profiled iterations are left out, as ours leaves its profiler window out (all ranks: the
+    # profiled rank slows the others through the collectives)
+    window = _profile_window(args.profile_steps)
+    timed = [
+        t for i, t in enumerate(seconds[warmup:], warmup + 1) if not (window and window[0] <= i <= window[1])
+    ]
+    median = statistics.median(timed or seconds[warmup:])
     result = {
         "engine": "deepspeed",
         "rank": rank,
@@ -233,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_before_loop_bytes": rss_before,
         "peak_memory_bytes": peak.peak_allocated_bytes,
         "peak_memory_method": peak.method,
+        "profile": profile,
     }
     path = Path(args.output.replace("{rank}", str(rank)))
     path.parent.mkdir(parents=True, exist_ok=True)

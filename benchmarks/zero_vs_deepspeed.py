@@ -206,11 +206,24 @@ def user_overrides(args: argparse.Namespace, stage: int) -> list[str]:
     return [*args.overrides, *forced_settings(args), f"parallel.zero_stage={stage}"]
 
 
-def run_ours(args: argparse.Namespace, stage: int, tag: str, work: Path) -> dict:
+def profile_window(args: argparse.Namespace) -> tuple[int, int]:
+    """The profiled iterations of a --profile run: the 5 after the warm-up (or what the run has)."""
+    first = min(args.warmup + 1, args.iters)
+    return first, min(first + 4, args.iters)
+
+
+def run_ours(args: argparse.Namespace, stage: int, tag: str, work: Path, profile: bool = False) -> dict:
     runs = work / "runs"
+    window = profile_window(args)
+    profiling = (
+        [f"logging.profile_start_step={window[0]}", f"logging.profile_end_step={window[1]}",
+         "logging.profile_ranks=0"]
+        if profile
+        else []
+    )  # fmt: skip
     cmd = [
         args.stx, "launch", "-n", str(args.nproc), "train", args.config or "tiny-gpt",
-        *user_overrides(args, stage), f"logging.run_dir={runs}", f"logging.run_name={tag}",
+        *user_overrides(args, stage), f"logging.run_dir={runs}", f"logging.run_name={tag}", *profiling,
     ]  # fmt: skip
     run_logged(cmd, work / f"{tag}.log", args, work)
     run_dir = runs / tag
@@ -228,15 +241,31 @@ def run_ours(args: argparse.Namespace, stage: int, tag: str, work: Path) -> dict
         "interval_losses": {r["iteration"]: r["loss"] for r in records if r.get("kind") == "train"},
         "resolved_config": (run_dir / "config.yaml").read_text(),
         "layout": summary.get("layout"),
+        "profile": _ours_profile(summary.get("profile")),
     }
 
 
-def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path) -> dict:
+def _ours_profile(profile: dict | None) -> dict | None:
+    """Our profiler window's top host operators, as ms and calls per iteration (the worker's shape)."""
+    if not profile or "top_operators" not in profile:
+        return None
+    steps = profile["steps"]
+    ops = profile["top_operators"]
+    return {
+        "steps": steps,
+        "ms_per_iteration": {o["name"]: o["self_ms"] / steps for o in ops},
+        "calls_per_iteration": {o["name"]: o["calls"] / steps for o in ops},
+    }
+
+
+def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path, profile: bool = False) -> dict:
     out = work / f"{tag}-rank{{rank}}.json"
+    window = profile_window(args)
+    profiling = ["--profile-steps", f"{window[0]}-{window[1]}"] if profile else []
     cmd = [
         args.ds_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
         str(WORKER), "--config", args.config or "tiny-gpt", "--zero-stage", str(stage),
-        "--threads", str(args.threads), "--ds-adam", args.ds_adam, "--output", str(out),
+        "--threads", str(args.threads), "--ds-adam", args.ds_adam, "--output", str(out), *profiling,
         *user_overrides(args, stage),
     ]  # fmt: skip
     run_logged(cmd, work / f"{tag}.log", args, work)
@@ -262,10 +291,11 @@ def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path) ->
         "peak_memory_method": r0["peak_memory_method"],
         "interval_losses": interval_losses,
         "resolved_config": r0.get("resolved_config"),
+        "profile": r0.get("profile"),
         "worker": {
             k: v
             for k, v in r0.items()
-            if k not in ("iteration_seconds", "losses", "grad_norms", "resolved_config")
+            if k not in ("iteration_seconds", "losses", "grad_norms", "resolved_config", "profile")
         },
     }
 
@@ -490,7 +520,8 @@ def render(results: dict, args: argparse.Namespace, command: str, cfg_yaml: str,
             f"{run['tokens_per_second']:,.0f} | {peaks} |"
         )
     worker = meta.get("ds_worker")
-    lines += ["", "## Versions", ""]
+    lines += ["", *render_profiles(meta.get("profiles") or {}, meta["engines"])]
+    lines += ["## Versions", ""]
     lines.append(f"- project venv (ours): torch {torch.__version__} (full fingerprint below)")
     if worker:
         pkgs = ", ".join(f"{k} {v}" for k, v in worker["packages"].items() if v)
@@ -550,6 +581,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", choices=("deepspeed",), help="run the DeepSpeed side alone (no ratios, no loss check)"
     )
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one profiled run per engine per stage (not timed): top operators side by side",
+    )
     p.add_argument("--work-dir", help="keep run directories and logs here (default: a temporary directory)")
     p.add_argument(
         "--output",
@@ -626,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
+        profiles = profiled_runs(args, engines, work)
     except (RuntimeError, OSError, KeyError, json.JSONDecodeError) as e:
         print(f"zero_vs_deepspeed: a run failed: {e}\n(work directory kept: {work})", file=sys.stderr)
         return 1
@@ -643,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "import_baseline": baseline,
         "ds_accelerator": (worker_meta or {}).get("accelerator"),
         "ds_optimizer": (worker_meta or {}).get("optimizer"),
+        "profiles": profiles,
     }
     path = (
         Path(args.output)
@@ -668,6 +706,56 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         print(f"record: {path}")
     return 0
+
+
+def profiled_runs(args: argparse.Namespace, engines: tuple[str, ...], work: Path) -> dict:
+    """--profile: one more run per engine per stage, not timed, with torch.profiler over 5 iterations
+    after the warm-up on rank 0; each engine's top host operators (ms and calls per iteration)."""
+    profiles: dict[int, dict[str, dict | None]] = {}
+    if not args.profile:
+        return profiles
+    for stage in args.stages:
+        for engine in engines:
+            run = (run_ours if engine == "ours" else run_deepspeed)(
+                args, stage, f"{engine}-zero{stage}-profile", work, profile=True
+            )
+            profiles.setdefault(stage, {})[engine] = run["profile"]
+            print(f"  {engine}-zero{stage}-profile: profiled", flush=True)
+    return profiles
+
+
+def render_profiles(profiles: dict, engines: tuple[str, ...]) -> list[str]:
+    """Side-by-side top operators of the profiled runs (rank 0, self host time per iteration)."""
+    if not profiles:
+        return []
+    out = [
+        "## Where the time goes (profiled runs)",
+        "",
+        "One extra run per engine per stage (`--profile`, not among the timed runs): torch.profiler over "
+        "5 iterations after the warm-up on rank 0, self host time per operator in ms per iteration and "
+        "calls per iteration, the union of each engine's top operators. A collective's time is where the "
+        "training thread waits for it; work on the communication thread does not appear.",
+        "",
+    ]
+    for stage, by_engine in sorted(profiles.items()):
+        names: list[str] = []
+        for engine in engines:
+            for name in (by_engine.get(engine) or {}).get("ms_per_iteration", {}):
+                if name not in names:
+                    names.append(name)
+        out += [f"ZeRO-{stage}:", "", "| operator | " + " | ".join(
+            f"{NAMES[e]} ms/it | calls/it" for e in engines
+        ) + " |", "|---|" + "---:|---:|" * len(engines)]  # fmt: skip
+        for name in names:
+            cells = []
+            for engine in engines:
+                prof = by_engine.get(engine) or {}
+                ms = prof.get("ms_per_iteration", {}).get(name)
+                calls = prof.get("calls_per_iteration", {}).get(name)
+                cells += ["" if ms is None else f"{ms:.1f}", "" if calls is None else f"{calls:g}"]
+            out.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
 
 
 def sum_params(cfg: Config) -> int:
