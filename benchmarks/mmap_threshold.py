@@ -6,7 +6,8 @@ peaked 5.07-5.17 -> 4.47 GiB per rank). The low threshold costs a system call an
 for every large allocation, so it is measured three ways, each in fresh processes doing the same
 steps (step_vs_bare.py's bare loop: forward, backward, clip, AdamW; fp32, dropout 0):
 
-  always  the engine's setting: the threshold set before the model is built, kept through the steps
+  always  the threshold set before the model is built, kept through the steps (the engine's setting
+          until 2026-11-25; it now sets a step threshold per layout: parallel.init.step_allocation)
   scoped  the threshold only while the model is built, then glibc's settled 32 MiB and a heap trim
           (tried for the engine and rejected: gpt-1b ZeRO-3's steps then peaked at 5.10 GiB per rank,
           FSDP2's unsharded gradients below 32 MiB fragmenting the heap)

@@ -92,8 +92,29 @@ def fill_parameters(model: nn.Module, value: Callable[[str, torch.Size], torch.T
     return filled
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+_M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
 LARGE_BLOCK_BYTES = 64 * 1024
+# The mmap threshold for the training steps: glibc's ceiling for its own dynamic threshold on 64-bit
+# (DEFAULT_MMAP_THRESHOLD_MAX, the state a default process settles in) where the steps gather
+# nothing; 1 MiB under FSDP2, whose per-parameter gradients and gathers must leave the RSS when freed
+# (measured below, `step_allocation`).
+REPLICA_STEP_BLOCK_BYTES = 32 * 2**20
+FSDP_STEP_BLOCK_BYTES = 2**20
+
+
+def _mallopt(settings: dict[int, int]) -> bool:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return all(bool(libc.mallopt(key, value)) for key, value in settings.items())
+    except (OSError, AttributeError):
+        return False
 
 
 def return_large_frees_to_the_os() -> bool:
@@ -104,20 +125,26 @@ def return_large_frees_to_the_os() -> bool:
     parameter after another, and FSDP2's per-block gathers and gradients, then ratchet the RSS up.
     Measured on gpt-1b ZeRO-3 over 4 CPU ranks: 5.07-5.17 GiB peak per rank by default, 4.47 GiB with
     this, 5.10 GiB with it only during construction (FSDP2's unsharded gradients below 32 MiB then
-    fragment the heap in the steps), so it stays for the run. Its price is a system call and fresh
-    zeroed pages per large allocation: a gpt-125m step's CPU time 1.03x glibc's default
-    (benchmarks/mmap_threshold.py). Returns False where there is no glibc (nothing changes)."""
-    import ctypes
-    import ctypes.util
+    fragment the heap in the steps). Its price is a system call and fresh zeroed pages per large
+    allocation (benchmarks/mmap_threshold.py), so it holds for construction only: `step_allocation`
+    sets the threshold the steps run with. Returns False where there is no glibc (nothing changes)."""
+    return _mallopt({_M_MMAP_THRESHOLD: LARGE_BLOCK_BYTES})
 
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
-    except (OSError, AttributeError):
-        return False
+
+def step_allocation(fsdp: bool) -> bool:
+    """After construction, the threshold for the steps: blocks under it come from the heap again and
+    stay there for the next step. With the construction's 64 KiB kept, every activation, logit and
+    gradient buffer of every step was a fresh mapping (a page fault per page, zeroed): 2.5x the system
+    time of a 2-process ZeRO-0 run of benchmarks/zero_vs_deepspeed.py (7.8-8.1 s against 3.1-4.5 s per
+    run) and 20-30% of its throughput. Where nothing is gathered (ZeRO-0/1, tensor and pipeline
+    shards) the threshold is glibc's own ceiling (trim threshold twice that, as glibc sets them):
+    gpt-125m ZeRO-0 on 2 CPU ranks peaks at 2,893-2,905 MiB per rank against 2,733-2,734 with 64 KiB.
+    Under FSDP2, 1 MiB: gpt-125m ZeRO-3 on 2 ranks peaks at 1,946 MiB against 1,883 with 64 KiB, 1,986
+    with 4 MiB and 2,852-2,964 with 32 MiB (the gathered parameters' gradients stay resident); on 4
+    ranks at 1,489-1,500 MiB against 1,443-1,444 with 64 KiB.
+    Returns False where there is no glibc (nothing changes)."""
+    block = FSDP_STEP_BLOCK_BYTES if fsdp else REPLICA_STEP_BLOCK_BYTES
+    return _mallopt({_M_MMAP_THRESHOLD: block, _M_TRIM_THRESHOLD: 2 * block})
 
 
 def materialize(

@@ -433,6 +433,10 @@ def build_parallel_model(
 
         for module in modules:
             load_hf_weights(module, cfg.model, cfg.checkpoint.init_from_hf)
+    if device.type == "cpu":  # the steps' allocations: see step_allocation
+        from ..parallel.init import step_allocation
+
+        step_allocation(fsdp=cfg.parallel.zero_stage >= 2)
     if runner is None:
         return modules[0], None
     return torch.nn.ModuleList(modules), runner
