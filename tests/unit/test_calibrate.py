@@ -229,3 +229,16 @@ def test_stx_plan_with_a_malformed_profile_exits_2_naming_the_file_and_key(measu
         f"{path}: memory_bound.op_overhead_us must be a non-negative number, got 'fast'"
         in capsys.readouterr().err
     )
+
+
+def test_stx_submit_writes_a_batch_job_that_calibrates_every_rank(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["submit", "--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--dry-run"]
+    assert main([*argv, "calibrate", "tiny-gpt", "train.precision=bf16", "--output", "p/a.yaml"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=4" in script
+    output = tmp_path / "p" / "a.yaml"  # absolute: the job runs elsewhere
+    expected = f"scalable_transformer.cli calibrate tiny-gpt train.precision=bf16 --output {output}"
+    assert script.rstrip().endswith(expected)
+    assert main([*argv, "--requeue", "calibrate", "tiny-gpt"]) == 2
+    assert "--requeue continues a training run" in capsys.readouterr().err
