@@ -162,6 +162,19 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
             cluster = with_nodes(cluster, -(-opts.world_size // per), min(per, opts.world_size))
         elif per_node is not None:
             cluster = with_nodes(cluster, nodes, per_node)
+        measured = cluster.profile.fingerprint.get("processes") if cluster.profile is not None else None
+        if cluster.kind == "cpu" and measured is not None and measured != cluster.world_size:
+            import warnings
+
+            from ..errors import StxWarning
+
+            warnings.warn(
+                StxWarning(
+                    f"{opts.hardware}: measured with {measured} process(es), planned for "
+                    f"{cluster.world_size}: its per-process rates may not hold"
+                ),
+                stacklevel=2,
+            )
     elif (opts.device or "").lower() == "cpu":
         cluster = cpu_cluster(nodes * (per_node or 1), precision)
     else:
