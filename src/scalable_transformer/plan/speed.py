@@ -509,7 +509,10 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         for c, sec in by_class.items():
             tally.add(phase, c, sec * m)
     tally.add("tp_communication", "communication", _tp_seconds(cfg, rates, sh, sp_.layers) * m)
-    tally.add("offload", "communication", _checkpoint_transfer_seconds(cfg, rates, sh, sp_.layers) * m)
+    # host-kept checkpointed inputs: phase "offload", breakdown part "checkpoint_transfers"
+    tally.add(
+        "checkpoint_offload", "communication", _checkpoint_transfer_seconds(cfg, rates, sh, sp_.layers) * m
+    )
     dp_comm, dp_hideable = _dp_seconds(cfg, rates, sp_)
     for phase, by_class in _optimizer_seconds(cfg, rates, sp_.total).items():
         for c, sec in by_class.items():
@@ -557,10 +560,15 @@ def _assemble(
         "pipeline_bubble": "pipeline_bubble",
         "optimizer": "optimizer",
         "offload": "offload_transfers",
+        "checkpoint_offload": "checkpoint_transfers",
     }
-    for ph in PHASES:
+    for ph in (*PHASES, "checkpoint_offload"):
         if ph in classes:
             parts[names[ph]] = parts.get(names[ph], 0.0) + sum(classes[ph].values())
+    if "checkpoint_offload" in classes:
+        offload = classes.setdefault("offload", {})
+        for c, sec in classes.pop("checkpoint_offload").items():
+            offload[c] = offload.get(c, 0.0) + sec
     return StepTime(parts, flops.model_flops, flops.hardware_flops, hidden, classes)
 
 
