@@ -1,5 +1,5 @@
 """`stx plan CONFIG [key=value ...] (--world-size N | --nodes K --gpus-per-node G) --device NAME
-[--host-memory-gb M] [--hardware cluster.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]
+[--host-memory-gb M] [--hardware cluster.yaml|profile.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]
 [--no-probe] [--remeasure] [--dry-run | --dry-run-top K]`."""
 
 from __future__ import annotations
@@ -100,7 +100,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--device", help="device table name (a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200-sxm) or cpu"
     )
     p.add_argument("--host-memory-gb", type=float, help="host memory per node in GiB (checks offload)")
-    p.add_argument("--hardware", help="cluster YAML file (docs/PLANNER.md#hardware)")
+    p.add_argument(
+        "--hardware",
+        help="cluster YAML file (docs/PLANNER.md#hardware) or hardware profile (a file with `format:`, "
+        "written by stx calibrate; docs/PLANNER.md#hardware-profiles)",
+    )
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
     p.add_argument("--search", action="store_true", help="rank every valid layout of these devices")
     p.add_argument(
@@ -142,7 +146,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_cluster(opts: PlanOptions, precision: str) -> Any:
-    from ..plan.cluster import cpu_cluster, load_cluster, table_cluster, with_nodes
+    from ..plan.cluster import cpu_cluster, load_hardware, table_cluster, with_nodes
 
     nodes: int
     per_node: int | None
@@ -151,7 +155,7 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
     else:
         nodes, per_node = opts.nodes or 1, opts.gpus_per_node
     if opts.hardware:
-        cluster = load_cluster(opts.hardware, nodes=opts.nodes)
+        cluster = load_hardware(opts.hardware, nodes=opts.nodes)
         if opts.world_size is not None:
             # a world size on a multi-node cluster file: as many nodes as it takes
             per = cluster.devices_per_node

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..metrics.device_specs import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
+from .hardware_profile import HardwareProfile
 
 GIB = 2**30
 # What the CUDA context, NCCL communicators and the caching allocator's fragmentation take of a GPU
@@ -56,6 +57,9 @@ class Cluster:
     # cores / (1-minute load average before the job + the job's threads), at most 1
     cpu_share: float = 1.0
     load_average: float | None = None
+    # the measured rates the time model reads (plan/hardware_profile.py): a built-in GPU profile for a
+    # table device, a file given with --hardware, or this CPU's rates; None: the rate model's defaults
+    profile: HardwareProfile | None = None
 
     @property
     def world_size(self) -> int:
@@ -240,3 +244,89 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
 
 def with_nodes(cluster: Cluster, nodes: int, devices_per_node: int) -> Cluster:
     return dataclasses.replace(cluster, nodes=nodes, devices_per_node=devices_per_node)
+
+
+def profile_cluster(
+    profile: HardwareProfile,
+    nodes: int = 1,
+    devices_per_node: int | None = None,
+    source: str | None = None,
+) -> Cluster:
+    """A cluster of `nodes` nodes of the device a hardware profile describes (plan/hardware_profile.py).
+    Link bandwidths for the memory model and the layout checks come from the profile's largest
+    collective points (intra node) and its topology (inter node: NICs per node x NIC bandwidth over
+    the devices of a node); the time model reads the profile itself."""
+    per_node = int(
+        devices_per_node
+        or profile.topology.get("devices_per_node")
+        or (profile.fingerprint.get("processes") if profile.kind == "cpu" else None)
+        or profile.fingerprint.get("device_count")
+        or 1
+    )
+
+    def largest(scope: str) -> float | None:
+        pts = [p for p in profile.collectives if p.scope == scope and p.op != "send_recv"]
+        return max(pts, key=lambda p: p.size_bytes).busbw_gbps * 1e9 if pts else None
+
+    memory_bw = profile.memory_bound.bandwidth_gbps * 1e9
+    intra = largest("intra_node") or memory_bw
+    nics, nic = profile.topology.get("nics_per_node"), profile.topology.get("nic_gbps")
+    inter = largest("inter_node") or (nics * nic * 1e9 / per_node if nics and nic else intra)
+    where = source or profile.source
+    spec = DeviceSpec(
+        name=profile.name,
+        memory_bytes=int(profile.device_memory_gb * GIB),
+        memory_bandwidth=memory_bw,
+        intra_node_bandwidth=intra,
+        inter_node_bandwidth=inter,
+        devices_per_node=per_node,
+        host_link_bandwidth=profile.host_link_gbps * 1e9,
+        source=where,
+    )
+    small = [p for p in profile.collectives if p.op == "all_reduce"]
+    latency = min(small, key=lambda p: p.size_bytes).time_us * 1e-6 if small else 5e-6
+    threads = int(profile.fingerprint.get("threads_per_process") or 1)
+    return Cluster(
+        name=f"{nodes} x {per_node} {profile.name}",
+        kind=profile.kind,
+        nodes=nodes,
+        devices_per_node=per_node,
+        device=spec,
+        peak_flops={k: v * 1e12 for k, v in profile.peak_tflops.items()},
+        host_memory_bytes=None,
+        reserve_bytes=GPU_RESERVE_BYTES if profile.kind == "gpu" else 0,
+        source=where,
+        threads=threads,
+        op_seconds=profile.memory_bound.op_overhead_us * 1e-6,
+        comm_latency=latency,
+        profile=profile,
+    )
+
+
+def load_hardware(path: str | Path, nodes: int | None = None) -> Cluster:
+    """`--hardware FILE`: a hardware profile (a file with `format:`, plan/hardware_profile.py), used with
+    a warning naming each way its fingerprint differs from this machine, or a cluster YAML file."""
+    import warnings
+
+    from ..errors import StxWarning
+    from .hardware_profile import is_profile_file, load_profile, profile_mismatch
+
+    if not is_profile_file(path):
+        return load_cluster(path, nodes=nodes)
+    profile = load_profile(path)
+    if profile.kind == "cpu":
+        here = {"processes": profile.fingerprint.get("processes")}
+        from .hardware_profile import fingerprint_here
+
+        here = {
+            **fingerprint_here(),
+            **here,
+            "threads_per_process": profile.fingerprint.get("threads_per_process"),
+        }
+        differences = profile_mismatch(profile, here)
+        if differences:
+            warnings.warn(
+                StxWarning(f"{path}: measured on other hardware or software: {'; '.join(differences)}"),
+                stacklevel=2,
+            )
+    return profile_cluster(profile, nodes or 1, source=f"{path} ({profile.source})")

@@ -1,0 +1,171 @@
+"""Hardware profiles (plan/hardware_profile.py): strict loading with errors naming file and key, an atomic
+round trip, the interpolated lookups the time model reads, and the fingerprint comparison."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import yaml
+
+from scalable_transformer.errors import ConfigError
+from scalable_transformer.plan import hardware_profile as hp
+
+BASE = {
+    "format": 1,
+    "name": "test machine",
+    "kind": "cpu",
+    "source": "written by the test",
+    "fingerprint": {"device_name": "Test CPU", "torch": "2.0.0", "processes": 2, "threads_per_process": 1},
+    "peak_tflops": {"fp32": 0.1, "bf16": 0.05},
+    "device_memory_gb": 11.5,
+    "host_link_gbps": 10.0,
+    "gemm": [
+        {"dtype": "fp32", "m": 64, "n": 64, "k": 64, "tflops": 0.02},
+        {"dtype": "fp32", "m": 1024, "n": 1024, "k": 1024, "tflops": 0.08},
+    ],
+    "attention": [
+        {"kernel": "math", "dtype": "fp32", "batch": 4, "heads": 4, "seq_len": 128, "head_dim": 64,
+         "causal": True, "pass": "fwd", "tflops": 0.01},
+        {"kernel": "math", "dtype": "fp32", "batch": 4, "heads": 4, "seq_len": 1024, "head_dim": 64,
+         "causal": True, "pass": "fwd", "tflops": 0.03},
+        {"kernel": "flash", "dtype": "fp32", "batch": 4, "heads": 4, "seq_len": 1024, "head_dim": 64,
+         "causal": True, "pass": "bwd", "tflops": 0.05},
+    ],
+    "memory_bound": {"bandwidth_gbps": 12.0, "op_overhead_us": 9.0},
+    "collectives": [
+        {"op": "all_reduce", "scope": "intra_node", "ranks": 2, "size_bytes": 1024, "time_us": 100.0},
+        {"op": "all_reduce", "scope": "intra_node", "ranks": 2, "size_bytes": 2**20, "busbw_gbps": 2.0},
+        {"op": "all_reduce", "scope": "intra_node", "ranks": 2, "size_bytes": 2**26, "busbw_gbps": 4.0},
+    ],
+    "corrections": dict.fromkeys(("gemm", "attention", "memory_bound", "overhead", "communication"), 1.0),
+    "corrections_source": None,
+}  # fmt: skip
+
+
+def profile(**changes):
+    data = copy.deepcopy(BASE)
+    data.update(changes)
+    return hp.profile_from_dict(data, "prof.yaml")
+
+
+def test_round_trip_is_atomic_and_equal(tmp_path):
+    path = tmp_path / "prof.yaml"
+    original = profile()
+    hp.save_profile(original, path)
+    assert hp.load_profile(path) == original
+    assert [p.name for p in tmp_path.iterdir()] == ["prof.yaml"]  # no temporary file left beside it
+    assert hp.is_profile_file(path)
+    (tmp_path / "cluster.yaml").write_text("name: x\ndevice: a100-40gb\n")
+    assert not hp.is_profile_file(tmp_path / "cluster.yaml")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"format": 2}, "prof.yaml: format must be 1, got 2"),
+        ({"kind": "tpu"}, "prof.yaml: kind must be one of cpu, gpu, got 'tpu'"),
+        ({"bogus": 1}, "prof.yaml: unknown key(s) bogus"),
+        ({"peak_tflops": {"fp32": -1}}, "prof.yaml: peak_tflops.fp32 must be a positive number, got -1"),
+        ({"device_memory_gb": "lots"}, "prof.yaml: device_memory_gb must be a positive number, got 'lots'"),
+        ({"gemm": []}, "prof.yaml: gemm must be a non-empty list"),
+        ({"memory_bound": {"bandwidth_gbps": 1.0}}, "prof.yaml: memory_bound.op_overhead_us is required"),
+        ({"corrections": {"gemm": 1.0, "other": 2.0}}, "prof.yaml: unknown key corrections.other"),
+        ({"fingerprint": {"colour": "red"}}, "prof.yaml: unknown key(s) colour in fingerprint"),
+    ],
+)
+def test_malformed_top_level_names_file_and_key(change, message):
+    with pytest.raises(ConfigError) as e:
+        profile(**change)
+    assert message in str(e.value)
+
+
+def test_malformed_entry_names_its_index():
+    data = copy.deepcopy(BASE)
+    data["gemm"].append({"dtype": "fp32", "m": 8, "n": 8, "k": 8, "tflops": -1})
+    with pytest.raises(ConfigError, match=r"prof\.yaml: gemm\[2\]\.tflops must be a positive number, got -1"):
+        hp.profile_from_dict(data, "prof.yaml")
+    data = copy.deepcopy(BASE)
+    data["attention"][1]["pass"] = "both"
+    with pytest.raises(ConfigError, match=r"attention\[1\]\.pass must be one of fwd, bwd, got 'both'"):
+        hp.profile_from_dict(data, "prof.yaml")
+    data = copy.deepcopy(BASE)
+    del data["collectives"][0]["time_us"]
+    with pytest.raises(ConfigError, match=r"collectives\[0\] needs time_us or busbw_gbps"):
+        hp.profile_from_dict(data, "prof.yaml")
+
+
+def test_load_reports_unreadable_and_invalid_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the hardware profile"):
+        hp.load_profile(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("format: [1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML"):
+        hp.load_profile(bad)
+
+
+def test_gemm_rate_interpolates_in_log_of_the_smallest_dimension_and_clamps():
+    p = profile()
+    assert p.gemm_rate(64, 4096, 4096, "fp32") == pytest.approx(0.02e12)  # smallest dim 64
+    assert p.gemm_rate(8, 8, 8, "fp32") == pytest.approx(0.02e12)  # clamped below
+    assert p.gemm_rate(9999, 9999, 9999, "fp32") == pytest.approx(0.08e12)  # clamped above
+    assert p.gemm_rate(256, 256, 256, "fp32") == pytest.approx(0.05e12)  # halfway in log
+    # a dtype without points: fp32's curve scaled by the peaks (0.05 / 0.1)
+    assert p.gemm_rate(1024, 1024, 1024, "bf16") == pytest.approx(0.04e12)
+    with pytest.raises(ConfigError, match="no gemm points for fp16"):
+        p.gemm_rate(64, 64, 64, "fp16")
+
+
+def test_attention_rate_picks_kernel_pass_and_interpolates_seq_len():
+    p = profile()
+    mid = math.exp((math.log(128) + math.log(1024)) / 2)
+    assert p.attention_rate("math", "fp32", round(mid), 64, True, "fwd") == pytest.approx(0.02e12, rel=1e-3)
+    assert p.attention_rate("flash", "fp32", 1024, 64, True, "bwd") == pytest.approx(0.05e12)
+    # no mem_efficient points: math's; no bwd math points: the fwd ones
+    assert p.attention_rate("mem_efficient", "fp32", 4096, 64, True, "bwd") == pytest.approx(0.03e12)
+
+
+def test_collective_seconds_latency_bandwidth_and_rank_scaling():
+    p = profile()
+    assert p.collective_seconds("all_reduce", "intra_node", 1, 2**20) == 0.0
+    assert p.collective_seconds("all_reduce", "intra_node", 2, 16) == pytest.approx(100e-6)  # latency floor
+    big = p.collective_seconds("all_reduce", "intra_node", 2, 2**28)
+    assert big == pytest.approx(1.0 * 2**28 / 4e9)  # ring factor 2 (n-1)/n = 1 at n = 2, busbw clamped
+    # 4 ranks: bandwidth term x (2*3/4) / 1, latency x 6 / 2 hops
+    four = p.collective_seconds("all_reduce", "intra_node", 4, 2**28)
+    assert four == pytest.approx(100e-6 * 3 + (big - 100e-6) * 1.5)
+    # all_gather borrows all_reduce's bus bandwidth at its own ring factor; inter_node the intra curve
+    ag = p.collective_seconds("all_gather", "inter_node", 2, 2**28)
+    assert ag == pytest.approx(0.5 * 2**28 / 4e9)
+
+
+def test_profile_mismatch_names_each_difference():
+    p = profile()
+    same = {"device_name": "Test CPU", "torch": "2.0.0", "processes": 2, "threads_per_process": 1}
+    assert hp.profile_mismatch(p, same) == []
+    other = {**same, "torch": "2.1.0", "processes": 4}
+    diffs = hp.profile_mismatch(p, other)
+    assert diffs == ["torch: profile '2.0.0', here '2.1.0'", "processes: profile 2, here 4"]
+
+
+def test_fingerprint_here_has_every_key():
+    fp = hp.fingerprint_here(processes=2, threads_per_process=1)
+    assert set(fp) == set(hp.FINGERPRINT_KEYS)
+    assert fp["processes"] == 2 and fp["threads_per_process"] == 1
+    assert yaml.safe_load(yaml.safe_dump(fp)) == fp
+
+
+def test_hardware_option_accepts_a_profile_or_a_cluster_file(tmp_path):
+    from scalable_transformer.plan.cluster import load_hardware
+
+    path = tmp_path / "prof.yaml"
+    hp.save_profile(
+        profile(kind="gpu", topology={"devices_per_node": 4, "nics_per_node": 4, "nic_gbps": 25}), path
+    )
+    cluster = load_hardware(path, nodes=2)
+    assert cluster.profile is not None and cluster.profile.name == "test machine"
+    assert (cluster.nodes, cluster.devices_per_node, cluster.kind) == (2, 4, "gpu")
+    assert cluster.device.inter_node_bandwidth == pytest.approx(25e9)  # 4 NICs x 25 GB/s over 4 devices
+    (tmp_path / "cluster.yaml").write_text("name: x\ndevice: a100-40gb\n")
+    assert load_hardware(tmp_path / "cluster.yaml").profile is None
