@@ -3,6 +3,7 @@ the store's schema migration, --retry-suspect's member selection, and the predic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -201,3 +202,22 @@ def test_a_run_stores_the_prediction_or_says_why_not() -> None:
     if not torch.cuda.is_available():
         out = run_prediction(cfg, 8, "cuda")
         assert set(out) == {"prediction_error"} and "no CUDA device" in out["prediction_error"]
+
+
+def test_the_options_reach_the_sweep_and_the_report(tmp_path: Path) -> None:
+    import argparse
+
+    from scalable_transformer.cli import report as report_cli
+    from scalable_transformer.cli import sweep as sweep_cli
+    from scalable_transformer.errors import UsageError
+
+    parser = argparse.ArgumentParser()
+    sweep_cli.register(parser.add_subparsers())
+    assert sweep_cli.sweep_options(parser.parse_args(["sweep", "s.yaml", "--retry-suspect"])).retry_suspect
+    args = report_cli._report_parsers()["table"].parse_args(["r.sqlite", "--suspect-factor", "3"])
+    assert report_cli.table_options(args).suspect_factor == 3.0
+    path = tmp_path / "r.sqlite"
+    constructed_store(path)
+    bad = report_cli.table_options(args)
+    with pytest.raises(UsageError, match="--suspect-factor: the suspect factor must be above 1"):
+        report_cli.table(dataclasses.replace(bad, store=path, suspect_factor=0.5))
