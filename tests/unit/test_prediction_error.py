@@ -132,6 +132,8 @@ def test_report_marks_suspects_and_states_the_error(tmp_path: Path) -> None:
     suspect_section = text.split("# Suspect measurements", 1)[1]
     assert "a @ 1 device(s), repeat 0: scaling: efficiency 328%" in suspect_section
     assert (tmp_path / "out" / "throughput_scaling.png").stat().st_size > 0
+    csv_rows = (tmp_path / "out" / "prediction_error.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("layout,devices,repeat,predicted s/step") and len(csv_rows) == 8
 
 
 def test_a_version_1_store_is_migrated_without_losing_rows(tmp_path: Path) -> None:

@@ -569,6 +569,9 @@ def build_report(
         (output / "wide.csv").write_text(to_csv(wheader, wbody), encoding="utf-8")
         if planned is not None:
             (output / "plan_vs_measured.csv").write_text(to_csv(*planned), encoding="utf-8")
+        errors = error_table(rows, flagged, devices)
+        if errors[1]:
+            (output / "prediction_error.csv").write_text(to_csv(*errors), encoding="utf-8")
         page = _html_page(title, header, body, wheader, wbody, note, draw(output))
         (output / "report.html").write_text(page, encoding="utf-8")
     if fmt == "csv":

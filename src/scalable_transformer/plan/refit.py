@@ -68,6 +68,7 @@ def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
         "hardware": hardware,
         "cluster": cluster.name,
         "kind": cluster.kind,
+        "cpu_share": cluster.cpu_share if cluster.kind == "cpu" else None,
         "corrections": dict(profile.corrections) if profile is not None else None,
         "profile": profile.name if profile is not None else None,
     }
