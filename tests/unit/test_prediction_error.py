@@ -223,3 +223,56 @@ def test_the_options_reach_the_sweep_and_the_report(tmp_path: Path) -> None:
     bad = report_cli.table_options(args)
     with pytest.raises(UsageError, match="--suspect-factor: the suspect factor must be above 1"):
         report_cli.table(dataclasses.replace(bad, store=path, suspect_factor=0.5))
+
+
+class TimedLauncher:
+    """A `Launcher` that starts nothing and writes the summary a run of `seconds[repeat]` per step
+    would (its prediction 1 s/step), so run_sweep stores it."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds = seconds
+        self.jobs: list[str] = []
+
+    def launch(self, job, log_path, timeout_seconds, env=None):
+        from scalable_transformer.launch.launcher import LaunchResult
+
+        args = dict(a.split("=", 1) for a in job.args if "=" in a)
+        run_dir = Path(args["logging.run_dir"]) / args["logging.run_name"]
+        self.jobs.append(run_dir.name)
+        step = self.seconds[int(run_dir.name.rsplit("-r", 1)[1])]
+        run_dir.mkdir(parents=True)
+        summary = {
+            "samples_per_second": 8 / step,
+            "global_batch_size": 8,
+            "median_iteration_seconds": step,
+            "iteration_seconds_iqr": 0.01 * step,
+            "prediction": {"step_seconds": 1.0, "breakdown": {"compute": 1.0}, "classes": {}},
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        log_path.write_text("done\n")
+        return LaunchResult(0, "done\n", False, 1.0)
+
+
+def test_sweep_retry_suspect_runs_the_slow_repeat_again(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from scalable_transformer.bench.sweep import SweepOptions, run_sweep
+    from scalable_transformer.bench.sweep_present import SweepConsole
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: tiny-gpt\naxes: {nproc: [1]}\nrepeats: 2\nsteps: 2\ndry_run: false\n")
+    spec = load_sweep(sweep)
+    present = SweepConsole(Console(file=io.StringIO(), markup=False))
+    first = TimedLauncher({0: 1.0, 1: 1.5})  # repeat 1 is 50% slower, its noise 1%
+    run_sweep(spec, SweepOptions(sweep), launcher=first, present=present)
+    assert len(first.jobs) == 2
+    again = TimedLauncher({0: 1.0, 1: 1.02})
+    run_sweep(spec, SweepOptions(sweep), launcher=again, present=present)
+    assert again.jobs == []  # nothing missing: a plain rerun runs nothing
+    run_sweep(spec, SweepOptions(sweep, retry_suspect=True), launcher=again, present=present)
+    assert [name.rsplit("-", 1)[1] for name in again.jobs] == ["r1"]
+    with ResultsStore(spec.store, create=False) as store:
+        assert sorted(r["measured_step_seconds"] for r in store.rows()) == [1.0, 1.02]
+        assert suspects(store.rows()) == {}
