@@ -460,14 +460,23 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, flagged: dict[int, list
     return True
 
 
-def plot_mfu(rows: list[dict[str, Any]], path: Path) -> bool:
+def plot_mfu(rows: list[dict[str, Any]], path: Path, flagged: dict[int, list[str]] | None = None) -> bool:
+    """MFU per result; a suspect measurement's bar is hatched and its name says so."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("mfu") is not None]
     if not ok:
         return False
     plt = _plt()
-    names = [f"{r['label']} @ {devices(r)} dev" for r in ok]
+    doubtful = [r.get("id") in (flagged or {}) for r in ok]
+    names = [
+        f"{r['label']} @ {devices(r)} dev" + (" (suspect)" if d else "")
+        for r, d in zip(ok, doubtful, strict=True)
+    ]
     fig, ax = plt.subplots(figsize=(10, 2 + 0.4 * len(ok)))
-    ax.barh(names, [100 * r["mfu"] for r in ok])
+    bars = ax.barh(names, [100 * r["mfu"] for r in ok])
+    for bar, d in zip(bars, doubtful, strict=True):
+        if d:
+            bar.set_hatch("//")
+            bar.set_alpha(0.4)
     ax.set_xlabel("MFU (%)")
     ax.set_title("MFU by layout\n" + textwrap.fill(conventions_note(ok), 100), fontsize=8)
     fig.tight_layout()
@@ -549,7 +558,7 @@ def build_report(
     device_memory_gb = device_memory_gb or _device_memory_gb(rows)
     plots: list[tuple[str, Callable[[Path], bool]]] = [
         ("throughput_scaling.png", lambda p: plot_scaling(rows, p, flagged)),
-        ("mfu_by_layout.png", lambda p: plot_mfu(rows, p)),
+        ("mfu_by_layout.png", lambda p: plot_mfu(rows, p, flagged)),
         ("memory_by_layout.png", lambda p: plot_memory(rows, p, device_memory_gb)),
     ]
 
