@@ -184,29 +184,52 @@ def _bounded_least_squares(a: Any, b: Any, x0: Any, free: Any) -> Any:
     return x
 
 
+def _system(samples: list[RunSample]) -> tuple[Any, Any]:
+    """Rows (seconds per class) and right-hand sides (measured seconds) of every run's timer groups
+    and of its whole step, each divided by the run's measured step so every run counts alike."""
+    import numpy as np
+
+    rows, rhs = [], []
+    for sample in samples:
+        t = sample.step_seconds
+        for pred, measured in equations(sample.prediction, sample.phases_ms):
+            rows.append([v / t for v in pred])
+            rhs.append(measured / t)
+        raw = _raw_classes(sample.prediction)
+        used = sample.prediction.get("corrections") or {}
+        per_class = [sum(by.get(c, 0.0) for by in raw.values()) for c in CLASSES]
+        # what the prediction holds besides its classes (zero when the classes are the whole step)
+        rest = float(sample.prediction["step_seconds"]) - sum(
+            s * float(used.get(c, 1.0)) for c, s in zip(CLASSES, per_class, strict=True)
+        )
+        rows.append([v / t for v in per_class])
+        rhs.append((t - rest) / t)
+    return np.array(rows), np.array(rhs)
+
+
 def refit_corrections(
     samples: list[RunSample], current: dict[str, float]
 ) -> tuple[dict[str, float], list[str]]:
-    """New corrections (op class -> multiplier) from stored runs, and notes on what was fitted. Each
-    equation is one timer group of one run, weighted by its run's measured step so every run counts
-    alike; classes under MIN_CLASS_SHARE keep `current`."""
+    """New corrections (op class -> multiplier) from stored runs, and notes on what was fitted: the
+    least absolute deviations (iteratively reweighted bounded least squares) of the runs' timer
+    groups and whole steps, relative to each run's step, so one disturbed phase moves the fit less
+    than it would squared; classes under MIN_CLASS_SHARE keep `current`."""
     import numpy as np
 
     if len(samples) < MIN_RUNS:
         raise ValueError(
             f"a refit needs at least {MIN_RUNS} runs with a per-class prediction, got {len(samples)}"
         )
-    rows, rhs = [], []
-    for sample in samples:
-        eqs = equations(sample.prediction, sample.phases_ms)
-        total = sum(m for _, m in eqs) or 1.0
-        rows += [[v / total for v in pred] for pred, _ in eqs]
-        rhs += [m / total for _, m in eqs]
-    a, b = np.array(rows), np.array(rhs)
+    a, b = _system(samples)
+    if not a.size or a.sum() <= 0:
+        raise ValueError("no run's prediction splits its seconds by op class: nothing to refit")
     share = a.sum(axis=0) / a.sum()
     free = share >= MIN_CLASS_SHARE
     x0 = np.array([float(current.get(c, 1.0)) for c in CLASSES])
-    x = _bounded_least_squares(a, b, np.clip(x0, *BOUNDS) if free.any() else x0, free)
+    x = _bounded_least_squares(a, b, np.where(free, np.clip(x0, *BOUNDS), x0), free)
+    for _ in range(100):  # least absolute deviations: weights 1 / |residual|
+        weight = np.sqrt(1.0 / np.maximum(np.abs(a @ x - b), 1e-4))
+        x = _bounded_least_squares(a * weight[:, None], b * weight, x, free)
     notes = []
     for j, c in enumerate(CLASSES):
         if not free[j]:
