@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from . import (
+    calibrate,
     checkpoint,
     config,
     env,
@@ -45,6 +46,7 @@ EPILOG = """Examples:
   stx tokenizer train --input corpus.jsonl --type wordpiece --vocab-size 30522 --output tok/
   stx preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/tokenizer.json
   stx plan bert-175b --nodes 8 --gpus-per-node 8 --device a100-40gb --search
+  stx calibrate tiny-gpt --output profile.yaml
   stx flops --config gpt-1b --tokens-per-second 30000 --devices 8 --device a100-80gb --dtype bf16
   stx sweep sweep.yaml
   stx report results.sqlite --output report/"""
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         preprocess,
         flops,
         plan,
+        calibrate,
         checkpoint,
         export,
         env,

@@ -63,7 +63,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "minute earlier)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
-    p.add_argument("subcommand", choices=("train",), metavar="train", help="the stx command to run")
+    p.add_argument(
+        "subcommand",
+        choices=("train", "calibrate"),
+        metavar="train|calibrate",
+        help="the stx command to run: train, or calibrate (a hardware profile of the job's nodes)",
+    )
     p.add_argument("items", nargs=argparse.REMAINDER, metavar="CONFIG|key=value")
     p.set_defaults(fn=run)
 
@@ -103,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         request_gpus=not args.no_gpu_request,
         launcher=args.launcher,
     )
+    if args.subcommand == "calibrate":
+        if args.requeue:
+            raise UsageError(
+                "--requeue continues a training run; stx calibrate takes a few minutes in one job"
+            )
+        return submit_calibrate(args.items, opts, args.dry_run)
     config, overrides = split_config_args(args.items)
     cfg = load_config(config, overrides)
     # The layout must fit the job's world size: fail here, not in the queue hours later.
@@ -164,3 +175,41 @@ def refuse_unresumable(save: str | None, load: str | None, finetune: bool) -> No
             "--requeue with checkpoint.finetune=true would restart at iteration 0 in every job: "
             "set checkpoint.finetune=false"
         )
+
+
+def submit_calibrate(items: list[str], opts, dry_run: bool) -> int:
+    """`stx submit ... calibrate CONFIG [key=value ...] [--output FILE] [--quick]`: one rank per GPU
+    measures, rank 0 writes the profile at --output (made absolute: the job runs elsewhere); the
+    script and the job's log go to a directory beside it."""
+    from ..config.load import load_config
+    from ..launch.batch import LOG_NAME, pbs_script, slurm_script, submit_script, write_script
+    from ..launch.launcher import JobSpec
+    from .calibrate import DEFAULT_OUTPUT
+    from .train import split_config_args
+
+    parser = argparse.ArgumentParser(prog="stx submit ... calibrate")
+    parser.add_argument("items", nargs="*")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument("--quick", action="store_true")
+    parsed = parser.parse_args(items)
+    config, overrides = split_config_args(parsed.items)
+    load_config(config, overrides)  # a bad config fails here, not in the queue
+    output = Path(parsed.output).resolve()
+    args = [*([config] if config else []), *overrides, "--output", str(output)]
+    job = JobSpec(
+        "calibrate", (*args, *(["--quick"] if parsed.quick else [])), opts.gpus_per_node, nnodes=opts.nodes
+    )
+    job_dir = output.parent / f"calibrate-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    log_path = job_dir / LOG_NAME
+    if dry_run:
+        make = slurm_script if opts.scheduler == "slurm" else pbs_script
+        print(make(job, opts, f"stx-{job_dir.name}"[:64], log_path, Path.cwd()), end="")
+        return 0
+    script = write_script(job, opts, job_dir, log_path)
+    job_id = submit_script(opts.scheduler, script)
+    print(f"stx submit: {opts.scheduler} job {job_id}: {opts.nodes} node(s) x {opts.gpus_per_node} rank(s)")
+    print(f"  profile: {output}")
+    print(f"  script:  {script}")
+    print(f"  log:     {log_path}")
+    print(job_id)
+    return 0

@@ -1,0 +1,116 @@
+"""`stx calibrate CONFIG [key=value ...] [--output profile.yaml] [--quick]`: measure this machine's
+rates for the planner's time model (plan/calibrate.py) and write a hardware profile."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from .train import split_config_args
+
+DEFAULT_OUTPUT = "hardware-profile.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateOptions:
+    config: str | None
+    overrides: tuple[str, ...]
+    output: Path
+    quick: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CalibrateOptions:
+        config, overrides = split_config_args(args.items)
+        return cls(config, tuple(overrides), Path(args.output), args.quick)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine's GEMM, attention, memory and collective rates into a hardware "
+        "profile for `stx plan --hardware` (a few minutes)",
+        description="stx calibrate CONFIG [key=value ...] [--output FILE] [--quick]: measure GEMMs at "
+        "the config's layer shapes and dtype, attention forward and backward per SDPA kernel, "
+        "elementwise bandwidth and the cost of one op, and (more than one process) all-reduce, "
+        "all-gather, reduce-scatter and send/recv from 4 KiB to 64 MiB, within and across nodes. "
+        "Run it as the training runs: `stx launch -n N calibrate ...`, srun, mpiexec or stx submit. "
+        "Rank 0 writes the profile. See docs/PLANNER.md#calibrating-on-your-cluster.",
+    )
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.add_argument(
+        "--output",
+        default=DEFAULT_OUTPUT,
+        metavar="FILE",
+        help=f"the hardware profile to write (YAML; default {DEFAULT_OUTPUT})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer shapes and sizes, a tenth of the time budget (a smoke test, not a profile to plan with)",
+    )
+    p.set_defaults(fn=run)
+
+
+def check_output(path: Path) -> None:
+    """Fail before measuring when the profile could not be written (rank 0 writes it)."""
+    from ..errors import UsageError
+
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a directory; give a file name, e.g. {path / DEFAULT_OUTPUT}")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--output {path}: cannot create its directory {parent} ({e.strerror})") from None
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--output {path}: its directory {parent} is not writable")
+
+
+def output_ok(job, path: Path) -> None:
+    """Rank 0 checks that it can write the profile before anyone measures; every rank stops at
+    once when it cannot (a rank left waiting in a collective would only go when the launcher kills it)."""
+    from ..errors import UsageError
+
+    error: UsageError | None = None
+    if job.rank == 0:
+        try:
+            check_output(path)
+        except UsageError as e:
+            error = e
+    if not job.agree(error is None):
+        raise error or UsageError(f"rank 0 cannot write --output {path}; see its error")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config.load import load_config
+    from ..parallel.cluster_env import apply as apply_cluster_env
+    from ..plan import calibrate as cal
+    from ..plan.hardware_profile import profile_from_dict, save_profile
+
+    opts = CalibrateOptions.from_args(args)
+    # Started by srun / mpiexec rather than torchrun: RANK, WORLD_SIZE... from their variables.
+    apply_cluster_env()
+    cfg = load_config(opts.config, list(opts.overrides))
+    device = cal.calibration_device()
+    with cal.calibration_job(device, opts.quick, cfg.parallel.timeout_minutes) as job:
+        output_ok(job, opts.output)
+
+        def say(line: str) -> None:
+            if job.rank == 0:
+                print(line, flush=True)
+
+        say(
+            f"calibrate: {job.world} process(es) on {len(set(job.hosts))} node(s), {device.type}, "
+            f"{cfg.train.precision}, threads per process {cal.torch.get_num_threads()}"
+            + (" (--quick)" if opts.quick else "")
+        )
+        mapping = cal.calibrate(cfg, job, say)
+        if job.rank == 0:
+            profile = profile_from_dict(mapping, str(opts.output))
+            save_profile(profile, opts.output)
+            print(f"wrote {opts.output} (use it: stx plan ... --hardware {opts.output})")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,575 @@
+"""`stx calibrate`: measure the constants of the planner's op-class time model on this machine.
+
+Every rank of the job measures at once (as training runs them), in four sections, each with a time
+budget: GEMMs at the config's layer shapes, attention forward and backward for every SDPA kernel
+this device offers, memory-bound kernels (bandwidth, fixed cost per op), and the collectives between
+the ranks (world > 1). Rank 0 gathers the results into a hardware profile (plan/hardware_profile.py's
+format 1) that `stx plan --hardware` reads.
+
+Timing: CUDA events around each call on a GPU, `time.perf_counter` on a CPU; each point keeps the
+fastest of its repeats after a warm-up call (a shared machine only ever slows a kernel down), and the
+ranks' figures are averaged (compute) or the slowest taken (collectives, which end together).
+Before every point the ranks agree whether the section's budget allows it, so they always call
+the same collectives in the same order, and a section over budget stops early instead of running on.
+
+FLOP conventions (what the `tflops` figures mean):
+- a GEMM (M, N, K): 2 M N K;
+- attention forward: 4 b n s^2 d (q k^T and p v), half that when causal; backward 2.5 x forward
+  (five matmuls of the same size: the FlashAttention-2 paper's count).
+Bus bandwidth of a collective (nccl-tests' definitions, size = the whole tensor): all-reduce
+2 (n-1)/n size / t; all-gather and reduce-scatter (n-1)/n size / t; send/recv size / t.
+
+Shape legend: m, n, k GEMM dims (out = [m, k] @ [k, n]); b micro-batch, s sequence, h hidden,
+f ffn, v padded vocabulary, n heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config.model_shapes import default_ffn_hidden_size, family_options, gated_mlp, qkv_width
+from ..config.rules import padded_vocab_size, physical_memory_bytes
+from ..config.schema import Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SECTIONS = ("gemm", "attention", "memory_bound", "collectives")
+# seconds per section: the whole run stays under 3 minutes on 2 busy CPU cores with process startup
+BUDGET_SECONDS = {"gemm": 40.0, "attention": 30.0, "memory_bound": 10.0, "collectives": 40.0}
+QUICK_BUDGET_SECONDS = {"gemm": 4.0, "attention": 3.0, "memory_bound": 1.5, "collectives": 4.0}
+MAX_REPEATS = 20
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+MESSAGE_SIZES = tuple(4 * 2**10 * 4**i for i in range(9))  # 4 KiB .. 64 MiB, x4 apart
+QUICK_MESSAGE_SIZES = (4 * 2**10, 256 * 2**10, 4 * 2**20)
+
+
+@dataclass
+class Job:
+    """This process's place in the calibration job and its clock. `group` is the world (None) or a
+    process group; `device` where tensors live (cuda:LOCAL_RANK, or cpu)."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    quick: bool = False
+    hosts: list[str] = field(default_factory=list)  # hostname per rank
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def budget(self, section: str) -> float:
+        return (QUICK_BUDGET_SECONDS if self.quick else BUDGET_SECONDS)[section]
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reduce(self, values: list[float], op: Any = None, group: Any = None) -> list[float]:
+        """values combined over the ranks (of `group`): SUM by default, or dist.ReduceOp.MAX."""
+        if self.world == 1:
+            return list(values)
+        where = self.device if self.cuda else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=where)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+        return t.tolist()
+
+    def agree(self, go: bool, group: Any = None) -> bool:
+        """True when every rank says go: the ranks take the same branch, so collectives stay matched."""
+        return self.reduce([0.0 if go else 1.0], dist.ReduceOp.MAX, group)[0] == 0.0
+
+    def mean(self, values: list[float]) -> list[float]:
+        return [v / self.world for v in self.reduce(values)]
+
+
+def fastest(job: Job, fn: Callable[[], Any], seconds: float, repeats: int = MAX_REPEATS) -> float:
+    """Seconds of the fastest of up to `repeats` calls of fn within about `seconds`, at least 3 when
+    they fit in it (after one warm-up call, not counted): CUDA events on a GPU, perf_counter on a CPU."""
+    fn()
+    job.sync()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    for i in range(max(1, repeats)):
+        if job.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            took = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            fn()
+            took = time.perf_counter() - t0
+        best = min(best, took)
+        # at least 3 calls unless one alone takes the time given: one call may meet a preemption
+        if time.perf_counter() > deadline and (i >= 2 or took > seconds):
+            break
+    return best
+
+
+class Section:
+    """A section's budget: `go()` before each point (agreed by all ranks), a progress line at the end."""
+
+    def __init__(self, job: Job, name: str, points: int, say: Callable[[str], None]) -> None:
+        self.job, self.name, self.points, self.say = job, name, max(1, points), say
+        self.budget = job.budget(name)
+        self.start = time.perf_counter()
+        self.done = 0
+
+    def per_point(self) -> float:
+        """Seconds of repeats each point may spend: the budget left shared by the points left."""
+        left = self.budget - (time.perf_counter() - self.start)
+        return max(0.0, left) / max(1, self.points - self.done) * 0.8
+
+    def go(self) -> bool:
+        """Whether the next point runs: within budget on every rank (the first point always runs)."""
+        within = self.done == 0 or time.perf_counter() - self.start < self.budget
+        return self.job.agree(within)
+
+    def finish(self, what: str) -> None:
+        took = time.perf_counter() - self.start
+        skipped = self.points - self.done
+        note = f"; {skipped} point(s) skipped: budget spent" if skipped > 0 else ""
+        self.say(f"calibrate: {self.name}: {what} in {took:.1f} s (budget {self.budget:.0f} s){note}")
+
+
+# ---------------------------------------------------------------------------- GEMMs
+
+
+def model_dims(cfg: Config) -> dict[str, int]:
+    """b, s, h, f (the up projection's width, 2 f when gated), qkv width, v, n heads, d head dim."""
+    m = family_options(cfg.model)
+    f = m.ffn_hidden_size or default_ffn_hidden_size(m)
+    vocab = m.vocab_size or cfg.data.tokenizer_vocab_size
+    return {
+        "b": cfg.train.micro_batch_size,
+        "s": m.seq_length,
+        "h": m.hidden_size,
+        "f": f,
+        "up": 2 * f if gated_mlp(m) else f,
+        "qkv": qkv_width(m),
+        "v": padded_vocab_size(vocab, m.make_vocab_size_divisible_by),
+        "heads": m.num_attention_heads,
+        "d": m.hidden_size // m.num_attention_heads,
+    }
+
+
+def gemm_shapes(cfg: Config, quick: bool = False) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the layer's GEMMs at tp 1 and 2 (qkv, attention out, MLP up and down, logits),
+    each with its two backward GEMMs (grad-input (m, k, n), grad-weight (k, n... as (n, k, m))), plus
+    the forward shapes at a quarter, half and twice the rows, so the model can interpolate in m.
+    Sorted by work, smallest first: a section out of budget drops the biggest."""
+    d = model_dims(cfg)
+    rows = d["b"] * d["s"]
+    forward: list[tuple[int, int, int]] = []
+    for tp in (1, 2):
+        forward += [
+            (rows, d["qkv"] // tp, d["h"]),  # column-parallel: output columns split
+            (rows, d["h"], d["h"] // tp),  # row-parallel: inner dimension split
+            (rows, d["up"] // tp, d["h"]),
+            (rows, d["h"], d["f"] // tp),
+            (rows, d["v"] // tp, d["h"]),
+        ]
+    shapes = set()
+    for m, n, k in forward:
+        shapes |= {(m, n, k), (m, k, n), (n, k, m)}
+    scales = (0.5, 2.0) if quick else (0.25, 0.5, 2.0)
+    for m, n, k in forward[:4] if quick else forward:
+        shapes |= {(max(1, int(m * x)), n, k) for x in scales}
+    shapes = {s for s in shapes if min(s) >= 1}
+    return sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+
+
+def measure_gemm(job: Job, shapes: list[tuple[int, int, int]], dtype: str, say=print) -> list[dict]:
+    """TFLOP/s of out[m, n] = a[m, k] @ b[k, n] in `dtype` per shape (2 m n k FLOPs), averaged over ranks."""
+    section = Section(job, "gemm", len(shapes), say)
+    out: list[dict[str, Any]] = []
+    for m, n, k in shapes:
+        if not section.go():
+            break
+        (seconds,) = job.mean([_gemm_seconds(job, m, n, k, dtype, section.per_point())])
+        out.append({"dtype": dtype, "m": m, "n": n, "k": k, "tflops": _tflops(2 * m * n * k, seconds)})
+        section.done += 1
+    best = max((float(p["tflops"]) for p in out), default=0.0)
+    section.finish(f"{len(out)} shapes, best {best:.3g} TFLOP/s {dtype}")
+    return out
+
+
+def _gemm_seconds(job: Job, m: int, n: int, k: int, dtype: str, seconds: float) -> float:
+    gen = torch.Generator(device=job.device).manual_seed(0)
+    a = torch.randn(m, k, generator=gen, device=job.device).to(DTYPES[dtype])
+    b = torch.randn(k, n, generator=gen, device=job.device).to(DTYPES[dtype])
+    return fastest(job, lambda: torch.mm(a, b), seconds)
+
+
+def _tflops(flops: float, seconds: float) -> float:
+    return _figure(flops / max(seconds, 1e-12) / 1e12)
+
+
+def _figure(x: float) -> float:
+    """x to 4 significant digits (a profile stays readable; timing noise is larger than that)."""
+    return float(f"{x:.4g}")
+
+
+# ---------------------------------------------------------------------------- attention
+
+KERNELS = ("flash", "mem_efficient", "math")
+
+
+def _backend(kernel: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[kernel]
+
+
+def available_kernels(job: Job, dtype: str) -> list[str]:
+    """The SDPA kernels that run here in `dtype`, forward and backward, causal (tried on a tiny input);
+    the same list on every rank (a kernel counts only when every rank has it)."""
+    from torch.nn.attention import sdpa_kernel
+
+    found = []
+    for kernel in KERNELS:
+        q = torch.randn(1, 2, 16, 64, device=job.device, dtype=DTYPES[dtype], requires_grad=True)
+        try:
+            with sdpa_kernel([_backend(kernel)]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+            ok = True
+        except RuntimeError:  # "No available kernel": this device/dtype has no such backend
+            ok = False
+        if job.agree(ok):
+            found.append(kernel)
+    return found
+
+
+def attention_cases(cfg: Config, quick: bool = False) -> list[dict]:
+    """(batch, heads, seq_len, head_dim, causal): the config's micro-batch and heads at tp 1 and 2,
+    its sequence length and half and twice it (quick: its own only), causal and not."""
+    d = model_dims(cfg)
+    heads = sorted({d["heads"], max(1, d["heads"] // 2)}, reverse=True)
+    seqs = [d["s"]] if quick else sorted({max(16, d["s"] // 2), d["s"], 2 * d["s"]})
+    return [
+        {"batch": d["b"], "heads": n, "seq_len": s, "head_dim": d["d"], "causal": causal}
+        for s in seqs
+        for n in heads
+        for causal in (True, False)
+    ]
+
+
+def attention_flops(case: dict) -> float:
+    """Forward FLOPs of one attention call: 4 b n s^2 d, half when causal (the backward: 2.5 x)."""
+    full = 4 * case["batch"] * case["heads"] * case["seq_len"] ** 2 * case["head_dim"]
+    return full / 2 if case["causal"] else full
+
+
+def measure_attention(job: Job, cases: list[dict], dtype: str, say=print) -> list[dict]:
+    """Forward and backward TFLOP/s of SDPA per available kernel and case (no dropout: the kernel
+    alone), averaged over the ranks; a kernel that fails at a case's size (memory) is left out there."""
+    from torch.nn.attention import sdpa_kernel
+
+    kernels = available_kernels(job, dtype)
+    section = Section(job, "attention", len(kernels) * len(cases), say)
+    out: list[dict] = []
+    for case in cases:
+        for kernel in kernels:
+            if not section.go():
+                break
+            shape = (case["batch"], case["heads"], case["seq_len"], case["head_dim"])
+            with sdpa_kernel([_backend(kernel)]):
+                times = _attention_times(job, shape, case["causal"], dtype, section.per_point())
+            ok = job.agree(times is not None)
+            fwd, bwd = job.mean(list(times)) if ok and times else (0.0, 0.0)
+            section.done += 1
+            if not ok:
+                continue
+            flops = attention_flops(case)
+            for name, seconds, work in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
+                out.append(
+                    {"kernel": kernel, "dtype": dtype, **case, "pass": name, "tflops": _tflops(work, seconds)}
+                )
+    section.finish(f"{len(out)} points, kernels {', '.join(kernels) or 'none'}")
+    return out
+
+
+def _attention_times(
+    job: Job, shape: tuple[int, int, int, int], causal: bool, dtype: str, seconds: float
+) -> tuple[float, float] | None:
+    """(forward, backward) seconds of one SDPA call with inputs that need gradients, or None when
+    the kernel refuses the input (too large for it)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gen = torch.Generator(device=job.device).manual_seed(0)
+    q, k, v = (
+        torch.randn(shape, generator=gen, device=job.device).to(DTYPES[dtype]).requires_grad_()
+        for _ in range(3)
+    )
+    grad = torch.randn(shape, generator=gen, device=job.device).to(DTYPES[dtype])
+    try:
+        fwd = fastest(job, lambda: sdpa(q, k, v, is_causal=causal), seconds / 2)
+        out = sdpa(q, k, v, is_causal=causal)
+        bwd = fastest(job, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), seconds / 2)
+    except (RuntimeError, torch.OutOfMemoryError):
+        return None
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------- memory-bound kernels
+
+
+def measure_memory_bound(job: Job, say=print) -> dict:
+    """Achievable bandwidth of elementwise kernels on tensors far beyond the caches (GB/s: bytes read
+    + written / s; the median of copy, scale and add) and the fixed cost of one dispatched op (us: a
+    chain of tiny ops with autograd, forward and backward, per op), averaged over the ranks."""
+    section = Section(job, "memory_bound", 4, say)
+    rates = _bandwidths(job, section)
+    bandwidth = sorted(rates)[len(rates) // 2] if rates else 0.0
+    overhead = _op_overhead(job, section.per_point()) if section.go() else 0.0
+    section.done += 1
+    bandwidth, overhead = job.mean([bandwidth, overhead])
+    section.finish(f"{bandwidth:.1f} GB/s elementwise, {overhead * 1e6:.1f} us per op")
+    return {"bandwidth_gbps": _figure(bandwidth), "op_overhead_us": _figure(overhead * 1e6)}
+
+
+def _bandwidths(job: Job, section: Section) -> list[float]:
+    """Bytes/s of copy, scale and add (read + written) on fp32 tensors beyond the caches."""
+    numel = (256 if job.cuda else 16) * 2**20  # 1 GiB / 64 MiB: beyond an L2 / a last-level cache
+    if job.quick and not job.cuda:
+        numel = 4 * 2**20
+    a = torch.ones(numel, device=job.device)
+    b, c = torch.empty_like(a), torch.ones_like(a)
+    kernels = (
+        (lambda: b.copy_(a), 2),
+        (lambda: torch.mul(a, 1.5, out=b), 2),
+        (lambda: torch.add(a, c, out=b), 3),
+    )
+    rates = []
+    for fn, passes in kernels:
+        if not section.go():
+            break
+        rates.append(passes * numel * 4 / fastest(job, fn, section.per_point()) / 1e9)
+        section.done += 1
+    return rates
+
+
+def _op_overhead(job: Job, seconds: float) -> float:
+    x = torch.ones(8, 8, device=job.device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(100):
+            y = y * 1.0
+        y.sum().backward()
+
+    return fastest(job, chain, seconds) / 201  # 100 forward, 100 backward, the sum
+
+
+def host_link_gbps(job: Job) -> float:
+    """GB/s of a pinned host -> device copy of 256 MiB (GPU); this CPU: its elementwise bandwidth."""
+    if not job.cuda:
+        return 0.0
+    host = torch.empty(64 * 2**20, pin_memory=True)
+    dev = torch.empty(64 * 2**20, device=job.device)
+    seconds = fastest(job, lambda: dev.copy_(host, non_blocking=True), 1.0, 5)
+    return _figure(host.numel() * 4 / seconds / 1e9)
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def _busbw_factor(op: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(
+        op, 1.0
+    )
+
+
+def _collective(op: str, size: int, group: Any, n: int, me: int, device: torch.device) -> Callable[[], Any]:
+    """One call of `op` moving `size` bytes in all (nccl-tests' size: the whole tensor; send_recv:
+    each rank sends `size` bytes to the next rank of the group and receives from the one before)."""
+    numel = max(n, size // 4 // n * n)  # fp32, divisible by the group for the sharded ops
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // n, device=device)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_single(full, part, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, full, group=group)
+    recv = torch.empty_like(full)
+    dst, src = ranks[(me + 1) % n], ranks[(me - 1) % n]
+
+    def send_recv() -> None:
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, full, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
+        )
+        for w in works:
+            w.wait()
+
+    return send_recv
+
+
+def _time_collective(job: Job, fn: Callable[[], Any], repeats: int, group: Any) -> float:
+    """Seconds of the fastest of `repeats` calls, each started together (barrier) and counted until
+    the slowest rank of the group is done; every rank returns the same figure."""
+    fn()
+    job.sync()
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        job.sync()
+        t0 = time.perf_counter()
+        fn()
+        job.sync()
+        best = min(best, time.perf_counter() - t0)
+    return job.reduce([best], dist.ReduceOp.MAX, group)[0]
+
+
+def collective_groups(job: Job) -> list[tuple[str, Any, int, int]]:
+    """(scope, group, its size, this rank's index in it): the ranks of this node (intra_node, when
+    every node holds two or more) and, when the job spans nodes, all ranks (inter_node). Every rank
+    creates every node's group (new_group is collective), in the same order."""
+    nodes = sorted(set(job.hosts), key=job.hosts.index)
+    if len(nodes) == 1:
+        return [("intra_node", None, job.world, job.rank)] if job.world > 1 else []
+    out: list[tuple[str, Any, int, int]] = []
+    per_node = {host: [r for r, h in enumerate(job.hosts) if h == host] for host in nodes}
+    groups = {host: dist.new_group(ranks) for host, ranks in per_node.items()}
+    mine = per_node[job.hosts[job.rank]]
+    # every rank must run the same sections: intra_node only when every node has two ranks or more
+    if min(len(r) for r in per_node.values()) > 1:
+        out.append(("intra_node", groups[job.hosts[job.rank]], len(mine), mine.index(job.rank)))
+    return [*out, ("inter_node", None, job.world, job.rank)]
+
+
+def measure_collectives(job: Job, say=print) -> list[dict]:
+    """Time and bus bandwidth of each collective at each message size, per scope: the ranks of one
+    node, and across nodes. Rank 0's node's figures are kept for intra_node. Empty for one process."""
+    if job.world == 1:
+        say("calibrate: collectives: one process, nothing to measure")
+        return []
+    sizes = QUICK_MESSAGE_SIZES if job.quick else MESSAGE_SIZES
+    groups = collective_groups(job)
+    section = Section(job, "collectives", len(COLLECTIVE_OPS) * len(sizes) * len(groups), say)
+    out: list[dict] = []
+    for scope, group, n, me in groups:
+        for op in COLLECTIVE_OPS:
+            for size in sizes:
+                if not section.go():
+                    break
+                repeats = 3 if job.quick else int(min(MAX_REPEATS, max(3, 2**24 // size)))
+                fn = _collective(op, size, group, n, me, job.device)
+                seconds = _time_collective(job, fn, repeats, group)
+                seconds = job.reduce([seconds], dist.ReduceOp.MAX)[0]  # the other nodes' groups too
+                section.done += 1
+                busbw = _busbw_factor(op, n) * size / seconds / 1e9
+                out.append(
+                    {"op": op, "scope": scope, "ranks": n, "size_bytes": size,
+                     "time_us": _figure(seconds * 1e6), "busbw_gbps": _figure(busbw)}
+                )  # fmt: skip
+    best = max((c["busbw_gbps"] for c in out), default=0.0)
+    section.finish(f"{len(out)} points, best bus bandwidth {best:.2f} GB/s")
+    return out
+
+
+# ---------------------------------------------------------------------------- the whole run
+
+
+def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every section at the config's shapes and dtype; returns the hardware profile as a mapping
+    (plan/hardware_profile.py format 1), the same on every rank. Collective: every rank calls it."""
+    dtype = cfg.train.precision
+    start = time.perf_counter()
+    gemm = measure_gemm(job, gemm_shapes(cfg, job.quick), dtype, say)
+    attention = measure_attention(job, attention_cases(cfg, job.quick), dtype, say)
+    memory = measure_memory_bound(job, say)
+    collectives = measure_collectives(job, say)
+    say(f"calibrate: all sections in {time.perf_counter() - start:.1f} s")
+    return profile_mapping(job, dtype, gemm, attention, memory, collectives)
+
+
+def profile_mapping(
+    job: Job, dtype: str, gemm: list[dict], attention: list[dict], memory: dict, collectives: list[dict]
+) -> dict[str, Any]:
+    """The measured sections with what identifies the machine: the profile's YAML mapping."""
+    from .hardware_profile import CORRECTION_CLASSES, FORMAT, fingerprint_here
+
+    now = dt.datetime.now(dt.timezone.utc)
+    fingerprint = fingerprint_here(processes=job.world, threads_per_process=torch.get_num_threads())
+    fingerprint["hostname"] = job.hosts[0] if job.hosts else socket.gethostname()  # rank 0's
+    device_name = str(fingerprint["device_name"])
+    per_node = job.hosts.count(job.hosts[0]) if job.hosts else 1
+    if job.cuda:
+        memory_gb = torch.cuda.get_device_properties(job.device).total_memory / 2**30
+    else:
+        memory_gb = (physical_memory_bytes() or 0) / per_node / 2**30
+    backend = "nccl" if job.cuda else "gloo"
+    threads = f", {fingerprint['threads_per_process']} thread(s) per process" if not job.cuda else ""
+    return {
+        "format": FORMAT,
+        "name": f"{fingerprint['hostname']} {device_name} ({backend}{threads})",
+        "kind": "gpu" if job.cuda else "cpu",
+        "source": f"measured by stx calibrate {now:%Y-%m-%dT%H:%MZ}",
+        "fingerprint": fingerprint,
+        "peak_tflops": {dtype: _peak_tflops(job, dtype, gemm)},
+        "device_memory_gb": _figure(memory_gb),
+        "host_link_gbps": host_link_gbps(job) if job.cuda else memory["bandwidth_gbps"],
+        "gemm": gemm,
+        "attention": attention,
+        "memory_bound": memory,
+        "collectives": collectives,
+        "corrections": dict.fromkeys(CORRECTION_CLASSES, 1.0),
+        "corrections_source": None,
+    }
+
+
+def _peak_tflops(job: Job, dtype: str, gemm: list[dict]) -> float:
+    """A GPU's datasheet peak when the device table knows it (MFU's convention), else the fastest
+    GEMM measured here (a CPU: per process at its threads)."""
+    measured = max((p["tflops"] for p in gemm), default=0.0)
+    if job.cuda:
+        from ..metrics.device_specs import detect_device_name, lookup_peak
+
+        name = detect_device_name(torch.cuda.get_device_name(job.device))
+        if name is not None:
+            with contextlib.suppress(ValueError, KeyError):
+                return lookup_peak(name, dtype) / 1e12
+    return measured
+
+
+@contextlib.contextmanager
+def calibration_job(device: torch.device, quick: bool, timeout_minutes: float) -> Iterator[Job]:
+    """The job this process belongs to (the launcher's RANK / WORLD_SIZE, see cli/calibrate.py), its
+    process group started here and torn down on the way out (also after an error)."""
+    from ..parallel.distributed import env_world_size, init_distributed, shutdown_distributed
+
+    world = env_world_size()
+    created = init_distributed(device, timeout_minutes, needed=world > 1)
+    try:
+        job = Job(device, int(os.environ.get("RANK", "0")), world, quick)
+        hosts: list[Any] = [None] * world
+        if world > 1:
+            dist.all_gather_object(hosts, socket.gethostname())
+        else:
+            hosts = [socket.gethostname()]
+        job.hosts = [str(h) for h in hosts]
+        yield job
+    finally:
+        shutdown_distributed(created)
+
+
+def calibration_device() -> torch.device:
+    """cuda:LOCAL_RANK where CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -1,0 +1,244 @@
+"""`stx calibrate` in one process: the shapes it measures, the profile it writes (contract of
+plan/hardware_profile.py), how `stx plan --hardware` takes that profile, and bad profiles.
+The multi-process runs (gloo collectives, a failing rank) are in tests/e2e/test_calibrate_e2e.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from scalable_transformer.cli import main
+from scalable_transformer.config.load import load_config
+from scalable_transformer.errors import ConfigError, UsageError
+from scalable_transformer.plan import calibrate as cal
+from scalable_transformer.plan.hardware_profile import (
+    load_profile,
+    profile_from_dict,
+    profile_mismatch,
+    save_profile,
+)
+
+# a model small enough that every quick section finishes in well under its budget
+TINY = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=2", "model.seq_length=32",
+        "train.micro_batch_size=2", "model.vocab_size=512"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """One quick calibration of the tiny model in this process (no process group)."""
+    cfg = load_config("tiny-gpt", TINY)
+    job = cal.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
+    lines: list[str] = []
+    mapping = cal.calibrate(cfg, job, lines.append)
+    mapping["_lines"] = lines
+    return mapping
+
+
+def test_gemm_shapes_are_the_layer_gemms_at_tp_1_and_2_with_their_backward_gemms():
+    cfg = load_config("tiny-gpt", TINY)
+    shapes = cal.gemm_shapes(cfg)
+    rows, h, f, v = 2 * 32, 64, 256, 512  # b s, hidden, 4 h, the vocabulary padded to 128
+    for tp in (1, 2):
+        for m, n, k in [(rows, 3 * h // tp, h), (rows, h, h // tp), (rows, f // tp, h), (rows, h, f // tp),
+                        (rows, v // tp, h)]:  # fmt: skip
+            assert (m, n, k) in shapes  # forward
+            assert (m, k, n) in shapes  # grad-input
+            assert (n, k, m) in shapes  # grad-weight
+    assert (rows // 4, f, h) in shapes and (2 * rows, f, h) in shapes  # around the rows, to interpolate
+    work = [m * n * k for m, n, k in shapes]
+    assert work == sorted(work)  # a section out of budget drops the largest
+    assert len(cal.gemm_shapes(cfg, quick=True)) < len(shapes)
+
+
+def test_attention_cases_cover_tp_splits_sequence_lengths_and_both_masks():
+    cases = cal.attention_cases(load_config("tiny-gpt", TINY))
+    assert {(c["heads"], c["seq_len"], c["causal"]) for c in cases} == {
+        (n, s, causal) for n in (2, 1) for s in (16, 32, 64) for causal in (True, False)
+    }
+    assert {c["batch"] for c in cases} == {2} and {c["head_dim"] for c in cases} == {32}
+    assert cal.attention_flops({**cases[0], "causal": False}) == 2 * cal.attention_flops(
+        {**cases[0], "causal": True}
+    )
+
+
+def test_a_quick_calibration_gives_every_section_in_the_contract_shape(measured):
+    assert measured["format"] == 1 and measured["kind"] == "cpu"
+    assert measured["source"].startswith("measured by stx calibrate ")
+    fp = measured["fingerprint"]
+    assert fp["processes"] == 1 and fp["threads_per_process"] == torch.get_num_threads()
+    assert fp["hostname"] == "this-host" and fp["torch"] == str(torch.__version__)
+    assert set(measured["peak_tflops"]) == {"fp32"} and measured["peak_tflops"]["fp32"] > 0
+    assert measured["gemm"] and all(set(p) == {"dtype", "m", "n", "k", "tflops"} for p in measured["gemm"])
+    assert all(p["tflops"] > 0 for p in measured["gemm"])
+    kernels = {p["kernel"] for p in measured["attention"]}
+    assert "math" in kernels and kernels <= {"flash", "mem_efficient", "math"}
+    assert {p["pass"] for p in measured["attention"]} == {"fwd", "bwd"}
+    assert {p["causal"] for p in measured["attention"]} == {True, False}
+    assert measured["memory_bound"]["bandwidth_gbps"] > 0 and measured["memory_bound"]["op_overhead_us"] > 0
+    assert measured["collectives"] == []  # one process: nothing to measure
+    assert set(measured["corrections"].values()) == {1.0} and measured["corrections_source"] is None
+    lines = measured["_lines"]
+    for section in ("gemm", "attention", "memory_bound", "collectives"):
+        assert any(line.startswith(f"calibrate: {section}: ") for line in lines), lines
+    assert lines[-1].startswith("calibrate: all sections in ") and lines[-1].endswith(" s")
+
+
+def _profile_file(mapping: dict, path: Path) -> Path:
+    data = {k: v for k, v in mapping.items() if not k.startswith("_")}
+    save_profile(profile_from_dict(data, str(path)), path)
+    return path
+
+
+def test_the_profile_round_trips_through_load_profile(measured, tmp_path):
+    path = _profile_file(measured, tmp_path / "p.yaml")
+    loaded = load_profile(path)
+    assert loaded == profile_from_dict({k: v for k, v in measured.items() if not k.startswith("_")}, "x")
+    assert len(loaded.gemm) == len(measured["gemm"]) and len(loaded.attention) == len(measured["attention"])
+    save_profile(loaded, tmp_path / "again.yaml")
+    assert (tmp_path / "again.yaml").read_text() == path.read_text()
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary left
+
+
+def test_a_profile_from_another_machine_or_torch_names_each_difference(measured):
+    data = copy.deepcopy({k: v for k, v in measured.items() if not k.startswith("_")})
+    data["fingerprint"].update(cpu_model="Some Other CPU", device_name="Some Other CPU", torch="1.0.0")
+    differences = profile_mismatch(profile_from_dict(data, "p.yaml"))
+    assert any(d.startswith("torch: profile '1.0.0'") for d in differences), differences
+    assert any(d.startswith("cpu_model: profile 'Some Other CPU'") for d in differences), differences
+    assert not profile_mismatch(profile_from_dict({k: v for k, v in measured.items() if k[0] != "_"}, "p"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d["memory_bound"].pop("bandwidth_gbps"), r"memory_bound\.bandwidth_gbps is required"),
+        (lambda d: d["gemm"][1].update(tflops=-1), r"gemm\[1\]\.tflops must be a positive number, got -1"),
+        (lambda d: d["attention"][0].update(causal="yes"), r"attention\[0\]\.causal must be true or false"),
+        (lambda d: d.update(device_memory_gb="lots"), r"device_memory_gb must be a positive number"),
+        (lambda d: d.pop("gemm"), r"gemm must be a non-empty list"),
+    ],
+)
+def test_a_malformed_profile_is_an_error_naming_the_file_and_the_key(measured, tmp_path, change, message):
+    data = copy.deepcopy({k: v for k, v in measured.items() if not k.startswith("_")})
+    change(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=message) as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+
+
+def test_output_is_checked_before_measuring(tmp_path):
+    with pytest.raises(UsageError, match="is a directory"):
+        cal_cli().check_output(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="cannot create its directory"):
+        cal_cli().check_output(tmp_path / "file" / "p.yaml")
+    cal_cli().check_output(tmp_path / "new" / "p.yaml")  # a missing directory is made
+    assert (tmp_path / "new").is_dir()
+
+
+def test_an_output_rank0_cannot_write_stops_the_job_before_it_measures(tmp_path):
+    (tmp_path / "file").write_text("")
+    job = cal.Job(torch.device("cpu"), hosts=["h"])
+    with pytest.raises(UsageError, match="cannot create its directory"):
+        cal_cli().output_ok(job, tmp_path / "file" / "p.yaml")
+    other = cal.Job(torch.device("cpu"), rank=1, hosts=["h"])  # not rank 0: it writes nothing
+    cal_cli().output_ok(other, tmp_path / "file" / "p.yaml")
+
+
+def cal_cli():
+    from scalable_transformer.cli import calibrate
+
+    return calibrate
+
+
+def test_calibrate_is_a_command_with_its_options(capsys):
+    from scalable_transformer.cli import build_parser
+
+    args = build_parser().parse_args(["calibrate", "tiny-gpt", "train.precision=bf16", "--quick"])
+    opts = cal_cli().CalibrateOptions.from_args(args)
+    assert opts == cal_cli().CalibrateOptions(
+        "tiny-gpt", ("train.precision=bf16",), Path("hardware-profile.yaml"), True
+    )
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--output FILE" in text and "--quick" in text and "stx launch -n N calibrate" in text
+
+
+def _plan(capsys, *hardware: str) -> dict:
+    """`stx plan --json` of the tiny model on one CPU process: its layout, and its stderr as "stderr"."""
+    argv = ["plan", "tiny-gpt", *TINY, "--world-size", "1", "--device", "cpu", "--no-probe", "--json"]
+    assert main([*argv, *hardware]) == 0
+    out = capsys.readouterr()
+    return {**json.loads(out.out)["layouts"][0], "stderr": out.err}
+
+
+def _slower(data: dict, factor: float) -> dict:
+    """The same profile with every measured rate `factor` times slower."""
+    data = copy.deepcopy(data)
+    for point in data["gemm"] + data["attention"]:
+        point["tflops"] /= factor
+    data["memory_bound"]["bandwidth_gbps"] /= factor
+    data["memory_bound"]["op_overhead_us"] *= factor
+    data["peak_tflops"] = {k: v / factor for k, v in data["peak_tflops"].items()}
+    return data
+
+
+def test_stx_plan_reads_the_profile_and_a_slower_profile_predicts_a_slower_step(measured, tmp_path, capsys):
+    data = {k: v for k, v in measured.items() if not k.startswith("_")}
+    path = _profile_file(data, tmp_path / "p.yaml")
+    slow = _profile_file(_slower(data, 4.0), tmp_path / "slow.yaml")
+    without = _plan(capsys)
+    with_profile = _plan(capsys, "--hardware", str(path))
+    with_slow = _plan(capsys, "--hardware", str(slow))
+    assert with_profile["time_breakdown_seconds"] != without["time_breakdown_seconds"]
+    assert with_slow["step_seconds"] > 1.5 * with_profile["step_seconds"]
+
+
+def test_stx_plan_warns_naming_each_difference_of_a_profile_from_elsewhere(measured, tmp_path, capsys):
+    data = copy.deepcopy({k: v for k, v in measured.items() if not k.startswith("_")})
+    data["fingerprint"].update(
+        hostname="far-away", cpu_model="Other CPU", device_name="Other CPU", torch="2.0.1"
+    )
+    path = _profile_file(data, tmp_path / "elsewhere.yaml")
+    text = _plan(capsys, "--hardware", str(path))["stderr"]
+    assert text.startswith(f"stx: warning: {path}: ")
+    assert "torch: profile '2.0.1'" in text and "cpu_model: profile 'Other CPU'" in text
+    assert "far-away" not in text  # the host name alone changes no rate
+    assert (
+        "warning"
+        not in _plan(capsys, "--hardware", str(_profile_file(measured, tmp_path / "here.yaml")))["stderr"]
+    )
+
+
+def test_stx_plan_with_a_malformed_profile_exits_2_naming_the_file_and_key(measured, tmp_path, capsys):
+    data = copy.deepcopy({k: v for k, v in measured.items() if not k.startswith("_")})
+    data["memory_bound"]["op_overhead_us"] = "fast"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    argv = ["plan", "tiny-gpt", "--world-size", "1", "--device", "cpu", "--no-probe", "--hardware", str(path)]
+    assert main(argv) == 2
+    assert (
+        f"{path}: memory_bound.op_overhead_us must be a non-negative number, got 'fast'"
+        in capsys.readouterr().err
+    )
+
+
+def test_stx_submit_writes_a_batch_job_that_calibrates_every_rank(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["submit", "--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--dry-run"]
+    assert main([*argv, "calibrate", "tiny-gpt", "train.precision=bf16", "--output", "p/a.yaml"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=4" in script
+    output = tmp_path / "p" / "a.yaml"  # absolute: the job runs elsewhere
+    expected = f"scalable_transformer.cli calibrate tiny-gpt train.precision=bf16 --output {output}"
+    assert script.rstrip().endswith(expected)
+    assert main([*argv, "--requeue", "calibrate", "tiny-gpt"]) == 2
+    assert "--requeue continues a training run" in capsys.readouterr().err
