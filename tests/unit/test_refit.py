@@ -190,3 +190,25 @@ def test_calibrate_from_this_cpus_sweep_lowers_the_error_on_the_next_sweep(
     new, _ = refit_corrections(samples, dict.fromkeys(CLASSES, 1.0))
     before, after = median_error(heldout), median_error(heldout, new)
     assert after < before - 0.02
+
+
+def test_runs_predict_with_the_profile_the_environment_names(tmp_path: Path, monkeypatch) -> None:
+    """$STX_HARDWARE_PROFILE: the runs' predictions name the profile --calibrate-from refits; a bad
+    file is reported in the summary, not raised."""
+    import yaml
+
+    from scalable_transformer.config.load import load_config
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.plan.refit import PROFILE_ENV, run_prediction
+
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(PROFILE))
+    cfg = resolve(load_config("tiny-gpt", ["model.num_layers=1"]), world_size=1)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    prediction = run_prediction(cfg, 1, "cpu")["prediction"]
+    assert prediction["profile"] == PROFILE["name"] and prediction["step_seconds"] > 0
+    assert set(prediction["classes"]) >= {"forward", "backward", "optimizer"}
+    assert prediction["corrections"] == dict.fromkeys(CLASSES, 1.0)
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.yaml"))
+    out = run_prediction(cfg, 1, "cpu")
+    assert set(out) == {"prediction_error"} and "missing.yaml" in out["prediction_error"]

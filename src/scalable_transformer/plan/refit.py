@@ -74,12 +74,29 @@ def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
     }
 
 
+PROFILE_ENV = "STX_HARDWARE_PROFILE"
+
+
+def _profile_cluster(path: str, world: int) -> Any:
+    """The hardware profile (or cluster file) at `path` as `world` devices, the way `stx plan
+    --hardware PATH --world-size WORLD` builds it."""
+    from .cluster import load_hardware, with_nodes
+
+    cluster = load_hardware(path)
+    per = cluster.devices_per_node
+    return with_nodes(cluster, -(-world // per), min(per, world))
+
+
 def run_prediction(cfg: Config, world: int, device_type: str) -> dict[str, Any]:
-    """{"prediction": {...}} for a finished run's resolved config on the hardware it ran on (this CPU
-    as `world` processes, measured and cached; or the table GPU matching torch.cuda's device name), or
-    {"prediction_error": "..."} saying why there is none. Never raises: a prediction is an aid."""
+    """{"prediction": {...}} for a finished run's resolved config on the hardware it ran on, or
+    {"prediction_error": "..."} saying why there is none. Never raises: a prediction is an aid. The
+    hardware: the profile named by $STX_HARDWARE_PROFILE (what `stx plan --hardware` would use, so
+    `stx plan --calibrate-from` refits that profile from these runs), else this CPU as `world`
+    processes (measured, cached) or the table GPU matching torch.cuda's device name."""
     try:
-        if device_type == "cuda":
+        if os.environ.get(PROFILE_ENV):
+            cluster = _profile_cluster(os.environ[PROFILE_ENV], world)
+        elif device_type == "cuda":
             cluster = _gpu_cluster(world)
         else:
             cluster = _cpu_cluster_after_run(world, cfg.train.precision)
