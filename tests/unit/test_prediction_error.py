@@ -197,7 +197,9 @@ def test_a_run_stores_the_prediction_or_says_why_not() -> None:
     want = step_time(cfg, cluster)
     assert record["step_seconds"] == pytest.approx(want.total)
     assert record["breakdown"] == pytest.approx(want.breakdown)
-    assert record["kind"] == "gpu" and record["hardware"] == cluster.source
+    assert record["kind"] == "gpu" and cluster.profile is not None  # the built-in A100 profile
+    assert record["hardware"] == f"{cluster.profile.name} ({cluster.profile.source})"
+    assert record["profile"] == cluster.profile.name and set(record["classes"]) >= {"forward", "backward"}
     json.dumps(record)  # summary.json and the store keep it as JSON
     import torch
 
