@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from .prediction_error import (
+    SuspectOptions,
+    error_stats,
+    error_table,
+    stats_text,
+    suspect_lines,
+    suspects,
+)
 from .results import COLUMN_NAMES, ResultsStore, loads
 
 # value key -> (column in the store, unit shown in a cell, scale applied to the stored value)
@@ -150,9 +158,17 @@ def _median(rows: list[dict[str, Any]], column: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def cell(rows: list[dict[str, Any]], values: list[str]) -> str:
-    """'1658.93 samples/s, 2.94 TFLOPs/dev' from the ok repeats (median), else the failure ('OOM')."""
+def cell(rows: list[dict[str, Any]], values: list[str], flagged: dict[int, list[str]] | None = None) -> str:
+    """'1658.93 samples/s, 2.94 TFLOPs/dev' from the ok repeats (median), else the failure ('OOM').
+    Suspect repeats (`flagged`: row id -> reasons) are left out while a trusted one remains; a cell of
+    suspect measurements only is marked '[suspect]'."""
     ok = [r for r in rows if r["status"] == "ok"]
+    mark = ""
+    if flagged:
+        trusted = [r for r in ok if r.get("id") not in flagged]
+        if len(trusted) < len(ok):
+            mark = f" ({len(ok) - len(trusted)} suspect left out)" if trusted else " [suspect]"
+        ok = trusted or ok
     if not ok:
         statuses = {r["status"] for r in rows}
         for status in ("oom", "timeout", "crashed", "invalid"):
@@ -167,11 +183,15 @@ def cell(rows: list[dict[str, Any]], values: list[str]) -> str:
         column, unit, scale = VALUES[key]
         value = _median(ok, column)
         parts.append("-" if value is None else f"{fmt_number(value * scale)} {unit}")
-    return ", ".join(parts)
+    return ", ".join(parts) + mark
 
 
 def grid(
-    rows: list[dict[str, Any]], row_keys: list[str], col_keys: list[str], values: list[str]
+    rows: list[dict[str, Any]],
+    row_keys: list[str],
+    col_keys: list[str],
+    values: list[str],
+    flagged: dict[int, list[str]] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """Header and body of the layout x devices table."""
 
@@ -196,7 +216,7 @@ def grid(
         line = [rid]
         for cid in col_ids:
             members = [r for r in rows if row_id(r) == rid and col_id(r) == cid]
-            line.append(cell(members, values) if members else "")
+            line.append(cell(members, values, flagged) if members else "")
         body.append(line)
     return header, body
 
@@ -397,15 +417,26 @@ def _plt():
     return plt
 
 
-def plot_scaling(rows: list[dict[str, Any]], path: Path) -> bool:
+def plot_scaling(rows: list[dict[str, Any]], path: Path, flagged: dict[int, list[str]] | None = None) -> bool:
     """Samples/s against device count per layout, with ideal linear scaling from the smallest count
     and the scaling efficiency (measured / ideal) written at each larger count; a layout measured at
-    one device count is a lone point (nothing to scale from)."""
+    one device count is a lone point (nothing to scale from). Suspect measurements (`flagged`) are
+    drawn as red crosses and left out of the lines and efficiencies."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("samples_per_second")]
     if not ok:
         return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
+    doubtful = [r for r in ok if flagged and r.get("id") in flagged]
+    ok = [r for r in ok if r not in doubtful]
+    if doubtful:
+        ax.scatter(
+            [total_devices(r) for r in doubtful],
+            [r["samples_per_second"] for r in doubtful],
+            marker="x",
+            color="red",
+            label="suspect measurement (left out; see the report)",
+        )
     by_label: dict[str, dict[int, list[float]]] = {}
     for r in ok:
         by_label.setdefault(r["label"], {}).setdefault(total_devices(r), []).append(r["samples_per_second"])
@@ -429,14 +460,23 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def plot_mfu(rows: list[dict[str, Any]], path: Path) -> bool:
+def plot_mfu(rows: list[dict[str, Any]], path: Path, flagged: dict[int, list[str]] | None = None) -> bool:
+    """MFU per result; a suspect measurement's bar is hatched and its name says so."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("mfu") is not None]
     if not ok:
         return False
     plt = _plt()
-    names = [f"{r['label']} @ {devices(r)} dev" for r in ok]
+    doubtful = [r.get("id") in (flagged or {}) for r in ok]
+    names = [
+        f"{r['label']} @ {devices(r)} dev" + (" (suspect)" if d else "")
+        for r, d in zip(ok, doubtful, strict=True)
+    ]
     fig, ax = plt.subplots(figsize=(10, 2 + 0.4 * len(ok)))
-    ax.barh(names, [100 * r["mfu"] for r in ok])
+    bars = ax.barh(names, [100 * r["mfu"] for r in ok])
+    for bar, d in zip(bars, doubtful, strict=True):
+        if d:
+            bar.set_hatch("//")
+            bar.set_alpha(0.4)
     ax.set_xlabel("MFU (%)")
     ax.set_title("MFU by layout\n" + textwrap.fill(conventions_note(ok), 100), fontsize=8)
     fig.tight_layout()
@@ -488,6 +528,7 @@ def build_report(
     fmt: str = "md",
     device_memory_gb: float | None = None,
     where: str = "",
+    suspect: SuspectOptions | None = None,
 ) -> str:
     """The text to print (in `fmt`); with `output`, also table/wide as md + csv, report.html and PNGs."""
     with ResultsStore(store_path, create=False) as store:
@@ -496,11 +537,13 @@ def build_report(
         raise ValueError(f"{store_path}: the store holds no results yet")
     check_keys(rows, row_keys, "--rows")
     check_keys(rows, col_keys, "--cols")
-    header, body = grid(rows, row_keys, col_keys, values)
+    flagged = suspects(rows, suspect)
+    header, body = grid(rows, row_keys, col_keys, values, flagged)
     wheader, wbody = wide(rows)
     note = conventions_note(rows)
     title = f"{', '.join(value_title(v) for v in values)} by {' '.join(row_keys)} and {' '.join(col_keys)}"
     md = f"# {title}\n\n" + markdown(header, body) + (f"\n{note}\n" if note else "")
+    md += prediction_section(rows, flagged)
     md_wide = "# All results\n\n" + markdown(wheader, wbody) + (f"\n{note}\n" if note else "")
     planned = plan_vs_measured(rows)
     if planned is not None:
@@ -514,8 +557,8 @@ def build_report(
         )
     device_memory_gb = device_memory_gb or _device_memory_gb(rows)
     plots: list[tuple[str, Callable[[Path], bool]]] = [
-        ("throughput_scaling.png", lambda p: plot_scaling(rows, p)),
-        ("mfu_by_layout.png", lambda p: plot_mfu(rows, p)),
+        ("throughput_scaling.png", lambda p: plot_scaling(rows, p, flagged)),
+        ("mfu_by_layout.png", lambda p: plot_mfu(rows, p, flagged)),
         ("memory_by_layout.png", lambda p: plot_memory(rows, p, device_memory_gb)),
     ]
 
@@ -535,6 +578,9 @@ def build_report(
         (output / "wide.csv").write_text(to_csv(wheader, wbody), encoding="utf-8")
         if planned is not None:
             (output / "plan_vs_measured.csv").write_text(to_csv(*planned), encoding="utf-8")
+        errors = error_table(rows, flagged, devices)
+        if errors[1]:
+            (output / "prediction_error.csv").write_text(to_csv(*errors), encoding="utf-8")
         page = _html_page(title, header, body, wheader, wbody, note, draw(output))
         (output / "report.html").write_text(page, encoding="utf-8")
     if fmt == "csv":
@@ -545,6 +591,29 @@ def build_report(
         with tempfile.TemporaryDirectory() as tmp:  # a self-contained page on stdout: plots inline
             return _html_page(title, header, body, wheader, wbody, note, draw(Path(tmp)))
     return md + "\n" + md_wide
+
+
+def prediction_section(rows: list[dict[str, Any]], flagged: dict[int, list[str]]) -> str:
+    """Markdown: predicted vs measured seconds per step per result, the error statistics, and the
+    suspect measurements with their reasons (empty when no row has a prediction or a flag)."""
+    header, body = error_table(rows, flagged, devices)
+    text = ""
+    if body:
+        text += (
+            "\n# Prediction error (stx plan's step time vs the measurement)\n\n"
+            + markdown(header, body)
+            + "\nError = predicted / measured - 1. "
+            + stats_text(error_stats(rows, flagged))
+            + " Results whose measurement is in doubt (repeats disagree, scaling above 100%) are left "
+            "out of the statistics.\n"
+        )
+    lines = suspect_lines(rows, flagged, devices)
+    if lines:
+        text += (
+            "\n# Suspect measurements (marked in the tables, left out of medians and plots; "
+            "stx sweep --retry-suspect runs them again)\n\n" + "\n".join(lines) + "\n"
+        )
+    return text
 
 
 def _html_page(

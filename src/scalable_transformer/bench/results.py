@@ -18,7 +18,9 @@ from typing import Any
 from ..errors import StoreError
 
 APP_ID = "scalable-transformer-results"
-SCHEMA_VERSION = 1
+# 2: prediction_json, measured_step_seconds, iteration_seconds_iqr (issue 22); a version-1 store opened
+# for writing gains them (empty for its old rows) and is marked version 2; its rows are kept
+SCHEMA_VERSION = 2
 STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
 
 # (column, SQL type): the flat metric columns are copies of summary.json values, so reports and
@@ -99,6 +101,12 @@ COLUMNS: list[tuple[str, str]] = [
     ("comm_ms", "REAL"),  # all measured collectives per step (they may overlap compute)
     ("pipeline_bubble_measured", "REAL"),
     ("straggler_rank", "INTEGER"),
+    # the run's own prediction (summary.json `prediction`: step_seconds, breakdown and classes per part,
+    # the hardware assumed; plan/refit.py) beside its measured median step time and the interquartile
+    # range of its iteration times (the within-run noise `stx report` judges repeats against)
+    ("prediction_json", "TEXT"),
+    ("measured_step_seconds", "REAL"),
+    ("iteration_seconds_iqr", "REAL"),
 ]
 COLUMN_NAMES = [c for c, _ in COLUMNS]
 
@@ -178,10 +186,13 @@ class ResultsStore:
         # keep working; readers (create=False) leave the file as it is and see the columns as missing.
         have = {r[1] for r in self.conn.execute("PRAGMA table_info(results)")}
         missing = [(c, t) for c, t in COLUMNS if c not in have]
-        if missing and self.writable:
-            with self.conn:
+        if (missing or version < SCHEMA_VERSION) and self.writable:
+            with self.conn:  # one transaction: the columns and the new version together, or neither
                 for column, kind in missing:
                     self.conn.execute(f'ALTER TABLE results ADD COLUMN "{column}" {kind}')
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
 
     def close(self) -> None:
         self.conn.close()

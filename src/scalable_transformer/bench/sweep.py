@@ -195,16 +195,33 @@ def expand(spec: SweepSpec) -> tuple[list[Member], int]:
     return members, filtered
 
 
-def to_run(members: list[Member], stored: dict[tuple[str, int], str], retry_failed: bool) -> list[Member]:
+def to_run(
+    members: list[Member],
+    stored: dict[tuple[str, int], str],
+    retry_failed: bool,
+    rerun: frozenset[tuple[str, int]] = frozenset(),
+) -> list[Member]:
     """The valid members the store does not hold yet (any final status counts as done), plus, with
-    retry_failed, those stored as oom / timeout / crashed."""
+    retry_failed, those stored as oom / timeout / crashed, plus the (config_hash, repeat) in `rerun`
+    (the suspect measurements, --retry-suspect)."""
     todo = []
     for m in members:
         status = stored.get((m.config_hash, m.repeat))
-        if m.invalid_reason or (status in STATUSES and not (retry_failed and status != "ok")):
+        again = (retry_failed and status != "ok") or (m.config_hash, m.repeat) in rerun
+        if m.invalid_reason or (status in STATUSES and not again):
             continue
         todo.append(m)
     return todo
+
+
+def suspect_members(store: ResultsStore, spec: SweepSpec) -> frozenset[tuple[str, int]]:
+    """(config_hash, repeat) of this sweep's stored results whose measurement `stx report` flags as
+    suspect (bench/prediction_error.py, default thresholds)."""
+    from .prediction_error import suspects
+
+    rows = store.rows("sweep = ?", (spec.name,))
+    flagged = suspects(rows)
+    return frozenset((r["config_hash"], r["repeat"]) for r in rows if r["id"] in flagged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +233,7 @@ class SweepOptions:
     store: Path | None = None
     retry_failed: bool = False
     dry_run: bool = False
+    retry_suspect: bool = False
 
 
 @dataclasses.dataclass
@@ -262,7 +280,8 @@ def run_sweep(
         for m in members:
             if m.invalid_reason:
                 store.put(invalid_record(spec, m, env_json))
-        todo = to_run(members, store.statuses(), options.retry_failed)
+        rerun = suspect_members(store, spec) if options.retry_suspect else frozenset()
+        todo = to_run(members, store.statuses(), options.retry_failed, rerun)
         invalid = sum(1 for m in members if m.invalid_reason)
         present.to_run(len(todo), len(members) - invalid - len(todo))
         t_start = time.perf_counter()

@@ -27,7 +27,7 @@ from ..errors import LaunchError
 from ..launch.batch import SchedulerLauncher
 from ..launch.launcher import BatchLauncher, JobState
 from .results import ResultsStore
-from .sweep import Member, SweepOptions, SweepOutcome, expand, to_run
+from .sweep import Member, SweepOptions, SweepOutcome, expand, suspect_members, to_run
 from .sweep_execute import _OOM_RE, member_job, runs_directory, tail
 from .sweep_present import SweepConsole
 from .sweep_record import base_record, invalid_record, now, result_record
@@ -134,7 +134,8 @@ def run_batch_sweep(
             if m.invalid_reason:
                 store.put(invalid_record(spec, m, env_json))
         stored = store.statuses()
-        todo = to_run(members, stored, options.retry_failed)
+        rerun = suspect_members(store, spec) if options.retry_suspect else frozenset()
+        todo = to_run(members, stored, options.retry_failed, rerun)
         invalid = sum(1 for m in members if m.invalid_reason)
         present.to_run(len(todo), len(members) - invalid - len(todo))
         runs = runs_directory(spec)

@@ -63,6 +63,9 @@ def record_from_summary(summary: dict[str, Any], cfg: Config | None) -> dict[str
     tensor_bytes = [v for v in summary.get("peak_tensor_bytes_per_rank") or [] if v is not None]
     rec["peak_tensor_bytes_max"] = max(tensor_bytes) if tensor_bytes else None
     rec["summary_json"] = json.dumps(summary)
+    rec["prediction_json"] = json.dumps(summary["prediction"]) if summary.get("prediction") else None
+    rec["measured_step_seconds"] = summary.get("median_iteration_seconds")
+    rec["iteration_seconds_iqr"] = summary.get("iteration_seconds_iqr")
     rec.update(telemetry_columns(summary))
     if cfg is not None:
         rec.update(config_columns(cfg))

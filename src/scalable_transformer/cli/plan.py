@@ -1,6 +1,6 @@
 """`stx plan CONFIG [key=value ...] (--world-size N | --nodes K --gpus-per-node G) --device NAME
 [--host-memory-gb M] [--hardware cluster.yaml|profile.yaml] [--json] [--search] [--top K] [--emit-sweep FILE]
-[--no-probe] [--remeasure] [--dry-run | --dry-run-top K]`."""
+[--no-probe] [--remeasure] [--dry-run | --dry-run-top K] [--calibrate-from STORE [--output PROFILE]]`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ class PlanOptions:
     remeasure: bool = False
     dry_run: bool = False  # the engine on fake tensors at the target world size (plan/dry_run.py)
     dry_run_top: int = 0  # --search: dry-run the best K layouts that fit
+    calibrate_from: Path | None = None  # a results store: refit the profile's corrections from its runs
+    output: Path | None = None  # where the refitted profile goes
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanOptions:
@@ -77,7 +79,20 @@ class PlanOptions:
             remeasure=args.remeasure,
             dry_run=args.dry_run,
             dry_run_top=args.dry_run_top or 0,
+            **calibrate_options(args),
         )
+
+
+def calibrate_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--calibrate-from STORE [--output PROFILE] (plan/refit.py)."""
+    from ..errors import UsageError
+
+    if args.output and not args.calibrate_from:
+        raise UsageError("--output writes the profile that --calibrate-from STORE refits; add it")
+    return {
+        "calibrate_from": Path(args.calibrate_from) if args.calibrate_from else None,
+        "output": Path(args.output) if args.output else None,
+    }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -142,6 +157,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="--search: dry-run the best K layouts that fit (docs/PLANNER.md#dry-runs)",
     )
+    p.add_argument(
+        "--calibrate-from",
+        metavar="STORE",
+        help="refit the hardware profile's op-class corrections from the runs in this results store "
+        "(docs/PLANNER.md#prediction-error-and-refits) and plan with them",
+    )
+    p.add_argument("--output", metavar="PROFILE", help="--calibrate-from: write the refitted profile here")
     p.set_defaults(fn=run)
 
 
@@ -204,6 +226,11 @@ def run(args: argparse.Namespace) -> int:
     opts = PlanOptions.from_args(args)
     cfg = load_config(opts.config, list(opts.overrides))
     cluster = build_cluster(opts, cfg.train.precision)
+    if opts.calibrate_from is not None:
+        from ..plan.refit import refit_cluster
+
+        cluster, lines = refit_cluster(cluster, opts.calibrate_from, opts.output)
+        print("\n".join(lines), file=sys.stderr if opts.json else sys.stdout)
     if opts.search:
         results = search_layouts(cfg, cluster)
         # the best --top that fit, then the --top closest to fitting (as the human output lists them)
@@ -229,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         f"cluster: {cluster.name}; {cluster.device.memory_bytes / 2**30:.1f} GiB per device "
         f"({cluster.source})"
     )
+    print(corrections_line(cluster))
     if opts.search:
         render_search(results, opts.top)
         for r in results:
@@ -247,6 +275,18 @@ def run(args: argparse.Namespace) -> int:
     if opts.emit_sweep is not None:
         print(f"sweep file: {opts.emit_sweep} (run it with `stx sweep {opts.emit_sweep}`)")
     return 0
+
+
+def corrections_line(cluster: Any) -> str:
+    """The op-class corrections the time model multiplies by, and where they came from."""
+    profile = getattr(cluster, "profile", None)
+    if profile is None:
+        return "corrections: none (no hardware profile)"
+    text = ", ".join(f"{c} {v:.3g}" for c, v in profile.corrections.items())
+    source = profile.corrections_source
+    if isinstance(source, dict):
+        source = f"refit from {source.get('runs')} run(s) in {source.get('store')} on {source.get('date')}"
+    return f"corrections in use: {text} ({source or 'as measured, not refitted'})"
 
 
 def _gib(n: float) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPORT_USAGE = """stx report RUN_DIR
        stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2] [--format md|csv|html]
-                  [--output DIR] [--device-memory-gb G]
+                  [--output DIR] [--device-memory-gb G] [--suspect-factor F]
        stx report export STORE --format csv|parquet --output FILE
        stx report import-log FILE --format megatron|deepspeed [--store PATH] [--label L] [--devices N]"""
 
@@ -31,6 +31,7 @@ class TableOptions:
     format: str = "md"
     output: Path | None = None
     device_memory_gb: float | None = None  # GiB: the device memory line of the memory plot
+    suspect_factor: float = 2.0  # a measurement this many times off its prediction, either way, is suspect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,12 @@ def _report_parsers() -> dict[str, argparse.ArgumentParser]:
     table.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what is printed")
     table.add_argument("--output", help="directory: table/wide .md and .csv, report.html, PNG plots")
     table.add_argument("--device-memory-gb", type=float, help="device memory line of the memory plot (GiB)")
+    table.add_argument(
+        "--suspect-factor",
+        type=float,
+        default=2.0,
+        help="flag a measured step time more than F times its prediction, or less than 1/F (default 2)",
+    )
     export = argparse.ArgumentParser(prog="stx report export")
     export.add_argument("store")
     export.add_argument("--format", choices=("csv", "parquet"), required=True)
@@ -153,12 +160,19 @@ def table_options(args: argparse.Namespace) -> TableOptions:
         format=args.format,
         output=Path(args.output) if args.output else None,
         device_memory_gb=args.device_memory_gb,
+        suspect_factor=args.suspect_factor,
     )
 
 
 def table(opts: TableOptions) -> int:
+    from ..bench.prediction_error import SuspectOptions
     from ..bench.report import build_report
+    from ..errors import UsageError
 
+    try:
+        suspect = SuspectOptions(far_factor=opts.suspect_factor)
+    except ValueError as e:
+        raise UsageError(f"stx report --suspect-factor: {e}") from None
     out = build_report(
         opts.store,
         list(opts.rows),
@@ -167,6 +181,7 @@ def table(opts: TableOptions) -> int:
         opts.output,
         opts.format,
         opts.device_memory_gb,
+        suspect=suspect,
     )
     print(out, end="")
     if opts.output:

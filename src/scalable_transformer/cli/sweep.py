@@ -25,6 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("status_store", nargs="?", metavar="STORE", help="with `status`: the results store")
     p.add_argument("--store", help="results store (default: the sweep's store:, or results.sqlite beside it)")
     p.add_argument("--retry-failed", action="store_true", help="rerun members stored as oom/timeout/crashed")
+    p.add_argument(
+        "--retry-suspect",
+        action="store_true",
+        help="rerun members whose stored measurement stx report flags as suspect (far from its prediction, "
+        "repeats that disagree, scaling above 100%%)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the members and invalid ones; run nothing")
     p.set_defaults(fn=run)
 
@@ -36,6 +42,7 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
         sweep_file=Path(args.sweep),
         store=Path(args.store).resolve() if args.store else None,
         retry_failed=args.retry_failed,
+        retry_suspect=args.retry_suspect,
         dry_run=args.dry_run,
     )
 

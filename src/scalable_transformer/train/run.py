@@ -11,6 +11,7 @@ import dataclasses
 import os
 import random
 import shutil
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -289,12 +290,29 @@ def _finish(
     if run_dir is None:
         return None, summary
     summary.update(with_segment(read_previous_summary(run_dir), segment))
+    summary.update(step_prediction(cfg, history, world, device))
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
     print_observations(console, summary, built.callbacks)
     if history.stopped_by:
         console.print(f"[bold yellow]{stop_message(summary, cfg.train.train_iters)}[/]")
     return run_dir, summary
+
+
+def step_prediction(cfg: ResolvedConfig, history: Any, world: int, device: torch.device) -> dict[str, Any]:
+    """The planner's step time for this run beside its measurement (plan/refit.py): `prediction`
+    (seconds per step, by part and op class, and the hardware it assumed) or `prediction_error`; and
+    the spread of the measured iteration times (interquartile range after warm-up, seconds), the noise
+    `stx report` compares repeats against."""
+    from ..plan.refit import run_prediction
+
+    out = run_prediction(cfg, world, device.type)
+    times = list(history.iteration_seconds)
+    window = times[cfg.logging.warmup_iters :] if len(times) > cfg.logging.warmup_iters else times
+    if len(window) >= 4:
+        q1, _, q3 = statistics.quantiles(window, n=4)
+        out["iteration_seconds_iqr"] = q3 - q1
+    return out
 
 
 def peak_tensor_bytes(

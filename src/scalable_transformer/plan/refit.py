@@ -1,0 +1,346 @@
+"""Predictions that learn: the planner's step time stored beside every run's measurement
+(`run_prediction`), and the op-class corrections of a hardware profile refitted from stored runs
+(`refit_corrections`, `stx plan --calibrate-from`).
+
+The refit matches each run's measured phase timers against the prediction's seconds per phase and op
+class (`StepTime.classes`) and solves a bounded least-squares problem for one multiplier per op class;
+docs/PLANNER.md ("Prediction error and refits") states the bounds and the minimum number of runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ..config.schema import Config
+
+
+def _gpu_cluster(world: int) -> Any:
+    """The table device matching torch.cuda's device name, as nodes x LOCAL_WORLD_SIZE devices."""
+    import torch
+
+    from ..metrics.device_specs import detect_device_name
+    from .cluster import table_cluster
+
+    if not torch.cuda.is_available():
+        raise ValueError("the run was on CUDA, but there is no CUDA device now; no prediction")
+    name = detect_device_name()
+    if name is None:
+        raise ValueError(
+            f"the GPU {torch.cuda.get_device_name()!r} is not in the device table "
+            "(metrics/device_specs.py); no prediction"
+        )
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return table_cluster(name, max(1, world // max(1, per_node)), min(per_node, world))
+
+
+def _cpu_cluster_after_run(world: int, dtype: str) -> Any:
+    """This CPU as `world` processes. The 1-minute load average read at the end of a run counts the
+    run's own threads; they are taken out again so the share is what other work left the job."""
+    import dataclasses
+
+    from .cluster import cpu_cluster
+
+    cluster = cpu_cluster(world, dtype)
+    if cluster.load_average is None:
+        return cluster
+    cores = os.cpu_count() or 1
+    own = world * cluster.threads
+    others = max(0.0, cluster.load_average - own)
+    return dataclasses.replace(cluster, cpu_share=min(1.0, cores / (others + own)))
+
+
+def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
+    """{step_seconds, breakdown, classes, hardware, cluster} of `plan.speed.step_time` for a resolved
+    config on a cluster (seconds per optimizer step; classes: phase -> op class -> seconds, empty when
+    the time model does not split by op class)."""
+    from .speed import step_time
+
+    st = step_time(cfg, cluster)
+    profile = getattr(cluster, "profile", None)
+    hardware = f"{profile.name} ({profile.source})" if profile is not None else cluster.source
+    classes = getattr(st, "classes", None) or {}
+    return {
+        "step_seconds": st.total,
+        "breakdown": dict(st.breakdown),
+        "classes": {phase: dict(parts) for phase, parts in classes.items()},
+        "hardware": hardware,
+        "cluster": cluster.name,
+        "kind": cluster.kind,
+        "cpu_share": cluster.cpu_share if cluster.kind == "cpu" else None,
+        "corrections": dict(profile.corrections) if profile is not None else None,
+        "profile": profile.name if profile is not None else None,
+    }
+
+
+PROFILE_ENV = "STX_HARDWARE_PROFILE"
+
+
+def _profile_cluster(path: str, world: int) -> Any:
+    """The hardware profile (or cluster file) at `path` as `world` devices, the way `stx plan
+    --hardware PATH --world-size WORLD` builds it."""
+    from .cluster import load_hardware, with_nodes
+
+    cluster = load_hardware(path)
+    per = cluster.devices_per_node
+    return with_nodes(cluster, -(-world // per), min(per, world))
+
+
+def run_prediction(cfg: Config, world: int, device_type: str) -> dict[str, Any]:
+    """{"prediction": {...}} for a finished run's resolved config on the hardware it ran on, or
+    {"prediction_error": "..."} saying why there is none. Never raises: a prediction is an aid. The
+    hardware: the profile named by $STX_HARDWARE_PROFILE (what `stx plan --hardware` would use, so
+    `stx plan --calibrate-from` refits that profile from these runs), else this CPU as `world`
+    processes (measured, cached) or the table GPU matching torch.cuda's device name."""
+    try:
+        if os.environ.get(PROFILE_ENV):
+            cluster = _profile_cluster(os.environ[PROFILE_ENV], world)
+        elif device_type == "cuda":
+            cluster = _gpu_cluster(world)
+        else:
+            cluster = _cpu_cluster_after_run(world, cfg.train.precision)
+        return {"prediction": prediction_record(cfg, cluster)}
+    except Exception as e:  # reported in summary.json, never fatal
+        return {"prediction_error": f"{type(e).__name__}: {e}"}
+
+
+# --- refitting the op-class corrections from stored runs -------------------------------------------
+
+CLASSES = ("gemm", "attention", "memory_bound", "overhead", "communication")
+# A multiplier stays within [0.25, 4]: a class 4x faster or slower than the profile's kernel rates is a
+# sign of a wrong profile (re-run stx calibrate), not something a multiplier should absorb.
+BOUNDS = (0.25, 4.0)
+MIN_RUNS = 3  # runs (ok, with a per-class prediction, measurement not in doubt) a refit needs
+# a class is fitted only where it is at least this share of the predicted seconds of the runs used;
+# below it the measurements say nothing about it and it keeps the multiplier it had
+MIN_CLASS_SHARE = 0.02
+# measured timer (Megatron's names, train/measurement.py) -> the predicted phases it times; the
+# tensor-parallel collectives run inside forward and backward compute, so with them (or a pipeline)
+# forward and backward are matched together
+TIMER_PHASES: dict[str, tuple[str, ...]] = {
+    "forward-compute": ("forward",),
+    "backward-compute": ("backward",),
+    "all-grads-sync": ("grads_sync",),
+    "optimizer": ("optimizer", "offload"),
+}
+JOINT_COMPUTE = ("forward", "backward", "tp_communication", "pipeline_bubble", "pipeline_p2p")
+JOINT_TIMERS = ("forward-compute", "backward-compute", "forward-backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSample:
+    """One stored run for a refit: its prediction (summary.json `prediction`), its measured phase
+    timers (ms per step, medians) and its measured median step (seconds)."""
+
+    prediction: dict[str, Any]
+    phases_ms: dict[str, float]
+    step_seconds: float
+
+
+def corrected_step(prediction: dict[str, Any], corrections: dict[str, float]) -> float:
+    """The prediction's seconds per step had it been made with `corrections` instead of its own."""
+    raw = _raw_classes(prediction)
+    used = prediction.get("corrections") or {}
+    change = sum(
+        s * (float(corrections.get(c, 1.0)) - float(used.get(c, 1.0)))
+        for by in raw.values()
+        for c, s in by.items()
+    )
+    return float(prediction["step_seconds"]) + change
+
+
+def _raw_classes(prediction: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The prediction's seconds per phase and class before the corrections it was made with."""
+    used = prediction.get("corrections") or {}
+    return {
+        phase: {c: s / float(used.get(c, 1.0) or 1.0) for c, s in by_class.items()}
+        for phase, by_class in (prediction.get("classes") or {}).items()
+    }
+
+
+def equations(prediction: dict[str, Any], phases_ms: dict[str, float]) -> list[tuple[list[float], float]]:
+    """(seconds per class, measured seconds) for each measured timer group of one run: what the
+    corrections multiply and what they should add up to."""
+    raw = _raw_classes(prediction)
+
+    def row(phases: tuple[str, ...]) -> list[float]:
+        return [sum(raw.get(ph, {}).get(c, 0.0) for ph in phases) for c in CLASSES]
+
+    joint = any(raw.get(ph) for ph in JOINT_COMPUTE[2:]) or "forward-backward" in phases_ms
+    groups: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    if joint:
+        groups.append((JOINT_TIMERS, JOINT_COMPUTE))
+    for timer, phases in TIMER_PHASES.items():
+        if not (joint and timer in JOINT_TIMERS):
+            groups.append(((timer,), phases))
+    out = []
+    for timers, phases in groups:
+        measured = [phases_ms[t] / 1000 for t in timers if t in phases_ms]
+        predicted = row(phases)
+        if measured and sum(predicted) > 0:
+            out.append((predicted, sum(measured)))
+    return out
+
+
+def _bounded_least_squares(a: Any, b: Any, x0: Any, free: Any) -> Any:
+    """min |A x - b|^2 with BOUNDS on the free entries of x (the others stay at x0): projected
+    coordinate descent, exact on each coordinate and convergent for this convex problem."""
+    import numpy as np
+
+    x = np.array(x0, dtype=float)
+    norms = (a * a).sum(axis=0)
+    for _ in range(2000):
+        before = x.copy()
+        for j in np.flatnonzero(free):
+            if norms[j] > 0:
+                step = a[:, j] @ (a @ x - b) / norms[j]
+                x[j] = min(BOUNDS[1], max(BOUNDS[0], x[j] - step))
+        if np.max(np.abs(x - before)) < 1e-10:
+            break
+    return x
+
+
+def _system(samples: list[RunSample]) -> tuple[Any, Any]:
+    """Rows (seconds per class) and right-hand sides (measured seconds) of every run's timer groups
+    and of its whole step, each divided by the run's measured step so every run counts alike."""
+    import numpy as np
+
+    rows, rhs = [], []
+    for sample in samples:
+        t = sample.step_seconds
+        for pred, measured in equations(sample.prediction, sample.phases_ms):
+            rows.append([v / t for v in pred])
+            rhs.append(measured / t)
+        raw = _raw_classes(sample.prediction)
+        used = sample.prediction.get("corrections") or {}
+        per_class = [sum(by.get(c, 0.0) for by in raw.values()) for c in CLASSES]
+        # what the prediction holds besides its classes (zero when the classes are the whole step)
+        rest = float(sample.prediction["step_seconds"]) - sum(
+            s * float(used.get(c, 1.0)) for c, s in zip(CLASSES, per_class, strict=True)
+        )
+        rows.append([v / t for v in per_class])
+        rhs.append((t - rest) / t)
+    return np.array(rows), np.array(rhs)
+
+
+def refit_corrections(
+    samples: list[RunSample], current: dict[str, float]
+) -> tuple[dict[str, float], list[str]]:
+    """New corrections (op class -> multiplier) from stored runs, and notes on what was fitted: the
+    least absolute deviations (iteratively reweighted bounded least squares) of the runs' timer
+    groups and whole steps, relative to each run's step, so one disturbed phase moves the fit less
+    than it would squared; classes under MIN_CLASS_SHARE keep `current`."""
+    import numpy as np
+
+    if len(samples) < MIN_RUNS:
+        raise ValueError(
+            f"a refit needs at least {MIN_RUNS} runs with a per-class prediction, got {len(samples)}"
+        )
+    a, b = _system(samples)
+    if not a.size or a.sum() <= 0:
+        raise ValueError("no run's prediction splits its seconds by op class: nothing to refit")
+    share = a.sum(axis=0) / a.sum()
+    free = share >= MIN_CLASS_SHARE
+    x0 = np.array([float(current.get(c, 1.0)) for c in CLASSES])
+    x = _bounded_least_squares(a, b, np.where(free, np.clip(x0, *BOUNDS), x0), free)
+    for _ in range(100):  # least absolute deviations: weights 1 / |residual|
+        weight = np.sqrt(1.0 / np.maximum(np.abs(a @ x - b), 1e-4))
+        x = _bounded_least_squares(a * weight[:, None], b * weight, x, free)
+    notes = []
+    for j, c in enumerate(CLASSES):
+        if not free[j]:
+            notes.append(f"{c}: kept {x0[j]:.3g} ({share[j]:.1%} of predicted seconds: too few to fit)")
+        elif x[j] in BOUNDS:
+            notes.append(f"{c}: {x[j]:.3g}, at its bound {BOUNDS[0]:g}..{BOUNDS[1]:g}")
+    return {c: float(x[j]) for j, c in enumerate(CLASSES)}, notes
+
+
+def samples_from_store(store_path: Any, profile_name: str, kind: str) -> tuple[list[RunSample], list[str]]:
+    """(prediction, measured phase ms) of the store's ok runs predicted with the profile named
+    `profile_name` (else, when none names it, with any profile of this `kind`), leaving out runs
+    whose measurement `stx report` puts in doubt; and notes on what was left out."""
+    import json
+
+    from ..bench.prediction_error import measured_seconds, measurement_in_doubt, suspects
+    from ..bench.results import ResultsStore
+
+    with ResultsStore(store_path, create=False) as store:
+        rows = [r for r in store.rows("status = 'ok'") if r.get("prediction_json")]
+    flagged = suspects(rows)
+    usable, notes = [], []
+    doubt = {r["id"] for r in rows if measurement_in_doubt(flagged.get(r["id"], []))}
+    if doubt:
+        notes.append(f"{len(doubt)} run(s) left out: their measurement is suspect (stx report says why)")
+    for r in rows:
+        prediction = json.loads(r["prediction_json"])
+        phases = (json.loads(r["summary_json"] or "{}")).get("phase_time_ms_median") or {}
+        step = measured_seconds(r)
+        if r["id"] in doubt or not prediction.get("classes") or not phases or not step:
+            continue
+        usable.append(RunSample(prediction, phases, step))
+    named = [u for u in usable if u.prediction.get("profile") == profile_name]
+    if not named:
+        named = [u for u in usable if u.prediction.get("kind") == kind]
+        if named:
+            notes.append(f"no run names the profile {profile_name!r}; using the {len(named)} {kind} run(s)")
+    return named, notes
+
+
+def median_error(samples: list[RunSample], corrections: dict[str, float] | None = None) -> float:
+    """Median |predicted / measured - 1| of the runs' steps (with `corrections`: as refitted)."""
+    import statistics
+
+    return statistics.median(
+        abs(
+            (corrected_step(s.prediction, corrections) if corrections else s.prediction["step_seconds"])
+            / s.step_seconds
+            - 1
+        )
+        for s in samples
+    )
+
+
+def refit_cluster(cluster: Any, store_path: Any, output: Any = None) -> tuple[Any, list[str]]:
+    """`stx plan --calibrate-from STORE [--output PROFILE]`: the cluster with its profile's corrections
+    refitted from the store's runs on this hardware, and the lines to print; with `output` the refitted
+    profile is written there (atomically) for `--hardware`."""
+    import datetime as dt
+
+    from ..errors import UsageError
+    from .hardware_profile import save_profile
+
+    profile = cluster.profile
+    if profile is None:
+        raise UsageError(
+            "--calibrate-from refits a hardware profile's corrections: give --hardware PROFILE "
+            "(stx calibrate writes one) or a device with a built-in profile"
+        )
+    samples, notes = samples_from_store(store_path, profile.name, profile.kind)
+    if len(samples) < MIN_RUNS:
+        raise UsageError(
+            f"--calibrate-from {store_path}: {len(samples)} usable run(s) for the profile {profile.name!r}, "
+            f"a refit needs at least {MIN_RUNS} (ok runs whose summary has a per-class prediction and "
+            "phase timers, measurement not suspect)" + "".join(f"; {n}" for n in notes)
+        )
+    new, fit_notes = refit_corrections(samples, profile.corrections)
+    when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    source = {
+        "store": str(store_path),
+        "runs": len(samples),
+        "date": when,
+        "previous": dict(profile.corrections),
+    }
+    refit = dataclasses.replace(profile, corrections=new, corrections_source=source)
+    lines = [
+        f"refit from {len(samples)} run(s) in {store_path}: "
+        + ", ".join(f"{c} {profile.correction(c):.3g} -> {new[c]:.3g}" for c in CLASSES),
+        f"median |error| of those runs' step time: {median_error(samples):.1%} before, "
+        f"{median_error(samples, new):.1%} after (bounds {BOUNDS[0]:g}..{BOUNDS[1]:g} per class)",
+        *notes,
+        *fit_notes,
+    ]
+    if output:
+        save_profile(refit, output)
+        lines.append(f"refitted profile written: {output} (use it with --hardware {output})")
+    return dataclasses.replace(cluster, profile=refit), lines
