@@ -180,7 +180,7 @@ def test_calibrate_from_this_cpus_sweep_lowers_the_error_on_the_next_sweep(
 ) -> None:
     """Fitted on one sweep of tiny GPTs on this CPU, judged on the other sweep's shapes (and the other
     way round); figures when written: 60.2% -> 54.8% and 41.5% -> 37.9% median |error|."""
-    from scalable_transformer.plan.refit import samples_from_store
+    from scalable_transformer.bench.refit_store import samples_from_store
 
     fit_store = tmp_path / "fit.sqlite"
     fixture_store(fit, fit_store)
@@ -215,3 +215,21 @@ def test_runs_predict_with_the_profile_the_environment_names(tmp_path: Path, mon
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.yaml"))
     out = run_prediction(cfg, 1, "cpu")
     assert set(out) == {"prediction_error"} and "missing.yaml" in out["prediction_error"]
+
+
+def test_a_cpu_run_predicts_from_cached_rates_only(tmp_path: Path, monkeypatch) -> None:
+    """Without a profile, a CPU run's prediction uses only rates earlier plans cached: on an empty
+    cache it says how to get them and measures nothing (the cache stays empty)."""
+    from scalable_transformer.config.load import load_config
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.metrics import cpu_rates
+    from scalable_transformer.plan.refit import PROFILE_ENV, run_prediction
+
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    monkeypatch.setenv("STX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_rates, "_MEASURED", {})
+    cfg = resolve(load_config("tiny-gpt", ["model.num_layers=1"]), world_size=1)
+    out = run_prediction(cfg, 1, "cpu")
+    assert set(out) == {"prediction_error"}
+    assert "not measured yet" in out["prediction_error"] and "stx plan" in out["prediction_error"]
+    assert not list((tmp_path / "cache").glob("*.json"))

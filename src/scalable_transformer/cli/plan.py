@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(opts.config, list(opts.overrides))
     cluster = build_cluster(opts, cfg.train.precision)
     if opts.calibrate_from is not None:
-        from ..plan.refit import refit_cluster
+        from ..bench.refit_store import refit_cluster
 
         cluster, lines = refit_cluster(cluster, opts.calibrate_from, opts.output)
         print("\n".join(lines), file=sys.stderr if opts.json else sys.stdout)

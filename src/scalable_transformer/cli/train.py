@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..config.load import load_config
     from ..parallel.cluster_env import apply as apply_cluster_env
+    from ..plan.refit import run_prediction
     from ..train.resilience import exit_status
     from ..train.run import run_training
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     apply_cluster_env()
     cfg = load_config(opts.config, list(opts.overrides))
     with usr1_outside_training() as early:
-        _, summary = run_training(cfg, callbacks=[early.callback()])
+        _, summary = run_training(cfg, callbacks=[early.callback()], predict=run_prediction)
     return exit_status(summary)
 
 

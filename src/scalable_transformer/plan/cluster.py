@@ -218,8 +218,8 @@ def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
 
     cores = os.cpu_count() or 1
     threads = max(1, cores // world_size)
+    bandwidth = cpu_rates.memory_bandwidth(threads)  # first: under cpu_rates.cached_only() it may stop here
     peak = cpu_peak(dtype, threads)
-    bandwidth = cpu_rates.memory_bandwidth(threads)
     if world_size > 1:
         busbw, latency = cpu_rates.gloo_rates(world_size)
     else:

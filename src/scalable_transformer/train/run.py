@@ -13,7 +13,7 @@ import random
 import shutil
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +81,22 @@ def rank_zero_first(dims: ParallelDims):
         dist.barrier()
 
 
+Predict = Callable[[Config, int, str], dict]
+
+
 def run_training(
-    cfg: Config, console: Console | None = None, callbacks: Sequence[Callback] = ()
+    cfg: Config,
+    console: Console | None = None,
+    callbacks: Sequence[Callback] = (),
+    predict: Predict | None = None,
 ) -> tuple[Path | None, dict]:
     """Train as the config says; return the run directory (None on ranks other than 0) and the summary.
 
     Under a launcher (WORLD_SIZE > 1) every rank calls this; the layout is checked before any
     process group work, and the process group is torn down on the way out, also after an error.
-    `callbacks` join the trainer's (see `train.trainer.Callback`).
+    `callbacks` join the trainer's (see `train.trainer.Callback`). `predict(resolved config, world
+    size, device type)` gives summary.json's `prediction` (or `prediction_error`): `stx train` passes
+    the planner's (plan/refit.py `run_prediction`), which this layer does not import.
     """
     start = time.perf_counter()
     console = console or Console(highlight=False, soft_wrap=True)
@@ -100,7 +108,7 @@ def run_training(
     created = init_distributed(device, cfg.parallel.timeout_minutes, needed=needs_group)
     try:
         dims = ParallelDims.build(sizes, device.type)  # the one topology object of this run
-        return _run(cfg, console, device, dims, start, callbacks)
+        return _run(cfg, console, device, dims, start, callbacks, predict)
     finally:
         shutdown_distributed(created)
 
@@ -126,6 +134,7 @@ def _run(
     dims: ParallelDims,
     start: float,
     callbacks: Sequence[Callback],
+    predict: Predict | None = None,
 ) -> tuple[Path | None, dict]:
     cfg, tokenizer = _resolved(raw, dims)
     resume = open_resume(cfg)  # a bad checkpoint or save directory fails here, before anything runs
@@ -152,7 +161,7 @@ def _run(
         trainer.sinks.close()
         if built.watchdog is not None:  # also after a failure: no thread or heartbeat left behind
             built.watchdog.close()
-    return _finish(cfg, built, history, console, dims, start, first_iteration)
+    return _finish(cfg, built, history, console, dims, start, first_iteration, predict)
 
 
 def _resolved(raw: Config, dims: ParallelDims) -> tuple[ResolvedConfig, Any]:
@@ -263,6 +272,7 @@ def _finish(
     dims: ParallelDims,
     start: float,
     first_iteration: int,
+    predict: Predict | None = None,
 ) -> tuple[Path | None, dict]:
     """summary.json (written once, by rank 0) and the closing lines; every rank takes part in the
     per-rank gathers."""
@@ -290,7 +300,7 @@ def _finish(
     if run_dir is None:
         return None, summary
     summary.update(with_segment(read_previous_summary(run_dir), segment))
-    summary.update(step_prediction(cfg, history, world, device))
+    summary.update(step_prediction(cfg, history, world, device, predict))
     write_json(run_dir / "summary.json", summary)
     print_done(console, summary, run_dir, history.peak_memory_method)
     print_observations(console, summary, built.callbacks)
@@ -299,14 +309,13 @@ def _finish(
     return run_dir, summary
 
 
-def step_prediction(cfg: ResolvedConfig, history: Any, world: int, device: torch.device) -> dict[str, Any]:
-    """The planner's step time for this run beside its measurement (plan/refit.py): `prediction`
-    (seconds per step, by part and op class, and the hardware it assumed) or `prediction_error`; and
-    the spread of the measured iteration times (interquartile range after warm-up, seconds), the noise
-    `stx report` compares repeats against."""
-    from ..plan.refit import run_prediction
-
-    out = run_prediction(cfg, world, device.type)
+def step_prediction(
+    cfg: ResolvedConfig, history: Any, world: int, device: torch.device, predict: Predict | None
+) -> dict[str, Any]:
+    """The planner's step time for this run beside its measurement (`predict`, see `run_training`)
+    and the spread of the measured iteration times (interquartile range after warm-up, seconds), the
+    noise `stx report` compares repeats against."""
+    out = predict(cfg, world, device.type) if predict is not None else {}
     times = list(history.iteration_seconds)
     window = times[cfg.logging.warmup_iters :] if len(times) > cfg.logging.warmup_iters else times
     if len(window) >= 4:
