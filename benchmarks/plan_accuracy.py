@@ -80,16 +80,40 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 }  # fmt: skip
 
 
-def predict(base: str, nproc: int, overrides: list[str]) -> dict:
+def predict(
+    base: str, nproc: int, overrides: list[str], profiles: dict[int, str], probe: bool = True
+) -> dict:
+    """The planner's prediction: memory and the probed step time on this CPU; the time model's step
+    (`--no-probe`) on `cpu_cluster` or, where `profiles` has one for `nproc` processes (`--hardware`),
+    on that hardware profile (`stx calibrate`'s)."""
     from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.cluster import cpu_cluster
+    from scalable_transformer.plan.cluster import cpu_cluster, load_hardware, with_nodes
     from scalable_transformer.plan.search import plan_config
 
     cfg = load_config(base, overrides)
     cluster = cpu_cluster(nproc, cfg.train.precision)
-    rate = plan_config(cfg, cluster).to_dict()
-    probed = plan_config(cfg, cluster, probe=True, remeasure=True).to_dict()
-    return {**probed, "rate_model_step_seconds": rate["step_seconds"]}
+    timed = with_nodes(load_hardware(profiles[nproc]), 1, nproc) if nproc in profiles else cluster
+    rate = plan_config(cfg, timed).to_dict()
+    probed = plan_config(cfg, cluster, probe=True, remeasure=True).to_dict() if probe else rate
+    return {
+        **probed,
+        "rate_model_step_seconds": rate["step_seconds"],
+        "rate_model_classes": rate["time_classes_seconds"],
+        "rate_model_source": profiles.get(nproc, "cpu_cluster (metrics/cpu_rates.py)"),
+    }
+
+
+def _profiles(paths: list[str]) -> dict[int, str]:
+    """--hardware files by the process count their fingerprint was measured with."""
+    from scalable_transformer.plan.hardware_profile import load_profile
+
+    out = {}
+    for path in paths:
+        processes = load_profile(path).fingerprint.get("processes")
+        if not isinstance(processes, int):
+            raise SystemExit(f"{path}: fingerprint.processes is not set; cannot match it to a layout")
+        out[processes] = path
+    return out
 
 
 def measure(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Path, timeout: float) -> dict:
@@ -159,8 +183,15 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         "`--search` and `--no-probe` use) is in its own column. Targets: memory within 10%, step time "
         "within 25%. The last column shows the 1-minute load average before and after each run.",
         "",
+        "Time-model column: "
+        + (
+            ", ".join(f"{n} process(es): `{f}`" for n, f in sorted(_profiles(args.hardware).items()))
+            or "this CPU's cached rates (metrics/cpu_rates.py)"
+        )
+        + ".",
+        "",
         "| layout | processes | predicted MiB | measured MiB | memory error | predicted s/step | "
-        "measured s/step | time error | rate model s/step (error) | load before / after |",
+        "measured s/step | time error | time model s/step (error) | load before / after |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     mem_ok = time_ok = total = 0
@@ -220,7 +251,21 @@ def main() -> int:
     p.add_argument("--output", default=str(ROOT / "benchmarks/results/plan_accuracy.md"))
     p.add_argument("--json", help="also write the raw rows as JSON here")
     p.add_argument("--stx", help="the stx command (default: the one beside this python)")
+    p.add_argument(
+        "--hardware",
+        action="append",
+        default=[],
+        metavar="PROFILE",
+        help="a hardware profile (stx calibrate) for the time-model column, used for the layouts of the "
+        "process count it was measured with; repeat for several counts",
+    )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="skip the depth probes: the predicted column is the time model's",
+    )
     args = p.parse_args()
+    profiles = _profiles(args.hardware)
     if args.warmup < 3:
         p.error("--warmup must be >= 3: the first 3 steps run under the memory profiler")
     stx = args.stx or str(Path(sys.executable).parent / "stx")
@@ -243,7 +288,7 @@ def main() -> int:
                 f"logging.warmup_iters={args.warmup}",
             ]
             load_before = os.getloadavg()[0]
-            predicted = predict(base, nproc, overrides)
+            predicted = predict(base, nproc, overrides, profiles, probe=not args.no_probe)
             measured = measure(stx, base, nproc, overrides, Path(tmp) / name, args.timeout)
             rows.append(
                 {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 
 import pytest
 import yaml
@@ -169,3 +170,73 @@ def test_hardware_option_accepts_a_profile_or_a_cluster_file(tmp_path):
     assert cluster.device.inter_node_bandwidth == pytest.approx(25e9)  # 4 NICs x 25 GB/s over 4 devices
     (tmp_path / "cluster.yaml").write_text("name: x\ndevice: a100-40gb\n")
     assert load_hardware(tmp_path / "cluster.yaml").profile is None
+
+
+@pytest.mark.parametrize("device", ["a100-40gb", "a100-80gb", "h100-sxm", "h200-sxm"])
+def test_builtin_profiles_load_and_cite_every_point(device):
+    from scalable_transformer.plan.cluster import table_cluster
+
+    cluster = table_cluster(device, 1)
+    prof = cluster.profile
+    assert prof is not None and prof.kind == "gpu" and prof.name == device
+    assert all(p.source for p in (*prof.gemm, *prof.attention, *prof.collectives))
+    # the interpolated lookups give finite, physical rates below the peaks
+    assert 0 < prof.gemm_rate(4096, 4096, 4096, "bf16") <= prof.peak("bf16")
+    assert 0 < prof.attention_rate("flash", "bf16", 2048, 128, True, "bwd") <= prof.peak("bf16")
+    assert 0 < prof.collective_seconds("reduce_scatter", "intra_node", 8, 2**30) < 1.0
+
+
+def _gpt(tp: int = 1, zero: int = 0, recompute: str = "none"):
+    from scalable_transformer.config.load import load_config
+
+    return load_config(
+        "gpt-13b",
+        [f"parallel.tp={tp}", f"parallel.zero_stage={zero}", f"parallel.activation_checkpointing={recompute}",
+         "train.global_batch_size=64", "parallel.dp=-1"],
+    )  # fmt: skip
+
+
+def test_step_time_classes_sum_to_the_breakdown_and_corrections_scale_them():
+    import dataclasses
+
+    from scalable_transformer.plan.cluster import table_cluster
+    from scalable_transformer.plan.search import prepare
+    from scalable_transformer.plan.speed import OP_CLASSES, PHASES, step_time
+
+    cluster = table_cluster("a100-80gb", 2, 8)
+    cfg = prepare(_gpt(tp=2, zero=3, recompute="full"), cluster.world_size)
+    st = step_time(cfg, cluster)
+    assert set(st.classes) <= set(PHASES) and {"forward", "backward", "grads_sync"} <= set(st.classes)
+    assert all(set(by) <= set(OP_CLASSES) for by in st.classes.values())
+    total = sum(sum(by.values()) for by in st.classes.values())
+    assert total == pytest.approx(st.total)
+    # full recompute: backward holds a forward more of every class
+    assert st.classes["backward"]["gemm"] > 2.5 * st.classes["forward"]["gemm"]
+    assert st.classes["tp_communication"]["communication"] > 0
+    prof = cluster.profile
+    assert prof is not None
+    doubled = dataclasses.replace(prof, corrections={**prof.corrections, "gemm": 2.0})
+    st2 = step_time(cfg, dataclasses.replace(cluster, profile=doubled))
+    assert st2.classes["forward"]["gemm"] == pytest.approx(2 * st.classes["forward"]["gemm"])
+    assert st2.classes["forward"]["attention"] == pytest.approx(st.classes["forward"]["attention"])
+
+
+def test_gpu_validation_runs_on_a_few_rows(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_gpu_validation.py"
+    spec = importlib.util.spec_from_file_location("plan_gpu_validation", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plan_gpu_validation"] = module  # dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["plan_gpu_validation"]
+    out = tmp_path / "v.md"
+    assert module.main(["--limit", "1", "--output", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "%" in line]
+    assert len(rows) >= 4  # one row of each source the model expresses
+    errors = [float(line.split("|")[9].strip().rstrip("%")) for line in rows]
+    assert all(math.isfinite(e) for e in errors)

@@ -83,6 +83,7 @@ def table_cluster(
         raise ConfigError(str(e)) from None
     key = _normalize_name(device)
     per_node = devices_per_node or spec.devices_per_node
+    profile = builtin_profile(key)
     return Cluster(
         name=f"{nodes} x {per_node} {key}",
         kind="gpu",
@@ -93,7 +94,23 @@ def table_cluster(
         host_memory_bytes=int(host_memory_gb * GIB) if host_memory_gb else None,
         reserve_bytes=GPU_RESERVE_BYTES,
         source=spec.source,
+        profile=profile,
     )
+
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+_BUILTIN: dict[str, HardwareProfile | None] = {}
+
+
+def builtin_profile(device_key: str) -> HardwareProfile | None:
+    """The shipped hardware profile of a table device (plan/profiles/<key>.yaml, built from public
+    kernel data by benchmarks/build_gpu_profiles.py), or None for a device without one."""
+    if device_key not in _BUILTIN:
+        from .hardware_profile import load_profile
+
+        path = PROFILES_DIR / f"{device_key}.yaml"
+        _BUILTIN[device_key] = load_profile(path) if path.exists() else None
+    return _BUILTIN[device_key]
 
 
 _YAML_KEYS = {

@@ -17,7 +17,7 @@ from .layout import Layout
 from .memory_model import StageMemory, stage_memory
 from .speed import StepTime, step_time
 
-RATE_MODEL = "rate model (plan/speed.py)"
+RATE_MODEL = "time model by op class (plan/speed.py)"
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,8 @@ class Prediction:
                 **self.time.breakdown,
                 "dp_overlapped": self.time.dp_overlapped_seconds,
             },
+            # phase -> op class -> seconds (plan/speed.py), for comparing with measured phase timers
+            "time_classes_seconds": self.time.classes,
             "stage_peak_memory_bytes": [st.total for st in self.stages],
             "time_method": self.time_method,
             **({"dry_run": self.dry_run} if self.dry_run is not None else {}),
@@ -114,7 +116,9 @@ def predict(
                 f"host OOM: offloaded states {_gib(host_total)} per node > {_gib(cluster.host_memory_bytes)}"
             )
     st = step_time(cfg, cluster)
-    method = RATE_MODEL
+    method = RATE_MODEL + (
+        f", hardware profile {cluster.profile.name}" if cluster.profile is not None else ""
+    )
     if probe and cluster.kind == "cpu":
         from .probe import ProbeError, probe_step_time
 

@@ -1,37 +1,55 @@
-"""Seconds per optimizer step of a layout, by part: compute (GEMMs at a size-dependent efficiency,
-memory-bound elementwise work, per-op overhead), tensor-parallel collectives, data-parallel/FSDP
-collectives and how much of them overlaps, the pipeline bubble and point-to-point sends, the
-optimizer, offload transfers. docs/PLANNER.md gives every formula and its source.
+"""Seconds per optimizer step of a layout, by phase and op class (docs/PLANNER.md#the-time-model).
 
-Legend as memory_model.py; m micro-batches per step, d data-parallel size, B bytes.
+Per layer and micro-batch, forward and backward: every GEMM at its own (M, N, K) on the hardware
+profile's efficiency surface; attention by kernel at the profile's attention rate; memory-bound work
+(norms, activations, residual adds, dropout, the vocabulary's fp32 log-softmax) as bytes moved at the
+achievable bandwidth; a fixed cost per dispatched op and per FSDP unit; recomputation under activation
+checkpointing. Then tensor-, data- and pipeline-parallel collectives from the profile's curves
+(intra- or inter-node by where the group's members sit), the data-parallel share hidden behind
+backward, the pipeline bubble, the optimizer as bytes moved, offload over the host link.
+
+`profile.corrections[class]` multiplies each class's seconds. A cluster without a profile (a CPU not
+calibrated yet, a table device without a built-in profile) reads the same lookups from `_TableRates`.
+
+Legend: b micro-batch, s sequence, h hidden, f MLP inner size, n heads, g key/value groups, d head
+dim, v padded vocabulary, t/p/d tensor/pipeline/data-parallel sizes, m micro-batches per step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..config.model_shapes import ModelShape, stage_params
+from ..config.model_shapes import ModelShape, gated_mlp, query_groups, stage_params, vocab
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
-from .memory_model import DTYPE_BYTES, activation_model, config_layer_bytes, optimizer_bytes_per_param
+from .memory_model import DTYPE_BYTES, activation_model, optimizer_bytes_per_param
 
 # torch ops per transformer layer per micro-batch (counted with torch.profiler on our TransformerBlock:
 # forward about 30 dispatched ops, backward about 45); the embedding, head and loss about 60 more.
 OPS_FORWARD_PER_LAYER = 30
 OPS_BACKWARD_PER_LAYER = 45
 OPS_ENDS = 60
-# GPU GEMM efficiency: eff_max * n / (n + n_half) with n the smallest GEMM dimension (rows b*s or
-# the sharded output columns). 0.8 and 192 fit the A100 cuBLAS bf16 curve (NVIDIA's "Matrix
-# multiplication background" guide: ~75-85% of peak from ~1k, half rate near 128-256).
+# Without a built-in profile (a table device such as h100-pcie): GEMM efficiency
+# eff_max * n / (n + n_half) in the smallest dimension, the old rate model's curve.
 GPU_EFF_MAX = 0.8
 GPU_N_HALF = 192.0
-# Launch/dispatch cost of one kernel on a GPU (host side, mostly hidden behind the queue).
 GPU_OP_SECONDS = 4e-6
-# Share of a data-parallel collective that a GPU overlaps with backward (buckets) or the next
-# unit's compute (FSDP2 prefetch); gloo on a CPU shares the cores with compute: no overlap.
-GPU_OVERLAP = 0.85
+# A two-socket host's stream bandwidth for CPU Adam under offload, order of magnitude (docs/PLANNER.md)
+HOST_BANDWIDTH = 100e9
+PHASES = (
+    "forward",
+    "backward",
+    "optimizer",
+    "grads_sync",
+    "tp_communication",
+    "pipeline_bubble",
+    "pipeline_p2p",
+    "offload",
+)
+OP_CLASSES = ("gemm", "attention", "memory_bound", "overhead", "communication")
 
 
 @dataclass(frozen=True)
@@ -40,164 +58,510 @@ class StepTime:
     model_flops: float  # per step, all devices (megatron convention)
     hardware_flops: float
     dp_overlapped_seconds: float = 0.0  # data-parallel communication hidden behind compute
+    # phase -> op class -> seconds per step (corrections applied); sums to `total`
+    classes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return sum(self.breakdown.values())
 
 
-def _ring(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Ring collective time: all-reduce 2 (n-1)/n B / bw, reduce-scatter and all-gather (n-1)/n B / bw
-    (B = the full tensor's bytes), plus (n - 1) latency hops (2 (n - 1) for all-reduce)."""
-    if n <= 1:
-        return 0.0
-    factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-    hops = 2 * (n - 1) if kind == "all-reduce" else n - 1
-    return factor * nbytes / bandwidth + hops * latency
+# ------------------------------------------------------------------------------------------- rates
 
 
-def _link(cluster: Cluster, group: int, stride: int) -> float:
-    """Bandwidth of a group of `group` ranks whose members are `stride` ranks apart: intra-node
-    while the group fits in a node, else the inter-node bandwidth (the slowest link crossed)."""
-    return (
-        cluster.device.intra_node_bandwidth
-        if group * stride <= cluster.devices_per_node
-        else (cluster.device.inter_node_bandwidth)
-    )
+class _ProfileRates:
+    """The lookups the model makes, from a hardware profile."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        assert cluster.profile is not None
+        self.cluster, self.profile = cluster, cluster.profile
+        self.bandwidth = self.profile.memory_bound.bandwidth_gbps * 1e9
+        self.op_seconds = self.profile.memory_bound.op_overhead_us * 1e-6
+        self.unit_seconds = self.profile.memory_bound.unit_overhead_us * 1e-6
+        self.host_link = self.profile.host_link_gbps * 1e9
+        self._gemm: dict[tuple, float] = {}
+        self._coll: dict[tuple, float] = {}
+
+    def gemm(self, m: int, n: int, k: int, dtype: str) -> float:
+        key = (m, n, k, dtype)
+        if key not in self._gemm:
+            self._gemm[key] = self.profile.gemm_rate(m, n, k, dtype)
+        return self._gemm[key]
+
+    def linear(self, m: int, n: int, k: int, dtype: str) -> tuple[float, float, float]:
+        """FLOP/s of a linear layer's forward (M, N, K), grad-input (M, K, N) and grad-weight (N, K, M)."""
+        return self.gemm(m, n, k, dtype), self.gemm(m, k, n, dtype), self.gemm(n, k, m, dtype)
+
+    def attention(self, kernel: str, dtype: str, s: int, d: int, causal: bool, pass_: str) -> float | None:
+        if not self.profile.attention:
+            return None
+        key = ("attention", kernel, dtype, s, d, causal, pass_)
+        if key not in self._gemm:
+            self._gemm[key] = self.profile.attention_rate(kernel, dtype, s, d, causal, pass_)
+        return self._gemm[key]
+
+    def collective(self, op: str, ranks: int, nbytes: float, stride: int) -> float:
+        """Seconds of one collective of `ranks` ranks `stride` ranks apart (a group that fits in a node
+        is intra-node; else the inter-node curve, or the intra-node one with the bandwidth term at
+        most the NICs the group's members on one node share). Memoized: a search asks thousands of times."""
+        if ranks <= 1:
+            return 0.0
+        key = (op, ranks, nbytes, stride)
+        hit = self._coll.get(key)
+        if hit is None:
+            hit = self._coll[key] = self._collective(op, ranks, nbytes, stride)
+        return hit
+
+    def _collective(self, op: str, ranks: int, nbytes: float, stride: int) -> float:
+        per_node = self.cluster.devices_per_node
+        if ranks * stride <= per_node or self.cluster.nodes == 1:
+            return self.profile.collective_seconds(op, "intra_node", ranks, nbytes)
+        if any(p.scope == "inter_node" for p in self.profile.collectives):
+            return self.profile.collective_seconds(op, "inter_node", ranks, nbytes)
+        local = max(1, min(ranks, per_node // stride))  # the group's members on one node
+        topo = self.profile.topology
+        share = topo.get("nics_per_node", per_node) * topo.get("nic_gbps", 25.0) * 1e9 / per_node
+        bw = local * share
+        factor = 2 * (ranks - 1) / ranks if op == "all_reduce" else (ranks - 1) / ranks
+        if op == "send_recv":
+            factor, bw = 1.0, share
+        intra = self.profile.collective_seconds(op, "intra_node", ranks, nbytes)
+        return max(intra, factor * nbytes / bw)
 
 
-def _gemm_rate(cluster: Cluster, rows: int, k: int, cols: int, dtype: str) -> float:
-    if cluster.kind == "cpu":
-        import os
+class _TableRates(_ProfileRates):
+    """Without a profile: a CPU's rates measured here per shape (metrics/cpu_rates.py, cached), or a
+    table GPU's peak on the old saturating efficiency curve, ring collectives at the table links."""
 
-        from ..metrics.cpu_rates import gemm_rate
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.bandwidth = cluster.device.memory_bandwidth
+        self.op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS
+        self.unit_seconds = 0.0
+        self.host_link = cluster.device.host_link_bandwidth
+        self._gemm = {}
+        self._coll = {}
 
-        rate = gemm_rate(rows, k, cols, dtype, cluster.threads)
-        cores = os.cpu_count() or 1
-        # more processes than cores (each with one thread) time-share them
-        return rate * min(1.0, cores / (cluster.devices_per_node * cluster.threads))
-    n = min(rows, cols, k)
-    return cluster.peak(dtype) * GPU_EFF_MAX * n / (n + GPU_N_HALF)
+    def gemm(self, m: int, n: int, k: int, dtype: str) -> float:
+        key = (m, n, k, dtype)
+        if key in self._gemm:
+            return self._gemm[key]
+        c = self.cluster
+        if c.kind == "cpu":
+            import os
 
+            from ..metrics.cpu_rates import gemm_rate
 
-def step_time(cfg: Config, cluster: Cluster) -> StepTime:
-    mc, p, t = cfg.model, cfg.parallel, cfg.train
-    assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
-    dtype = t.precision
-    e = DTYPE_BYTES[dtype]
-    b, s, h, f = t.micro_batch_size, mc.seq_length, mc.hidden_size, mc.ffn_hidden_size
-    tp, pp, dp, m, v = p.tp, p.pp, p.dp, t.gradient_accumulation_steps, p.virtual_pipeline_stages
-    world = tp * pp * dp
-    flops = flops_per_iteration(
-        ModelShape.from_config(mc), t.global_batch_size or b * m * dp, "megatron", p.activation_checkpointing
-    )
-    hw_per_device = flops.hardware_flops / world
-    rate = _gemm_rate(cluster, b * s, h, f // tp, dtype)
-    compute_gemm = hw_per_device / rate
-
-    # memory-bound work: every saved byte is written in forward and read (and its gradient written)
-    # in backward, about 3 passes over the activations
-    am = activation_model(cfg, cluster.kind)
-    layers_per_rank = mc.num_layers / pp
-    act_layer = config_layer_bytes(cfg, "none", am)
-    recompute_pass = 1.0 if p.activation_checkpointing == "full" else 0.0
-    elementwise = (3 + recompute_pass) * act_layer * layers_per_rank * m / cluster.device.memory_bandwidth
-    op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS
-    ops = (OPS_FORWARD_PER_LAYER * (1 + recompute_pass) + OPS_BACKWARD_PER_LAYER) * layers_per_rank + OPS_ENDS
-    overhead = ops * m * op_seconds
-    compute = compute_gemm + elementwise + overhead
-
-    parts: dict[str, float] = {"compute": compute}
-    lat = cluster.comm_latency
-    # tensor parallel: 2 all-reduces forward and 2 backward per layer (SP: all-gather + reduce-scatter,
-    # the same bytes), more for the embedding and the logits; a forward more under full recompute
-    if tp > 1:
-        bw = _link(cluster, tp, 1)
-        per = b * s * h * e
-        n_coll = (4 + 2 * recompute_pass) * layers_per_rank + 2
-        if p.sequence_parallel:
-            one = _ring("all-gather", per, tp, bw, lat) + _ring("reduce-scatter", per, tp, bw, lat)
-            parts["tp_communication"] = n_coll / 2 * one * m
-            if p.activation_checkpointing != "full":
-                # the qkv and up inputs, kept as 1/t slices, gathered again in backward
-                again = 2 * layers_per_rank * _ring("all-gather", per, tp, bw, lat) * m
-                parts["tp_communication"] += again
+            rate = gemm_rate(m, k, n, dtype, c.threads)
+            # more processes than cores (each with one thread) time-share them
+            rate *= min(1.0, (os.cpu_count() or 1) / (c.devices_per_node * c.threads))
         else:
-            parts["tp_communication"] = n_coll * _ring("all-reduce", per, tp, bw, lat) * m
-        if p.activation_checkpointing == "full" and p.distribute_saved_activations:
-            # each checkpointed input gathered from its 1/t slices before the recomputation
-            inputs = layers_per_rank / p.checkpoint_num_layers
-            whole = am.residual_bytes * b * s * h
-            parts["tp_communication"] += inputs * _ring("all-gather", whole, tp, bw, lat) * m
-    if p.activation_checkpointing == "full" and p.cpu_checkpointing and cluster.kind == "gpu":
-        # each checkpointed input to the host in forward and back before its recomputation
-        inputs = layers_per_rank / p.checkpoint_num_layers
-        kept = (
-            am.residual_bytes
-            * b
-            * s
-            * h
-            / (tp if p.sequence_parallel or p.distribute_saved_activations else 1)
+            small = min(m, n, k)
+            rate = c.peak(dtype) * GPU_EFF_MAX * small / (small + GPU_N_HALF)
+        self._gemm[key] = rate
+        return rate
+
+    def linear(self, m: int, n: int, k: int, dtype: str) -> tuple[float, float, float]:
+        if self.cluster.kind != "cpu":
+            return super().linear(m, n, k, dtype)
+        rate = self.gemm(m, n, k, dtype)  # measured over the layer's three GEMMs together
+        return rate, rate, rate
+
+    def attention(self, kernel: str, dtype: str, s: int, d: int, causal: bool, pass_: str) -> float | None:
+        return None  # the attention core's GEMMs at the GEMM rate
+
+    def collective(self, op: str, ranks: int, nbytes: float, stride: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        c = self.cluster
+        inside = ranks * stride <= c.devices_per_node
+        bw = c.device.intra_node_bandwidth if inside else c.device.inter_node_bandwidth
+        if op == "send_recv":
+            return nbytes / bw + c.comm_latency
+        factor = 2 * (ranks - 1) / ranks if op == "all_reduce" else (ranks - 1) / ranks
+        hops = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+        return factor * nbytes / bw + hops * c.comm_latency
+
+
+_RATES: dict[int, tuple[Cluster, _ProfileRates]] = {}
+
+
+def _rates(cluster: Cluster) -> _ProfileRates:
+    """The cluster's lookups, kept per cluster object (a search evaluates thousands of layouts on one;
+    the entry holds the cluster, so its id cannot be reused while the entry lives)."""
+    hit = _RATES.get(id(cluster))
+    if hit is None or hit[0] is not cluster:
+        if len(_RATES) > 64:
+            _RATES.clear()
+        rates = _ProfileRates(cluster) if cluster.profile is not None else _TableRates(cluster)
+        hit = _RATES[id(cluster)] = (cluster, rates)
+    return hit[1]
+
+
+# ---------------------------------------------------------------------------------- per-layer work
+
+
+class _Tally:
+    """Seconds by (phase, op class), before corrections."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    def add(self, phase: str, op_class: str, seconds: float) -> None:
+        if seconds:
+            by_class = self.seconds.setdefault(phase, {})
+            by_class[op_class] = by_class.get(op_class, 0.0) + seconds
+
+    def phase(self, phase: str) -> float:
+        return sum(self.seconds.get(phase, {}).values())
+
+
+@dataclass(frozen=True)
+class _Shape:
+    b: int
+    s: int
+    h: int
+    f: int
+    n: int
+    g: int
+    d: int
+    v: int
+    tp: int
+    e: int  # bytes of an activation element
+    dtype: str
+    gated: bool
+    causal: bool
+    kernel: str
+    dropout: bool
+    sp: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+
+def _layer_gemms(sh: _Shape) -> list[tuple[int, int, int]]:
+    """(M, N, K) of one layer's forward GEMMs on one tensor-parallel rank: qkv, proj, fc1 (gate and up
+    as one GEMM when gated), fc2."""
+    t, tokens = sh.tp, sh.tokens
+    qkv = (sh.n + 2 * sh.g) * sh.d
+    up = (2 if sh.gated else 1) * sh.f
+    return [
+        (tokens, qkv // t, sh.h),
+        (tokens, sh.h, sh.n * sh.d // t),
+        (tokens, up // t, sh.h),
+        (tokens, sh.h, sh.f // t),
+    ]
+
+
+def _gemm_seconds(rates: _ProfileRates, gemms: list[tuple[int, int, int]], dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds: each forward (M, N, K) and its two backward GEMMs, grad-input
+    (M, K, N) and grad-weight (N, K, M), each 2 M N K FLOPs at its own rate."""
+    fwd = bwd = 0.0
+    for m, n, k in gemms:
+        flops = 2.0 * m * n * k
+        forward, grad_input, grad_weight = rates.linear(m, n, k, dtype)
+        fwd += flops / forward
+        bwd += flops / grad_input + flops / grad_weight
+    return fwd, bwd
+
+
+def _attention_seconds(rates: _ProfileRates, sh: _Shape) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of one layer on one rank: forward
+    4 b s^2 (n / t) d FLOPs, halved when causal; backward 2.5x (flash-attention's convention)."""
+    heads = sh.n / sh.tp
+    fwd_flops = 4.0 * sh.b * sh.s * sh.s * heads * sh.d * (0.5 if sh.causal else 1.0)
+    fwd_rate = rates.attention(sh.kernel, sh.dtype, sh.s, sh.d, sh.causal, "fwd")
+    bwd_rate = rates.attention(sh.kernel, sh.dtype, sh.s, sh.d, sh.causal, "bwd")
+    if fwd_rate is None or bwd_rate is None:
+        # no attention points: the two batched GEMMs (q k^T and p v) at the GEMM rate; the causal
+        # mask saves nothing on the math path, and its softmax is memory-bound work (_layer_bytes)
+        rate = rates.gemm(sh.s, sh.s, sh.d, sh.dtype)
+        full = 4.0 * sh.b * sh.s * sh.s * heads * sh.d
+        return full / rate, 2 * full / rate
+    return fwd_flops / fwd_rate, 2.5 * fwd_flops / bwd_rate
+
+
+def _layer_bytes(sh: _Shape) -> float:
+    """Bytes a layer's memory-bound ops move in forward on one rank (backward: twice, reading the
+    gradient and the saved input, writing the input's gradient): two norms in fp32 (read the
+    stream, write the normed input), the activation (gated: two inputs), two residual adds (read
+    two, write one), two hidden dropouts (read, write, mask), rotary/bias work folded into the
+    GEMMs; the math attention path's softmax over s^2 scores in fp32."""
+    seq_shard = sh.tp if sh.sp else 1
+    per_pos = sh.h / seq_shard
+    norms = 2 * (4 + sh.e) * per_pos
+    act = (3 if sh.gated else 2) * sh.e * sh.f / sh.tp
+    residual = 2 * 3 * sh.e * per_pos
+    dropout = 2 * (2 * sh.e + 1) * per_pos if sh.dropout else 0.0
+    softmax = 0.0
+    if sh.kernel == "math":
+        softmax = (sh.n / sh.tp) * sh.s * 3 * 4  # read scores, write probabilities, fp32
+    return sh.tokens * (norms + act + residual + dropout + softmax)
+
+
+def _shape(cfg: Config, kind: str) -> _Shape:
+    mc, p = cfg.model, cfg.parallel
+    assert mc.ffn_hidden_size is not None
+    am = activation_model(cfg, kind)
+    kernel = "flash" if am.flash else "math"
+    return _Shape(
+        b=cfg.train.micro_batch_size,
+        s=mc.seq_length,
+        h=mc.hidden_size,
+        f=mc.ffn_hidden_size,
+        n=mc.num_attention_heads,
+        g=query_groups(mc),
+        d=mc.hidden_size // mc.num_attention_heads,
+        v=vocab(mc),
+        tp=p.tp,
+        e=DTYPE_BYTES[cfg.train.precision],
+        dtype=cfg.train.precision,
+        gated=gated_mlp(mc),
+        causal=mc.type == "gpt",
+        kernel=kernel,
+        dropout=mc.hidden_dropout > 0,
+        sp=p.sequence_parallel,
+    )
+
+
+def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str, dict[str, float]]:
+    """Seconds of one layer on one rank for one micro-batch: {"forward"|"backward": {class: s}}; the
+    recomputed forward (full: the whole layer; selective: the attention core) counts in backward."""
+    g_f, g_b = _gemm_seconds(rates, _layer_gemms(sh), sh.dtype)
+    a_f, a_b = _attention_seconds(rates, sh)
+    mem = _layer_bytes(sh) / rates.bandwidth
+    fwd = {
+        "gemm": g_f,
+        "attention": a_f,
+        "memory_bound": mem,
+        "overhead": OPS_FORWARD_PER_LAYER * rates.op_seconds,
+    }
+    bwd = {
+        "gemm": g_b,
+        "attention": a_b,
+        "memory_bound": 2 * mem,
+        "overhead": OPS_BACKWARD_PER_LAYER * rates.op_seconds,
+    }
+    if recompute == "full":
+        for k, v in fwd.items():
+            bwd[k] += v
+    elif recompute == "selective":
+        bwd["attention"] += a_f
+    return {"forward": fwd, "backward": bwd}
+
+
+def _ends_compute(rates: _ProfileRates, sh: _Shape, first: bool, last: bool) -> dict[str, dict[str, float]]:
+    """The embedding (first stage: a gather, memory-bound) and the logits GEMM with the fp32
+    log-softmax over the vocabulary (last stage), per micro-batch."""
+    fwd = dict.fromkeys(OP_CLASSES[:4], 0.0)
+    bwd = dict.fromkeys(OP_CLASSES[:4], 0.0)
+    if first:
+        fwd["memory_bound"] += sh.tokens * sh.h * sh.e * 2 / rates.bandwidth
+        bwd["memory_bound"] += sh.tokens * sh.h * (sh.e + 4) / rates.bandwidth
+    if last:
+        g_f, g_b = _gemm_seconds(rates, [(sh.tokens, sh.v // sh.tp, sh.h)], sh.dtype)
+        fwd["gemm"] += g_f
+        bwd["gemm"] += g_b
+        logits = sh.tokens * sh.v / sh.tp
+        # forward: read the logits, write fp32 log-probabilities; backward: read them, write the
+        # gradient in the logits' dtype (16 bytes per logit over the step, fp32 as torch computes it)
+        fwd["memory_bound"] += logits * (sh.e + 4) / rates.bandwidth
+        bwd["memory_bound"] += logits * (4 + 4 + sh.e) / rates.bandwidth
+    fwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
+    bwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
+    return {"forward": fwd, "backward": bwd}
+
+
+# ------------------------------------------------------------------------------------- the step
+
+
+def _stage_compute(cfg: Config, rates: _ProfileRates, sh: _Shape) -> tuple[dict[str, dict[str, float]], Any]:
+    """Per-micro-batch forward/backward seconds by class of the slowest pipeline rank, and its
+    StageParams (the parameters it holds, for the data-parallel collectives)."""
+    mc, p = cfg.model, cfg.parallel
+    layer = _layer_compute(rates, sh, p.activation_checkpointing)
+    best: tuple[float, dict[str, dict[str, float]], Any] | None = None
+    for r in range(p.pp) if p.pipeline_layers else sorted({0, p.pp - 1}):
+        sp_ = stage_params(
+            mc, p.tp, p.pp, r, p.virtual_pipeline_stages, p.pipeline_schedule, p.pipeline_layers
         )
-        parts["checkpoint_transfers"] = 2 * inputs * kept * m / cluster.device.host_link_bandwidth
-    # data parallel: gradients once per step; FSDP2 gathers parameters every micro-batch
-    stage = max(
-        (
-            stage_params(mc, tp, pp, r, v, p.pipeline_schedule, p.pipeline_layers)
-            for r in (range(pp) if p.pipeline_layers else {0, pp - 1})
-        ),
-        key=lambda sp_: sp_.total,
-    )
-    P = stage.total
-    if dp > 1:
-        bw = _link(cluster, dp, tp * pp)
-        grad_bytes = DTYPE_BYTES[p.grad_reduce_dtype] * P
-        gather = (2 if dtype != "fp32" and p.fsdp_param_dtype == "auto" else 4) * P
-        if p.zero_stage <= 1:
-            comm = _ring("all-reduce", grad_bytes, dp, bw, lat)
-            if p.zero_stage == 1:
-                comm += _ring("all-gather", 4 * P, dp, bw, lat)  # ZeroRedundancyOptimizer's broadcast
-        else:
-            gathers = m * (2 if p.zero_stage == 3 else 1)
-            scatters = m if p.reduce_each_micro_batch else 1
-            comm = scatters * _ring("reduce-scatter", grad_bytes, dp, bw, lat) + gathers * _ring(
-                "all-gather", gather, dp, bw, lat
-            )
-        overlap = GPU_OVERLAP if cluster.kind == "gpu" else 0.0
-        hidden = min(comm * overlap, compute * 0.9)
-        parts["dp_communication"] = comm - hidden
-        parts["_dp_hidden"] = hidden
-    if pp > 1:
-        bw = _link(cluster, pp, tp)
-        seq_shard = tp if p.sequence_parallel else 1
-        p2p = 2 * (b * s * h * e / seq_shard / bw + lat) * m * v
-        parts["pipeline_p2p"] = p2p
-        per_micro = compute / m
-        parts["pipeline_bubble"] = (pp - 1) / v * per_micro
-    # optimizer: foreach Adam reads param, grad, 2 states and writes param + 2 states (fp32), on the
-    # shard this rank steps; plus the gradient norm (one read) and clipping (read + write)
-    shard = P / (dp if p.zero_stage >= 1 else 1)
+        ends = _ends_compute(rates, sh, sp_.first, sp_.last)
+        work = {
+            ph: {c: layer[ph][c] * sp_.layers + ends[ph][c] for c in layer[ph]}
+            for ph in ("forward", "backward")
+        }
+        total = sum(sum(v.values()) for v in work.values())
+        if best is None or total > best[0]:
+            best = (total, work, sp_)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _tp_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> float:
+    """Tensor-parallel collectives of one rank per micro-batch: 2 all-reduces forward and 2 backward
+    per layer (sequence parallel: all-gather + reduce-scatter, the same bytes), 2 more for the
+    embedding and logits, forward's again under full recompute; SP's backward re-gathers of the qkv
+    and up inputs; gathers of distributed checkpointed inputs."""
+    p = cfg.parallel
+    if p.tp <= 1:
+        return 0.0
+    per = sh.tokens * sh.h * sh.e
+    full = p.activation_checkpointing == "full"
+    n_coll = (4 + (2 if full else 0)) * layers + 2
+    if p.sequence_parallel:
+        one = rates.collective("all_gather", p.tp, per, 1) + rates.collective("reduce_scatter", p.tp, per, 1)
+        seconds = n_coll / 2 * one
+        if not full:
+            seconds += 2 * layers * rates.collective("all_gather", p.tp, per, 1)
+    else:
+        seconds = n_coll * rates.collective("all_reduce", p.tp, per, 1)
+    if full and p.distribute_saved_activations:
+        am = activation_model(cfg, rates.cluster.kind)
+        whole = am.residual_bytes * sh.tokens * sh.h
+        seconds += layers / p.checkpoint_num_layers * rates.collective("all_gather", p.tp, whole, 1)
+    return seconds
+
+
+def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, float]:
+    """(seconds of the step's data-parallel collectives, of them overlappable with compute): DDP's
+    gradient all-reduce (ZeRO-1 adds the parameters' broadcast); FSDP's per-unit reduce-scatter
+    (each micro-batch with reduce_each_micro_batch) and all-gathers (forward; ZeRO-3 backward too),
+    one collective per unit (a block, plus the root parameters) so each pays its latency."""
+    p, t = cfg.parallel, cfg.train
+    assert t.gradient_accumulation_steps is not None
+    dp, m, stride = p.dp, t.gradient_accumulation_steps, p.tp * p.pp
+    if dp <= 1:
+        return 0.0, 0.0
+    grad_e = DTYPE_BYTES[p.grad_reduce_dtype]
+    gather_e = 2 if t.precision != "fp32" and p.fsdp_param_dtype == "auto" else 4
+    total = sp_.total
+    if p.zero_stage <= 1:
+        comm = rates.collective("all_reduce", dp, grad_e * total, stride)
+        if p.zero_stage == 1:
+            comm += rates.collective("all_gather", dp, 4 * total, stride)
+        # the last bucket's all-reduce waits for the end of backward: ~ one block's gradients
+        last = rates.collective("all_reduce", dp, grad_e * max(sp_.block, sp_.root), stride)
+        return comm, max(0.0, comm - last)
+    units = [(sp_.block, sp_.layers)] + ([(sp_.root, 1)] if sp_.root else [])
+    gathers = m * (2 if p.zero_stage == 3 else 1)
+    scatters = m if p.reduce_each_micro_batch else 1
+    gather = sum(n * rates.collective("all_gather", dp, gather_e * u, stride) for u, n in units)
+    scatter = sum(n * rates.collective("reduce_scatter", dp, grad_e * u, stride) for u, n in units)
+    count = sum(n for _, n in units)
+    comm = gathers * gather + scatters * scatter + count * (gathers + scatters) * rates.unit_seconds
+    # the first unit's gather of each micro-batch and the last unit's reduce-scatter are exposed
+    first = rates.collective("all_gather", dp, gather_e * units[0][0], stride)
+    exposed = m * first + rates.collective("reduce_scatter", dp, grad_e * units[-1][0], stride)
+    return comm, max(0.0, comm - exposed)
+
+
+def _optimizer_seconds(cfg: Config, rates: _ProfileRates, total_params: int) -> dict[str, dict[str, float]]:
+    """Adam over the shard this rank steps, as bytes moved: foreach Adam reads param, grad and the
+    states and writes param and states (fp32), plus the gradient norm (one read) and clipping (read
+    and write); on the host under offload (HOST_BANDWIDTH), with the transfers over the host link."""
+    p, t = cfg.parallel, cfg.train
+    assert t.gradient_accumulation_steps is not None
+    shard = total_params / (p.dp if p.zero_stage >= 1 else 1)
     k = optimizer_bytes_per_param(cfg)
     opt_bytes = shard * (4 + 4 + 2 * k + 4 + 2 * 4 + 4 * 3)
     offload = p.offload_optimizer or p.offload_param
-    if offload and cluster.kind == "gpu":
-        host_bw = 100e9  # a two-socket host's stream bandwidth, order of magnitude (docs/PLANNER.md)
-        parts["optimizer"] = opt_bytes / host_bw
-        link = cluster.device.host_link_bandwidth
-        transfers = 4 * shard * 2 + (4 * shard * 2 * m if p.zero_stage == 3 else 0)
-        parts["offload_transfers"] = transfers / link
+    out: dict[str, dict[str, float]] = {}
+    if offload and rates.cluster.kind == "gpu":
+        out["optimizer"] = {"memory_bound": opt_bytes / HOST_BANDWIDTH}
+        transfers = 4 * shard * 2 + (
+            4 * shard * 2 * t.gradient_accumulation_steps if p.zero_stage == 3 else 0
+        )
+        out["offload"] = {"communication": transfers / rates.host_link}
     else:
-        parts["optimizer"] = opt_bytes / cluster.device.memory_bandwidth + 40 * op_seconds
-        if offload:
-            # CPU "offload" copies the shards between the same memory: parameters and gradients
-            parts["offload_transfers"] = 2 * 4 * shard * 2 / cluster.device.memory_bandwidth
-    hidden = parts.pop("_dp_hidden", 0.0)
-    if cluster.kind == "cpu" and cluster.cpu_share < 1.0:
-        # a shared machine: every part (compute, gloo's copies and reductions, the optimizer) runs on
-        # cores the job gets only a share of (the CPU rates were measured at their best)
-        parts = {k: v / cluster.cpu_share for k, v in parts.items()}
-        hidden /= cluster.cpu_share
-    return StepTime(parts, flops.model_flops, flops.hardware_flops, hidden)
+        out["optimizer"] = {"memory_bound": opt_bytes / rates.bandwidth, "overhead": 40 * rates.op_seconds}
+        if offload:  # CPU "offload" copies the shards between the same memory
+            out["offload"] = {"memory_bound": 2 * 4 * shard * 2 / rates.bandwidth}
+    return out
+
+
+def _checkpoint_transfer_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> float:
+    """Full recompute with cpu_checkpointing: each checkpointed input to the host in forward and back
+    before its recomputation, over the host link, per micro-batch."""
+    p = cfg.parallel
+    if not (p.activation_checkpointing == "full" and p.cpu_checkpointing and rates.cluster.kind == "gpu"):
+        return 0.0
+    am = activation_model(cfg, rates.cluster.kind)
+    shard = p.tp if p.sequence_parallel or p.distribute_saved_activations else 1
+    kept = am.residual_bytes * sh.tokens * sh.h / shard
+    return 2 * layers / p.checkpoint_num_layers * kept / rates.host_link
+
+
+def step_time(cfg: Config, cluster: Cluster) -> StepTime:
+    """Predicted seconds per optimizer step of cfg's layout on `cluster`, by part and by phase/class."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
+    m, v = t.gradient_accumulation_steps, p.virtual_pipeline_stages
+    flops = flops_per_iteration(
+        ModelShape.from_config(mc), t.global_batch_size or t.micro_batch_size * m * p.dp, "megatron",
+        p.activation_checkpointing,
+    )  # fmt: skip
+    rates = _rates(cluster)
+    sh = _shape(cfg, cluster.kind)
+    per_micro, sp_ = _stage_compute(cfg, rates, sh)
+    tally = _Tally()
+    for phase, by_class in per_micro.items():
+        for c, sec in by_class.items():
+            tally.add(phase, c, sec * m)
+    tally.add("tp_communication", "communication", _tp_seconds(cfg, rates, sh, sp_.layers) * m)
+    tally.add("offload", "communication", _checkpoint_transfer_seconds(cfg, rates, sh, sp_.layers) * m)
+    dp_comm, dp_hideable = _dp_seconds(cfg, rates, sp_)
+    for phase, by_class in _optimizer_seconds(cfg, rates, sp_.total).items():
+        for c, sec in by_class.items():
+            tally.add(phase, c, sec)
+    if p.pp > 1:
+        seq_shard = p.tp if p.sequence_parallel else 1
+        one = rates.collective("send_recv", 2, sh.tokens * sh.h * sh.e / seq_shard, p.tp)
+        tally.add("pipeline_p2p", "communication", 2 * one * m * v)
+        for c, sec in per_micro["forward"].items():
+            tally.add("pipeline_bubble", c, (p.pp - 1) / v * (sec + per_micro["backward"][c]))
+    return _assemble(cfg, cluster, tally, dp_comm, dp_hideable, flops)
+
+
+def _assemble(
+    cfg: Config, cluster: Cluster, tally: _Tally, dp_comm: float, dp_hideable: float, flops
+) -> StepTime:
+    """Apply the corrections, hide the data-parallel share the backward compute can cover, and sum
+    the classes into the breakdown's parts (and a shared CPU's slowdown into both)."""
+    prof = cluster.profile
+    corr = {c: (prof.correction(c) if prof is not None else 1.0) for c in OP_CLASSES}
+    classes = {ph: {c: s * corr[c] for c, s in by.items()} for ph, by in tally.seconds.items()}
+    hidden = 0.0
+    if dp_comm:
+        dp_comm *= corr["communication"]
+        if cluster.kind == "gpu":
+            # gloo on a CPU shares the cores with compute: no overlap; NCCL overlaps with backward
+            # (DDP buckets) or the neighbouring units' compute (FSDP prefetch), bounded by that compute
+            compute = sum(classes.get("backward", {}).values())
+            if cfg.parallel.zero_stage >= 2:
+                compute += sum(classes.get("forward", {}).values())
+            hidden = min(dp_hideable * corr["communication"], compute)
+        classes["grads_sync"] = {"communication": dp_comm - hidden}
+    share = cluster.cpu_share if cluster.kind == "cpu" else 1.0
+    if share < 1.0:
+        # a shared machine: every part runs on cores the job gets only a share of
+        classes = {ph: {c: s / share for c, s in by.items()} for ph, by in classes.items()}
+        hidden /= share
+    parts: dict[str, float] = {}
+    names = {
+        "forward": "compute",
+        "backward": "compute",
+        "tp_communication": "tp_communication",
+        "grads_sync": "dp_communication",
+        "pipeline_p2p": "pipeline_p2p",
+        "pipeline_bubble": "pipeline_bubble",
+        "optimizer": "optimizer",
+        "offload": "offload_transfers",
+    }
+    for ph in PHASES:
+        if ph in classes:
+            parts[names[ph]] = parts.get(names[ph], 0.0) + sum(classes[ph].values())
+    return StepTime(parts, flops.model_flops, flops.hardware_flops, hidden, classes)
 
 
 def samples_per_second(cfg: Config, seconds: float) -> float:
