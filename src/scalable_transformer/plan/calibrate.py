@@ -463,9 +463,10 @@ def measure_collectives(job: Job, say=print) -> list[dict]:
     groups = collective_groups(job)
     section = Section(job, "collectives", len(COLLECTIVE_OPS) * len(sizes) * len(groups), say)
     out: list[dict] = []
-    for scope, group, n, me in groups:
-        for op in COLLECTIVE_OPS:
-            for size in sizes:
+    # sizes outermost: a section out of budget drops the largest messages of every op and scope
+    for size in sizes:
+        for scope, group, n, me in groups:
+            for op in COLLECTIVE_OPS:
                 if not section.go():
                     break
                 repeats = 3 if job.quick else int(min(MAX_REPEATS, max(3, 2**24 // size)))
