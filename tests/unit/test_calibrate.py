@@ -34,9 +34,23 @@ def measured() -> dict:
     cfg = load_config("tiny-gpt", TINY)
     job = cal.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
     lines: list[str] = []
-    mapping = cal.calibrate(cfg, job, lines.append)
+    with pytest.MonkeyPatch.context() as mp:
+        # budgets no busy machine runs out of: every point is measured (their tiny shapes stop at
+        # MAX_REPEATS calls each, long before); what a spent budget does is tested on its own
+        mp.setattr(cal, "QUICK_BUDGET_SECONDS", dict.fromkeys(cal.SECTIONS, 600.0))
+        mapping = cal.calibrate(cfg, job, lines.append)
     mapping["_lines"] = lines
     return mapping
+
+
+def test_a_section_whose_budget_is_spent_measures_its_first_point_and_says_what_it_skipped(monkeypatch):
+    monkeypatch.setattr(cal, "QUICK_BUDGET_SECONDS", dict.fromkeys(cal.SECTIONS, 0.0))
+    lines: list[str] = []
+    shapes = [(8, 8, 8), (16, 16, 16), (32, 32, 32)]
+    points = cal.measure_gemm(cal.Job(torch.device("cpu"), quick=True), shapes, "fp32", lines.append)
+    assert [(p["m"], p["n"], p["k"]) for p in points] == [(8, 8, 8)]
+    assert lines[0].startswith("calibrate: gemm: 1 shapes, best ")
+    assert lines[0].endswith("(budget 0 s); 2 point(s) skipped: budget spent")
 
 
 def test_gemm_shapes_are_the_layer_gemms_at_tp_1_and_2_with_their_backward_gemms():

@@ -54,8 +54,9 @@ QUICK_MESSAGE_SIZES = (4 * 2**10, 256 * 2**10, 4 * 2**20)
 
 @dataclass
 class Job:
-    """This process's place in the calibration job and its clock. `group` is the world (None) or a
-    process group; `device` where tensors live (cuda:LOCAL_RANK, or cpu)."""
+    """This process's place in the calibration job: its device (cuda:LOCAL_RANK, or cpu), rank, world
+    size, each rank's host name, and the budgets it runs under (`quick`: a tenth). The helpers below
+    combine figures over the default process group (or `group`); with one process they return them."""
 
     device: torch.device
     rank: int = 0
@@ -165,7 +166,7 @@ def model_dims(cfg: Config) -> dict[str, int]:
 
 def gemm_shapes(cfg: Config, quick: bool = False) -> list[tuple[int, int, int]]:
     """(m, n, k) of the layer's GEMMs at tp 1 and 2 (qkv, attention out, MLP up and down, logits),
-    each with its two backward GEMMs (grad-input (m, k, n), grad-weight (k, n... as (n, k, m))), plus
+    each with its two backward GEMMs (grad-input (m, k, n), grad-weight (n, k, m)), plus
     the forward shapes at a quarter, half and twice the rows, so the model can interpolate in m.
     Sorted by work, smallest first: a section out of budget drops the biggest."""
     d = model_dims(cfg)
@@ -462,9 +463,10 @@ def measure_collectives(job: Job, say=print) -> list[dict]:
     groups = collective_groups(job)
     section = Section(job, "collectives", len(COLLECTIVE_OPS) * len(sizes) * len(groups), say)
     out: list[dict] = []
-    for scope, group, n, me in groups:
-        for op in COLLECTIVE_OPS:
-            for size in sizes:
+    # sizes outermost: a section out of budget drops the largest messages of every op and scope
+    for size in sizes:
+        for scope, group, n, me in groups:
+            for op in COLLECTIVE_OPS:
                 if not section.go():
                     break
                 repeats = 3 if job.quick else int(min(MAX_REPEATS, max(3, 2**24 // size)))
