@@ -103,8 +103,10 @@ def _version(name: str) -> str | None:
         return None
 
 
-def ds_config(cfg, zero_stage: int, adam: str) -> dict:
-    """The DeepSpeed config equivalent to our resolved config (fp32, no scheduler)."""
+def ds_config(cfg, zero_stage: int, adam: str, persistence_threshold: int | None = None) -> dict:
+    """The DeepSpeed config equivalent to our resolved config (fp32, no scheduler). At stage 3,
+    `persistence_threshold` is stage3_param_persistence_threshold: parameters with fewer elements stay
+    whole on every rank (DeepSpeed's default 1e5 when None)."""
     o, t = cfg.optim, cfg.train
     params: dict = {
         "lr": o.lr,
@@ -116,11 +118,14 @@ def ds_config(cfg, zero_stage: int, adam: str) -> dict:
         # torch.optim.AdamW(foreach=True), as our build_optimizer; without torch_adam DeepSpeed takes
         # its FusedAdam, a C++ op JIT-compiled on first use on CPU.
         params.update(torch_adam=True, foreach=True)
+    zero: dict = {"stage": zero_stage}
+    if zero_stage == 3 and persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = persistence_threshold
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": params},
         "gradient_clipping": o.clip_grad,
         "fp16": {"enabled": False},
@@ -143,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch: torch.optim.AdamW(foreach=True), as ours (default); fused: DeepSpeed's FusedAdam",
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
+    p.add_argument(
+        "--persistence-threshold",
+        type=int,
+        help="stage 3: stage3_param_persistence_threshold (parameters with fewer elements are not "
+        "partitioned; DeepSpeed's default 100000 when not given)",
+    )
     p.add_argument(
         "--profile-steps",
         metavar="A-B",
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_seed(cfg.train.seed)  # as run.py, right before init: the same initial weights as our run
     model = build_model(cfg.model)
-    config = ds_config(cfg, args.zero_stage, args.ds_adam)
+    config = ds_config(cfg, args.zero_stage, args.ds_adam, args.persistence_threshold)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=config
     )

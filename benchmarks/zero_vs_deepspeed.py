@@ -266,6 +266,8 @@ def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path, pr
         args.ds_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
         str(WORKER), "--config", args.config or "tiny-gpt", "--zero-stage", str(stage),
         "--threads", str(args.threads), "--ds-adam", args.ds_adam, "--output", str(out), *profiling,
+        *([] if args.ds_persistence_threshold is None else
+          ["--persistence-threshold", str(args.ds_persistence_threshold)]),
         *user_overrides(args, stage),
     ]  # fmt: skip
     run_logged(cmd, work / f"{tag}.log", args, work)
@@ -381,7 +383,19 @@ def render(results: dict, args: argparse.Namespace, command: str, cfg_yaml: str,
         "(`set_seed(train.seed)` + `build_model`), our `compute_loss`; each step timed from fetching "
         "its micro-batches to `engine.step()` at the accumulation boundary, as our trainer times an "
         "iteration; peak memory per rank = RSS high-water mark since just before the loop "
-        "(`MemoryTracker`), as ours resets it at the start of `fit`.",
+        "(`MemoryTracker`), as ours resets it at the start of `fit`. At stage 3, "
+        + (
+            "DeepSpeed's default `stage3_param_persistence_threshold` (100,000 elements: every smaller "
+            "parameter stays whole on every rank, unlike ours)."
+            if args.ds_persistence_threshold is None
+            else f"`stage3_param_persistence_threshold = {args.ds_persistence_threshold}`"
+            + (
+                " (every parameter partitioned, as in ours; DeepSpeed's default 100,000 would keep every "
+                "smaller parameter whole on every rank)."
+                if args.ds_persistence_threshold == 0
+                else "."
+            )
+        ),
         "",
         "Forced after the config and the overrides, on both sides: `"
         + " ".join(forced_settings(args))
@@ -575,6 +589,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("torch", "fused"),
         default="torch",
         help="DeepSpeed's optimizer: torch.optim.AdamW(foreach=True) as ours (default), or its FusedAdam",
+    )
+    p.add_argument(
+        "--ds-persistence-threshold",
+        type=lambda v: None if v == "default" else int(v),
+        default=0,
+        metavar="N|default",
+        help="DeepSpeed's stage3_param_persistence_threshold: 0 (default here) partitions every parameter, "
+        "as our ZeRO-3 does; DeepSpeed's own default ('default', 100000 elements) keeps every smaller "
+        "parameter whole on every rank, at this model's size all but the embedding",
     )
     p.add_argument("--stx", help="the stx command (default: the one beside this python, else on PATH)")
     p.add_argument(
