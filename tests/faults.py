@@ -97,8 +97,8 @@ def main(argv: list[str]) -> int:
     # with the callbacks added to the trainer's.
     import scalable_transformer.train.run as run_module
 
-    def with_faults(cfg, console=None, callbacks=()):
-        return original(cfg, console, [*callbacks, *injected])
+    def with_faults(cfg, console=None, callbacks=(), predict=None):
+        return original(cfg, console, [*callbacks, *injected], predict)
 
     original, injected = run_module.run_training, callbacks
     run_module.run_training = with_faults

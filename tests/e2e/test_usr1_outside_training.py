@@ -44,11 +44,11 @@ class AfterFit(Callback):
     def on_fit_end(self, trainer, history):
         os.kill(os.getpid(), signal.SIGUSR1)
 
-def with_signal(cfg, console=None, callbacks=()):
+def with_signal(cfg, console=None, callbacks=(), predict=None):
     if when == "before":
         os.kill(os.getpid(), signal.SIGUSR1)  # before anything is built
-        return original(cfg, console, callbacks)
-    return original(cfg, console, [*callbacks, AfterFit()])
+        return original(cfg, console, callbacks, predict)
+    return original(cfg, console, [*callbacks, AfterFit()], predict)
 
 run_module.run_training = with_signal
 entry(lambda: main(argv))

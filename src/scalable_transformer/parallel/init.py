@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,17 +104,22 @@ REPLICA_STEP_BLOCK_BYTES = 32 * 2**20
 FSDP_STEP_BLOCK_BYTES = 2**20
 
 
-def _mallopt(settings: dict[int, int]) -> bool:
+def _libc() -> Any:
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        return all(bool(libc.mallopt(key, value)) for key, value in settings.items())
-    except (OSError, AttributeError):
+        return None if name is None else ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def _mallopt(settings: dict[int, int]) -> bool:
+    libc = _libc()
+    try:
+        return libc is not None and all(bool(libc.mallopt(key, value)) for key, value in settings.items())
+    except AttributeError:
         return False
 
 
@@ -145,6 +151,17 @@ def step_allocation(fsdp: bool) -> bool:
     Returns False where there is no glibc (nothing changes)."""
     block = FSDP_STEP_BLOCK_BYTES if fsdp else REPLICA_STEP_BLOCK_BYTES
     return _mallopt({_M_MMAP_THRESHOLD: block, _M_TRIM_THRESHOLD: 2 * block})
+
+
+def end_step_allocation() -> bool:
+    """After the steps, in a process that goes on (a test session, a notebook, a sweep in-process):
+    construction's threshold again, and the heap's free memory handed back (malloc_trim), so what the
+    steps kept for reuse does not stay resident. Returns False where there is no glibc."""
+    libc = _libc()
+    try:
+        return return_large_frees_to_the_os() and libc is not None and libc.malloc_trim(0) >= 0
+    except AttributeError:
+        return False
 
 
 def materialize(

@@ -111,6 +111,10 @@ def run_training(
         return _run(cfg, console, device, dims, start, callbacks, predict)
     finally:
         shutdown_distributed(created)
+        if device.type == "cpu":  # the steps' allocation setting ends with them (parallel/init.py)
+            from ..parallel.init import end_step_allocation
+
+            end_step_allocation()
 
 
 @dataclasses.dataclass
