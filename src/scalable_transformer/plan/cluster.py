@@ -131,15 +131,10 @@ _YAML_KEYS = {
 
 def load_cluster(path: str | Path, nodes: int | None = None) -> Cluster:
     """A cluster from a YAML file (module docstring); `nodes` overrides the file's node count."""
-    import yaml
+    from .hardware_profile import read_yaml
 
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read the hardware file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml(path, "hardware file")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of {', '.join(sorted(_YAML_KEYS))}")
     unknown = sorted(set(data) - _YAML_KEYS)

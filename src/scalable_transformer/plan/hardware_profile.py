@@ -440,16 +440,20 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
 
 def load_profile(path: str | Path) -> HardwareProfile:
     """A hardware profile from a YAML file; a malformed file is a ConfigError naming the file and key."""
+    return profile_from_dict(read_yaml(path, "hardware profile"), str(path))
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """A hardware YAML file's contents; an unreadable or invalid file is a ConfigError naming it as `what`."""
     import yaml
 
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as e:
-        raise ConfigError(f"cannot read the hardware profile {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read the {what} {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    return profile_from_dict(data, str(path))
 
 
 def is_profile_file(path: str | Path) -> bool:
