@@ -17,7 +17,7 @@ from scalable_transformer.train.resilience import (
     StopSignals,
     exit_status,
 )
-from scalable_transformer.train.watchdog import DEFAULT_BOUNDS, default_timeout
+from scalable_transformer.train.watchdog import DEFAULT_BOUNDS, HangWatchdog, default_timeout
 
 
 def test_finite_steps_pass_and_stop_names_the_step_and_what_was_not_finite() -> None:
@@ -94,3 +94,29 @@ def test_the_default_hang_timeout_follows_the_measured_steps_within_bounds() -> 
     assert default_timeout([0.01, 0.02, 0.015], before_steps=1800.0) == DEFAULT_BOUNDS[0]
     assert default_timeout([30.0, 31.0, 29.0], before_steps=1800.0) == pytest.approx(20 * 30.0)
     assert default_timeout([900.0] * 3, before_steps=60.0) == DEFAULT_BOUNDS[1]
+
+
+def test_a_rank_whose_shared_directories_vanish_keeps_watching(tmp_path, monkeypatch) -> None:
+    """Rank 1 failing at its first step removes the empty .watchdog and hang directories as it closes;
+    when that falls between rank 0's mkdir and its file, rank 0 makes them again (CI once saw rank 0
+    end with '[Errno 2] No such file or directory' there instead)."""
+    ending, starting = HangWatchdog(60, 60, tmp_path, 1, 2), HangWatchdog(60, 60, tmp_path, 0, 2)
+    ending._tick()
+    made = HangWatchdog._dir
+
+    def made_then_removed_once(self, name, seen=set()):  # noqa: B006 - one removal per directory
+        path = made(self, name)
+        if self is starting and name not in seen:
+            seen.add(name)
+            ending.close()  # rank 1's close: its own files, then the directories it leaves empty
+            assert not path.exists()
+        return path
+
+    monkeypatch.setattr(HangWatchdog, "_dir", made_then_removed_once)
+    try:
+        starting._tick()
+        assert (tmp_path / ".watchdog" / "rank-0.json").is_file()
+        assert (tmp_path / "hang" / "rank-0.txt").is_file()
+    finally:
+        starting.close()
+    assert not (tmp_path / ".watchdog").exists() and not (tmp_path / "hang").exists()

@@ -29,8 +29,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from ..files import write_atomic
 from .trainer import Callback
@@ -39,6 +40,7 @@ EXIT_HUNG = 124  # as timeout(1): the job was ended because it stopped making pr
 DEFAULT_FACTOR = 20.0  # default timeout = this x the median step time, bounded by DEFAULT_BOUNDS
 DEFAULT_BOUNDS = (300.0, 3600.0)
 STEPS_FOR_DEFAULT = 3  # steps measured before the default is derived from them
+T = TypeVar("T")
 
 
 def default_timeout(step_seconds: list[float], before_steps: float) -> float:
@@ -68,6 +70,7 @@ class HangWatchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file: IO[str] | None = None
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ progress, from the training thread
 
@@ -105,10 +108,32 @@ class HangWatchdog(Callback):
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def _in_dir(self, name: str, make: Callable[[Path], T]) -> T | None:
+        """`make(directory)` in the run directory's `name`, made first. Another rank that ends removes
+        the directory when it is empty (`close`), which can fall between our mkdir and our file: then
+        it is made again. None without a run directory."""
+        for attempt in range(3):
+            path = self._dir(name)
+            if path is None:
+                return None
+            try:
+                return make(path)
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        return None
+
     def _start(self) -> None:
-        hang = self._dir("hang")
-        if hang is not None:  # opened now: a signal handler cannot open files; removed if left empty
-            self._stack_file = (hang / f"rank-{self.rank}.txt").open("a", encoding="utf-8")
+        # opened now: a signal handler cannot open files; removed if left empty. The watchdog is
+        # no measurement, but it is not what the run is for either: a file it cannot write is
+        # reported and the run goes on, watched without that file.
+        try:
+            self._stack_file = self._in_dir(
+                "hang", lambda hang: (hang / f"rank-{self.rank}.txt").open("a", encoding="utf-8")
+            )
+        except OSError as e:
+            self._warn(f"cannot open its stack file ({e}); a hang's stacks go to stderr")
+        if self._stack_file is not None:
             faulthandler.register(signal.SIGUSR2, file=self._stack_file, all_threads=True, chain=False)
         self._heartbeat()  # now: a rank that stops before the first poll must still be found
         self._thread = threading.Thread(target=self._watch, name="stx-hang-watchdog", daemon=True)
@@ -148,8 +173,7 @@ class HangWatchdog(Callback):
                 self._fire(idle)
 
     def _heartbeat(self) -> None:
-        beats = self._dir(".watchdog")
-        if beats is None:
+        if self.run_dir is None:
             return
         beat = {
             "rank": self.rank,
@@ -158,7 +182,17 @@ class HangWatchdog(Callback):
             "iteration": self.iteration,
             "written_at": time.time(),
         }
-        write_atomic(beats / f"rank-{self.rank}.json", json.dumps(beat))
+        try:
+            self._in_dir(
+                ".watchdog", lambda beats: write_atomic(beats / f"rank-{self.rank}.json", json.dumps(beat))
+            )
+        except OSError as e:  # the others may then name this rank as stopped: said here, once
+            self._warn(f"cannot write its heartbeat ({e})")
+
+    def _warn(self, what: str) -> None:
+        if what.split(" (")[0] not in self._warned:
+            self._warned.add(what.split(" (")[0])
+            print(f"stx: warning: the hang watchdog of rank {self.rank} {what}", file=sys.stderr, flush=True)
 
     def stalled_ranks(self) -> list[dict[str, Any]]:
         """Every other rank's heartbeat that is stale (no write for 3 polls + 2 s: the process is
