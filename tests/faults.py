@@ -21,6 +21,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from scalable_transformer.cli import entry
 from scalable_transformer.cli import main as cli_main
@@ -44,6 +45,11 @@ class SignalAt(Callback):
     def on_step_start(self, trainer: Trainer) -> None:
         if trainer.dims.rank == self.rank and trainer.iteration + 1 == self.iteration:
             os.kill(os.getpid(), self.signum)
+            if self.signum == signal.SIGSTOP:
+                # resumed (by the peer's watchdog, SIGUSR2 then SIGCONT): stay here a while as a rank
+                # stuck in this code would, so the stack dump that runs as it resumes names this frame
+                # (CI saw the main thread already in the next callback when the dump ran)
+                time.sleep(5)
 
 
 class NonFiniteAt(Callback):
