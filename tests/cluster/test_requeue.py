@@ -46,11 +46,37 @@ TINY = [
     "logging.tensorboard=false",
     "logging.log_interval=1",
 ]
-# At best 0.07 s per iteration on 2 ranks here (2 cores): 900 iterations are 63 s of training. The
-# first job trains at most 45 - 8 s (start-up), the next one 25 - 8 s: at least two stops.
-SLURM_ITERS = 900
+# The runs are sized in seconds of training, at the speed `seconds_per_iteration` measures first (a
+# fixed count broke when the step got faster: 900 iterations took 63 s at 0.07 s each, then 24 s at
+# 0.027 s, and the first job finished the run). The first Slurm job trains at most 45 - 8 s (start-up),
+# the next ones 25 - 8 s: 75 s of training are at least two stops, about four jobs.
+SLURM_TRAIN_SECONDS = 75
 GRACE = 15  # the signal 15-45 s into the first job, about 25 s into the next ones
-CHAIN_DEADLINE = 420  # seconds for the whole chain (measured: about 3 minutes)
+CHAIN_DEADLINE = 480  # seconds for the whole chain (measured: about 4 minutes)
+
+
+@pytest.fixture(scope="module")
+def seconds_per_iteration(tmp_path_factory) -> float:
+    """The median iteration time of TINY on 2 local ranks, one thread each (as srun runs them), from a
+    short `stx launch` run; it also builds the tokenizer and datasets into the session's cache."""
+    cwd = tmp_path_factory.mktemp("speed")
+    args = [*TINY, "train.train_iters=60", f"logging.run_dir={cwd}", "logging.run_name=speed"]
+    proc = subprocess.run(
+        [STX, "launch", "-n", "2", "train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((cwd / "speed" / "summary.json").read_text())["median_iteration_seconds"]
+
+
+def iterations_for(seconds: float, seconds_per_iteration: float) -> int:
+    return max(100, round(seconds / seconds_per_iteration))
+
+
 END_OF_CHAIN = ("the run is complete", "the chain of jobs ends here", "not continued", "next job failed")
 
 
@@ -87,10 +113,13 @@ def chain_job_ids(log: str) -> list[str]:
     return re.findall(r"^stx submit: job (\d+) on n\[1-2\]", log, re.MULTILINE)
 
 
-def test_requeue_continues_the_run_through_time_limits_bitwise_in_one_run_directory(tmp_path, cluster):
-    ref = reference(tmp_path, SLURM_ITERS)
+def test_requeue_continues_the_run_through_time_limits_bitwise_in_one_run_directory(
+    tmp_path, cluster, seconds_per_iteration
+):
+    iters = iterations_for(SLURM_TRAIN_SECONDS, seconds_per_iteration)
+    ref = reference(tmp_path, iters)
     runs = tmp_path / "runs"
-    args = [*TINY, f"train.train_iters={SLURM_ITERS}", "checkpoint.save=ckpt"]
+    args = [*TINY, f"train.train_iters={iters}", "checkpoint.save=ckpt"]
     args += [f"logging.run_dir={runs}", "logging.run_name=chain"]
     cmd = [STX, "submit", "--scheduler", "slurm", "--nodes", "2", "--gpus-per-node", "1", "--no-gpu-request"]
     cmd += ["--requeue", "--time", "1", "--signal-grace", str(GRACE), "train", *args]
@@ -135,29 +164,31 @@ def test_requeue_continues_the_run_through_time_limits_bitwise_in_one_run_direct
     segments = summary["segments"]
     assert [s["job_id"] for s in segments] == ids
     assert [s["stopped_by"] for s in segments] == ["SIGUSR1"] * (len(ids) - 1) + [None]
-    assert [s["last_iteration"] for s in segments] == [*map(int, stops), SLURM_ITERS]
+    assert [s["last_iteration"] for s in segments] == [*map(int, stops), iters]
     for before, after in itertools.pairwise(segments):
         # each job continues where the one before stopped (first_iteration: the resumed one or the next)
         assert after["first_iteration"] - before["last_iteration"] in (0, 1), segments
     assert 0 < summary["goodput"] <= 1
 
 
-# 32 s of training at best: the first job (SIGUSR1 20 s in, after 5-10 s of start-up) cannot finish
-# even on an idle machine (with 300 iterations a CI run finished in its first job); 3 jobs when idle,
-# up to 8 on a loaded machine.
-PBS_ITERS = 450
+# 32 s of training: the first job (SIGUSR1 20 s in, after 5-10 s of start-up) cannot finish even on
+# an idle machine; 3 jobs when idle, more on a loaded one (at most 12 are run).
+PBS_TRAIN_SECONDS = 32
 
 
-def test_pbs_requeue_script_stops_the_ranks_before_walltime_and_resumes_them(tmp_path, cluster):
+def test_pbs_requeue_script_stops_the_ranks_before_walltime_and_resumes_them(
+    tmp_path, cluster, seconds_per_iteration
+):
     """The PBS script (run by bash, as PBS runs it; mpiexec starts rank 1 on 127.0.0.2 over ssh) sends
     SIGUSR1 --signal-grace seconds before its walltime, sees every rank stop to be resumed and tries
     `qsub -W depend=afterany:$PBS_JOBID` of itself, which is not installed here: the script says so and
     fails. Run again as the next job would be, it resumes; until the run is complete."""
     if shutil.which("qsub"):
         pytest.skip(f"a real qsub is installed ({shutil.which('qsub')}): this test would submit to it")
-    ref = reference(tmp_path, PBS_ITERS)
+    iters = iterations_for(PBS_TRAIN_SECONDS, seconds_per_iteration)
+    ref = reference(tmp_path, iters)
     runs = tmp_path / "runs"
-    args = [*TINY, f"train.train_iters={PBS_ITERS}", "checkpoint.save=ckpt"]
+    args = [*TINY, f"train.train_iters={iters}", "checkpoint.save=ckpt"]
     args += [f"logging.run_dir={runs}", "logging.run_name=pbs"]
     cmd = [STX, "submit", "--scheduler", "pbs", "--nodes", "2", "--gpus-per-node", "1", "--no-gpu-request"]
     cmd += ["--requeue", "--time", "0:00:40", "--signal-grace", "20", "--dry-run", "train", *args]
