@@ -256,3 +256,15 @@ def test_stx_submit_writes_a_batch_job_that_calibrates_every_rank(tmp_path, caps
     assert script.rstrip().endswith(expected)
     assert main([*argv, "--requeue", "calibrate", "tiny-gpt"]) == 2
     assert "--requeue continues a training run" in capsys.readouterr().err
+
+
+def test_a_gpu_profile_keeps_the_table_peak_of_every_dtype_so_another_dtype_can_be_planned(monkeypatch):
+    """An H200 calibrated in bf16 could not plan an fp16 run ('no gemm points for fp16 and no
+    peak_tflops pair'): the profile now carries the device table's peak of each dtype beside it."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    job = cal.Job(torch.device("cuda", 0), quick=True, hosts=["gpu-host"])
+    peaks = cal._peak_tflops_by_dtype(job, "bf16", [{"tflops": 790.0}])
+    assert peaks["bf16"] == pytest.approx(989.4)  # MFU's convention: the datasheet peak, not the best GEMM
+    assert peaks["fp16"] == pytest.approx(989.4) and peaks["fp32"] < peaks["tf32"] < peaks["bf16"]
+    cpu = cal.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
+    assert cal._peak_tflops_by_dtype(cpu, "fp32", [{"tflops": 0.5}, {"tflops": 0.7}]) == {"fp32": 0.7}

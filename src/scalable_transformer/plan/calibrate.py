@@ -523,7 +523,7 @@ def profile_mapping(
         "kind": "gpu" if job.cuda else "cpu",
         "source": f"measured by stx calibrate {now:%Y-%m-%dT%H:%MZ}",
         "fingerprint": fingerprint,
-        "peak_tflops": {dtype: _peak_tflops(job, dtype, gemm)},
+        "peak_tflops": _peak_tflops_by_dtype(job, dtype, gemm),
         "device_memory_gb": _figure(memory_gb),
         "host_link_gbps": host_link_gbps(job) if job.cuda else memory["bandwidth_gbps"],
         "gemm": gemm,
@@ -533,6 +533,21 @@ def profile_mapping(
         "corrections": dict.fromkeys(CORRECTION_CLASSES, 1.0),
         "corrections_source": None,
     }
+
+
+def _peak_tflops_by_dtype(job: Job, dtype: str, gemm: list[dict]) -> dict[str, float]:
+    """The measured dtype's peak (`_peak_tflops`) and, on a GPU of the device table, the table's peak of
+    every other dtype it lists: the profile then scales its measured points to a run in another
+    dtype (fp16 from bf16 points), where with one peak `stx plan` refused (an H200 profile measured
+    in bf16 could not plan an fp16 run)."""
+    peaks = {dtype: _peak_tflops(job, dtype, gemm)}
+    if job.cuda:
+        from ..metrics.device_specs import PEAK_TFLOPS, detect_device_name
+
+        name = detect_device_name(torch.cuda.get_device_name(job.device))
+        for other, tflops in PEAK_TFLOPS.get(name or "", {}).items():
+            peaks.setdefault(other, float(tflops))
+    return peaks
 
 
 def _peak_tflops(job: Job, dtype: str, gemm: list[dict]) -> float:
