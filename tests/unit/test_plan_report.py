@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -43,6 +44,27 @@ def test_report_shows_predicted_vs_measured_with_the_error(tmp_path: Path) -> No
     oom = body["tiny-gpt tp=1 pp=1 zero3"]
     assert oom[3] == "-" and oom[4] == "-" and oom[5] == "-" and oom[10] == "OOM" and oom[11] == "OOM"
     assert (tmp_path / "out" / "plan_vs_measured.csv").is_file()
+
+
+def test_the_memory_error_leaves_the_devices_reserve_out_of_the_prediction(tmp_path: Path) -> None:
+    """Live tensor bytes against live tensor bytes: on a GPU the plan's peak holds a 2 GiB reserve for
+    the CUDA context and allocator slack, which no tensor measures (on an H200 it was the whole error)."""
+    path = tmp_path / "r.sqlite"
+    gib = 2**30
+    breakdown = {"parameters": 3 * gib, "activations": 5 * gib, "reserve": 2 * gib}
+    with ResultsStore(path) as store:
+        store.put(
+            row(
+                samples_per_second=10.0,
+                peak_tensor_bytes_max=8 * gib,
+                predicted_peak_memory_bytes=10 * gib,
+                predicted_samples_per_second=10.0,
+                plan_json=json.dumps({"memory_breakdown_bytes": breakdown}),
+            )
+        )
+    text = build_report(path, ["label"], ["devices"], ["samples_per_second"], tmp_path / "out")
+    table = parse_markdown_table(text.split("# Planned vs measured (stx plan)", 1)[1])
+    assert table[1][2:6] == ["10.000", "-", "8.000", "+0.0%"]  # shown with its reserve, compared without
 
 
 def test_old_stores_gain_the_plan_columns(tmp_path: Path) -> None:
