@@ -26,7 +26,9 @@ MLE = "stas00/ml-engineering@744d01e18b79512572f64a6bbd8b5f4a725203a7"
 # Assumptions where the public data have gaps (docs/PLANNER.md#built-in-gpu-profiles)
 HBM_ACHIEVABLE = 1800 / 2039  # the one measured HBM read (A100 80GB forum post, devices.yaml), as a share
 PCIE_ACHIEVABLE = 55.43 / 63  # nvbandwidth H2D on H200 PCIe 5 (devices.yaml) over the PCIe 5 x16 spec
-OP_OVERHEAD_US = 4.0  # no launch-overhead table: the rate model's 4 us per kernel, kept as an assumption
+# per dispatched op, measured: stx calibrate on an H200 (torch 2.11, eager) gave 11.3 us (--quick) and
+# 12.2 us; host-bound launch cost, so used for every GPU (benchmarks/results/gpu_check-h200.md)
+OP_OVERHEAD_US = 12.0
 N_HALF = 192.0  # GEMM efficiency below the best shape: n / (n + 192) in the smallest dimension (assumed)
 ASSUMED_DIMS = (64, 128, 256, 512, 1024)
 ATTENTION_KERNELS = {
