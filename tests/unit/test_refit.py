@@ -233,3 +233,48 @@ def test_a_cpu_run_predicts_from_cached_rates_only(tmp_path: Path, monkeypatch) 
     assert set(out) == {"prediction_error"}
     assert "not measured yet" in out["prediction_error"] and "stx plan" in out["prediction_error"]
     assert not list((tmp_path / "cache").glob("*.json"))
+
+
+def test_a_refit_predicts_each_run_again_on_the_profile_it_refits(tmp_path: Path) -> None:
+    """The corrections multiply the class seconds of the profile they go into: a run's stored
+    prediction came from the profile as it was (here 9 us per op), so against a profile that has
+    since changed (27 us) the run is predicted again from its stored config. Stored predictions
+    stand only where no config is stored."""
+    import copy
+
+    from scalable_transformer.bench.refit_store import samples_from_store
+    from scalable_transformer.bench.results import ResultsStore
+    from scalable_transformer.config.load import load_config, to_yaml
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.plan.cluster import profile_cluster
+    from scalable_transformer.plan.hardware_profile import profile_from_dict
+    from scalable_transformer.plan.refit import prediction_record
+
+    slower = copy.deepcopy(PROFILE)
+    slower["memory_bound"]["op_overhead_us"] = 27.0
+    then, now = (profile_cluster(profile_from_dict(p)) for p in (PROFILE, slower))
+    cfg = load_config("tiny-gpt", ["model.num_layers=1", "train.micro_batch_size=2"])
+    stored = prediction_record(resolve(cfg, 1), then)
+    path = tmp_path / "r.sqlite"
+    with ResultsStore(path) as store:
+        for i, config_yaml in enumerate((to_yaml(cfg), None)):
+            store.put(
+                {
+                    "config_hash": f"h{i}",
+                    "status": "ok",
+                    "label": f"run {i}",
+                    "nproc": 1,
+                    "config_yaml": config_yaml,
+                    "prediction_json": json.dumps(stored),
+                    "measured_step_seconds": 2 * stored["step_seconds"],
+                    "summary_json": json.dumps({"phase_time_ms_median": {"forward-compute": 1.0}}),
+                }
+            )
+    (again, kept), notes = samples_from_store(path, PROFILE["name"], "cpu", now)
+    assert again.prediction == prediction_record(resolve(cfg, 1), now)
+    assert again.prediction["step_seconds"] > stored["step_seconds"]  # three times the op cost
+    assert kept.prediction == stored and notes == [
+        "1 run(s) keep their stored prediction: their config could not be predicted again"
+    ]
+    plain, _ = samples_from_store(path, PROFILE["name"], "cpu")
+    assert [s.prediction for s in plain] == [stored, stored]
