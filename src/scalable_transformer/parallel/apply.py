@@ -123,8 +123,15 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
         "mp_policy": mixed,
     }
     recorder = CommRecorder()  # measured all-gathers / reduce-scatters (parallel/comm.py)
-    for _, block in blocks(model):
-        instrument_fsdp(fully_shard(block, **kwargs), recorder)
+    layers = blocks(model)
+    for i, (_, block) in enumerate(layers):
+        # ZeRO-3, one pipeline stage: the last block's backward comes right after the loss, so its
+        # parameters stay gathered from its forward instead of being all-gathered again (torchtitan
+        # does the same). One block held through the loss: the peak gains at most one unit, never the
+        # model. (A pipeline stage's last block waits for the next stage's backward: resharded.)
+        keep = p.zero_stage == 3 and p.pp == 1 and i == len(layers) - 1
+        block_kwargs = {**kwargs, "reshard_after_forward": False} if keep else kwargs
+        instrument_fsdp(fully_shard(block, **block_kwargs), recorder)
     instrument_fsdp(fully_shard(model, **kwargs), recorder)
     setattr(model, "comm_recorder", recorder)  # noqa: B010 (found by parallel.comm.recorders)
 

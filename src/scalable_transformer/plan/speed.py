@@ -444,12 +444,20 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
         last = rates.collective("all_reduce", dp, grad_e * max(sp_.block, sp_.root), stride)
         return comm, max(0.0, comm - last)
     units = [(sp_.block, sp_.layers)] + ([(sp_.root, 1)] if sp_.root else [])
-    gathers = m * (2 if p.zero_stage == 3 else 1)
     scatters = m if p.reduce_each_micro_batch else 1
     gather = sum(n * rates.collective("all_gather", dp, gather_e * u, stride) for u, n in units)
     scatter = sum(n * rates.collective("reduce_scatter", dp, grad_e * u, stride) for u, n in units)
     count = sum(n for _, n in units)
-    comm = gathers * gather + scatters * scatter + count * (gathers + scatters) * rates.unit_seconds
+    forward_gathers = count
+    backward_gather, backward_gathers = 0.0, 0
+    if p.zero_stage == 3:  # gathered again in backward, except the last block of a one-stage model,
+        kept = p.pp == 1 and sp_.layers > 0  # which stays gathered from its forward (apply_fsdp)
+        backward_gather = gather - (
+            rates.collective("all_gather", dp, gather_e * sp_.block, stride) if kept else 0.0
+        )
+        backward_gathers = count - int(kept)
+    collectives = m * (forward_gathers + backward_gathers) + scatters * count  # each pays unit_seconds
+    comm = m * (gather + backward_gather) + scatters * scatter + collectives * rates.unit_seconds
     # the first unit's gather of each micro-batch and the last unit's reduce-scatter are exposed
     first = rates.collective("all_gather", dp, gather_e * units[0][0], stride)
     exposed = m * first + rates.collective("reduce_scatter", dp, grad_e * units[-1][0], stride)
