@@ -103,10 +103,19 @@ def _version(name: str) -> str | None:
         return None
 
 
-def ds_config(cfg, zero_stage: int, adam: str, persistence_threshold: int | None = None) -> dict:
+def ds_config(
+    cfg,
+    zero_stage: int,
+    adam: str,
+    persistence_threshold: int | None = None,
+    max_reuse_distance: int | None = None,
+) -> dict:
     """The DeepSpeed config equivalent to our resolved config (fp32, no scheduler). At stage 3,
     `persistence_threshold` is stage3_param_persistence_threshold: parameters with fewer elements stay
-    whole on every rank (DeepSpeed's default 1e5 when None)."""
+    whole on every rank (DeepSpeed's default 1e5 when None); `max_reuse_distance` is
+    stage3_max_reuse_distance: a parameter used again within that many gathered elements is not
+    released (DeepSpeed's default 1e9 when None: below a billion parameters, a forward's parameters
+    stay gathered until their backward)."""
     o, t = cfg.optim, cfg.train
     params: dict = {
         "lr": o.lr,
@@ -121,6 +130,8 @@ def ds_config(cfg, zero_stage: int, adam: str, persistence_threshold: int | None
     zero: dict = {"stage": zero_stage}
     if zero_stage == 3 and persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = persistence_threshold
+    if zero_stage == 3 and max_reuse_distance is not None:
+        zero["stage3_max_reuse_distance"] = max_reuse_distance
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -153,6 +164,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="stage 3: stage3_param_persistence_threshold (parameters with fewer elements are not "
         "partitioned; DeepSpeed's default 100000 when not given)",
+    )
+    p.add_argument(
+        "--max-reuse-distance",
+        type=int,
+        help="stage 3: stage3_max_reuse_distance (DeepSpeed's default 1e9 when not given)",
     )
     p.add_argument(
         "--profile-steps",
@@ -200,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
 
     set_seed(cfg.train.seed)  # as run.py, right before init: the same initial weights as our run
     model = build_model(cfg.model)
-    config = ds_config(cfg, args.zero_stage, args.ds_adam, args.persistence_threshold)
+    config = ds_config(
+        cfg, args.zero_stage, args.ds_adam, args.persistence_threshold, args.max_reuse_distance
+    )
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=config
     )

@@ -268,6 +268,8 @@ def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path, pr
         "--threads", str(args.threads), "--ds-adam", args.ds_adam, "--output", str(out), *profiling,
         *([] if args.ds_persistence_threshold is None else
           ["--persistence-threshold", str(args.ds_persistence_threshold)]),
+        *([] if args.ds_max_reuse_distance is None else
+          ["--max-reuse-distance", str(args.ds_max_reuse_distance)]),
         *user_overrides(args, stage),
     ]  # fmt: skip
     run_logged(cmd, work / f"{tag}.log", args, work)
@@ -393,6 +395,19 @@ def render(results: dict, args: argparse.Namespace, command: str, cfg_yaml: str,
                 " (every parameter partitioned, as in ours; DeepSpeed's default 100,000 would keep every "
                 "smaller parameter whole on every rank)."
                 if args.ds_persistence_threshold == 0
+                else "."
+            )
+        )
+        + (
+            " DeepSpeed's default `stage3_max_reuse_distance` (1e9 elements: below a billion parameters "
+            "every parameter gathered in forward stays gathered until its backward, so the whole model "
+            "is resident on every rank during the step; ours releases each block after its forward)."
+            if args.ds_max_reuse_distance is None
+            else f" `stage3_max_reuse_distance = {args.ds_max_reuse_distance}`"
+            + (
+                " (each parameter released after its module's forward and gathered again for its "
+                "backward, as ours does for every block but the last)."
+                if args.ds_max_reuse_distance == 0
                 else "."
             )
         ),
@@ -598,6 +613,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DeepSpeed's stage3_param_persistence_threshold: 0 (default here) partitions every parameter, "
         "as our ZeRO-3 does; DeepSpeed's own default ('default', 100000 elements) keeps every smaller "
         "parameter whole on every rank, at this model's size all but the embedding",
+    )
+    p.add_argument(
+        "--ds-max-reuse-distance",
+        type=lambda v: None if v == "default" else int(v),
+        default=0,
+        metavar="N|default",
+        help="DeepSpeed's stage3_max_reuse_distance: 0 (default here) releases each parameter after its "
+        "forward, as our ZeRO-3 does per block; DeepSpeed's own default ('default', 1e9 elements) keeps "
+        "every parameter of a smaller model gathered from its forward to its backward",
     )
     p.add_argument("--stx", help="the stx command (default: the one beside this python, else on PATH)")
     p.add_argument(
