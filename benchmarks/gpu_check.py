@@ -150,9 +150,6 @@ def child(label: str, args: list[str], out: Path) -> int:
     return int(status or 0)
 
 
-PLAN_DEVICES = {"H200": "h200-sxm", "H100": "h100-sxm", "A100-SXM4-80GB": "a100-80gb", "A100": "a100-40gb"}
-
-
 def stx_command() -> list[str]:
     stx = Path(sys.executable).with_name("stx")
     return (
@@ -251,7 +248,10 @@ def main() -> int:
         common = [c for c in common if not c.startswith(("train.device", "train.precision"))]
         common.append("train.device=cpu")
         args.cases = "tiny-gpt"
-    plan_device = next((d for key, d in PLAN_DEVICES.items() if key in (env["device"] or "")), "cpu")
+    from scalable_transformer.metrics.device_specs import detect_device_name
+
+    # the device table's entry for this GPU, as stx train names it (none: the plan is for this CPU)
+    plan_device = (detect_device_name(env["device"]) if env["device"] else None) or "cpu"
     rows: list[dict[str, Any]] = []
     with (args.out / "gpu_check.jsonl").open("a") as sink:
         sink.write(json.dumps({"environment": env}) + "\n")
