@@ -131,10 +131,12 @@ def test_grad_sync_timers_present_and_phases_add_up_to_the_step(runs, layout):
                 assert r[f"time_ms_min/{name}"] <= r[f"time_ms_max/{name}"]
         phases = sum(r[f"time_ms/{name}"] for name in PHASES if f"time_ms/{name}" in r)
         ratios.append(phases / r["step_time_ms"])
-    # phases never exceed the step; they cover it up to what no timer holds (an interval of ~20 ms steps on
-    # 2 busy cores once measured 0.944 in one interval, 0.97 in the others): the median >= 0.95
+    # phases never exceed the step; they cover it up to what no timer holds: the host work between the
+    # timers, a fixed cost per step, so a larger share of a faster step. Measured on 2 busy cores: 0.944
+    # in one interval and 0.97 in the others; after the step got faster (parallel/init.py's allocation
+    # setting), zero0 at 0.941-0.951 in a fresh-clone CI (2026-11-26). The median >= 0.90
     assert all(0.85 <= x <= 1.0 + 1e-9 for x in ratios), (layout, ratios)
-    assert statistics.median(ratios) >= 0.95, (layout, ratios)
+    assert statistics.median(ratios) >= 0.90, (layout, ratios)
     if layout == "pp2":
         assert summary["pipeline_bubble_theoretical"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), m=4
         assert 0 < summary["pipeline_bubble_measured"] < 1
