@@ -258,6 +258,24 @@ def _ours_profile(profile: dict | None) -> dict | None:
     }
 
 
+def count_or_default(value: str) -> int | None:
+    """A DeepSpeed stage-3 setting on the command line: a count, or 'default' (None: DeepSpeed's own)."""
+    return None if value == "default" else int(value)
+
+
+def ds_setting_flag(flag: str, value: int | None) -> list[str]:
+    """The worker's flag for a DeepSpeed setting; none where DeepSpeed keeps its default."""
+    return [] if value is None else [flag, str(value)]
+
+
+def ds_setting_text(key: str, value: int | None, at_default: str, at_zero: str) -> str:
+    """The record's sentence on a DeepSpeed stage-3 setting: `at_default` where DeepSpeed keeps its
+    own, else the value, explained by `at_zero` when it is 0."""
+    if value is None:
+        return at_default
+    return f"`{key} = {value}`" + (at_zero if value == 0 else ".")
+
+
 def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path, profile: bool = False) -> dict:
     out = work / f"{tag}-rank{{rank}}.json"
     window = profile_window(args)
@@ -266,10 +284,8 @@ def run_deepspeed(args: argparse.Namespace, stage: int, tag: str, work: Path, pr
         args.ds_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
         str(WORKER), "--config", args.config or "tiny-gpt", "--zero-stage", str(stage),
         "--threads", str(args.threads), "--ds-adam", args.ds_adam, "--output", str(out), *profiling,
-        *([] if args.ds_persistence_threshold is None else
-          ["--persistence-threshold", str(args.ds_persistence_threshold)]),
-        *([] if args.ds_max_reuse_distance is None else
-          ["--max-reuse-distance", str(args.ds_max_reuse_distance)]),
+        *ds_setting_flag("--persistence-threshold", args.ds_persistence_threshold),
+        *ds_setting_flag("--max-reuse-distance", args.ds_max_reuse_distance),
         *user_overrides(args, stage),
     ]  # fmt: skip
     run_logged(cmd, work / f"{tag}.log", args, work)
@@ -386,30 +402,23 @@ def render(results: dict, args: argparse.Namespace, command: str, cfg_yaml: str,
         "its micro-batches to `engine.step()` at the accumulation boundary, as our trainer times an "
         "iteration; peak memory per rank = RSS high-water mark since just before the loop "
         "(`MemoryTracker`), as ours resets it at the start of `fit`. At stage 3, "
-        + (
+        + ds_setting_text(
+            "stage3_param_persistence_threshold",
+            args.ds_persistence_threshold,
             "DeepSpeed's default `stage3_param_persistence_threshold` (100,000 elements: every smaller "
-            "parameter stays whole on every rank, unlike ours)."
-            if args.ds_persistence_threshold is None
-            else f"`stage3_param_persistence_threshold = {args.ds_persistence_threshold}`"
-            + (
-                " (every parameter partitioned, as in ours; DeepSpeed's default 100,000 would keep every "
-                "smaller parameter whole on every rank)."
-                if args.ds_persistence_threshold == 0
-                else "."
-            )
+            "parameter stays whole on every rank, unlike ours).",
+            " (every parameter partitioned, as in ours; DeepSpeed's default 100,000 would keep every "
+            "smaller parameter whole on every rank).",
         )
-        + (
-            " DeepSpeed's default `stage3_max_reuse_distance` (1e9 elements: below a billion parameters "
+        + " "
+        + ds_setting_text(
+            "stage3_max_reuse_distance",
+            args.ds_max_reuse_distance,
+            "DeepSpeed's default `stage3_max_reuse_distance` (1e9 elements: below a billion parameters "
             "every parameter gathered in forward stays gathered until its backward, so the whole model "
-            "is resident on every rank during the step; ours releases each block after its forward)."
-            if args.ds_max_reuse_distance is None
-            else f" `stage3_max_reuse_distance = {args.ds_max_reuse_distance}`"
-            + (
-                " (each parameter released after its module's forward and gathered again for its "
-                "backward, as ours does for every block but the last)."
-                if args.ds_max_reuse_distance == 0
-                else "."
-            )
+            "is resident on every rank during the step; ours releases each block after its forward).",
+            " (each parameter released after its module's forward and gathered again for its "
+            "backward, as ours does for every block but the last).",
         ),
         "",
         "Forced after the config and the overrides, on both sides: `"
@@ -607,7 +616,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--ds-persistence-threshold",
-        type=lambda v: None if v == "default" else int(v),
+        type=count_or_default,
         default=0,
         metavar="N|default",
         help="DeepSpeed's stage3_param_persistence_threshold: 0 (default here) partitions every parameter, "
@@ -616,7 +625,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--ds-max-reuse-distance",
-        type=lambda v: None if v == "default" else int(v),
+        type=count_or_default,
         default=0,
         metavar="N|default",
         help="DeepSpeed's stage3_max_reuse_distance: 0 (default here) releases each parameter after its "
