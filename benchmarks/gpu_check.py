@@ -213,11 +213,7 @@ def summarize(label: str, out: Path, seconds: float, returncode: int, tail: str)
         keep += ("peak_flops_source", "num_parameters", "global_batch_size", "seq_length", "final_train_loss")
         keep += ("prediction_error", "device_util", "device_power_w")
         row.update({k: s.get(k) for k in keep})
-        pred = s.get("prediction") or {}
-        row["prediction"] = pred
-        step = pred.get("step_seconds") if isinstance(pred, dict) else None
-        if step and s.get("median_iteration_seconds"):
-            row["step_time_error"] = step / s["median_iteration_seconds"] - 1
+        row["prediction"] = s.get("prediction")  # stx train's own, the same model as `plan` below
     if returncode != 0:
         row["tail"] = tail[-2500:]
     return row
@@ -311,17 +307,21 @@ def write_record(path: Path, env: dict[str, Any], rows: list[dict[str, Any]]) ->
         f"`python benchmarks/gpu_check.py {' '.join(sys.argv[1:])}`",
         "",
         "| case | rc | host syncs / plain step (max, steps 4+) | step s measured | step s planned | error "
-        "| MFU | peak mem GiB measured | planned |",
+        "| MFU | peak GiB measured (live tensors; RSS on CPU) | planned (no reserve) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        measured_mem = (r.get("peak_memory_bytes") or 0) / 2**30
-        planned_mem = ((r.get("plan") or {}).get("peak_memory_bytes") or 0) / 2**30
+        tensors = r.get("peak_tensor_bytes_per_rank")  # on a GPU; a CPU run has its RSS only
+        measured_mem = (max(tensors) if tensors else r.get("peak_memory_bytes") or 0) / 2**30
+        plan_ = r.get("plan") or {}
+        # live tensor bytes against live tensor bytes: the plan without the device's reserve
+        reserve = (plan_.get("memory_breakdown_bytes") or {}).get("reserve") or 0
+        planned_mem = ((plan_.get("peak_memory_bytes") or 0) - reserve) / 2**30
         err = r.get("plan_step_time_error")
         lines.append(
             f"| {r['case']} | {r['returncode']} | {r.get('host_syncs_per_plain_step_max')} "
             f"| {r.get('median_iteration_seconds') or float('nan'):.3f} "
-            f"| {(r.get('plan') or {}).get('step_seconds') or float('nan'):.3f} "
+            f"| {plan_.get('step_seconds') or float('nan'):.3f} "
             f"| {'' if err is None else f'{err:+.1%}'} | {r.get('mfu') or float('nan'):.1%} "
             f"| {measured_mem:.2f} | {planned_mem:.2f} |"
         )
