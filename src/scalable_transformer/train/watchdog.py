@@ -190,8 +190,10 @@ class HangWatchdog(Callback):
             self._warn(f"cannot write its heartbeat ({e})")
 
     def _warn(self, what: str) -> None:
-        if what.split(" (")[0] not in self._warned:
-            self._warned.add(what.split(" (")[0])
+        """Print `what` once per kind (the text before its parenthesized detail) for this rank."""
+        kind = what.split(" (")[0]
+        if kind not in self._warned:
+            self._warned.add(kind)
             print(f"stx: warning: the hang watchdog of rank {self.rank} {what}", file=sys.stderr, flush=True)
 
     def stalled_ranks(self) -> list[dict[str, Any]]:
