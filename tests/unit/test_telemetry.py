@@ -240,6 +240,40 @@ def test_profiled_steps_are_left_out_of_the_median():
     assert summary["median_iteration_seconds"] == 1.0  # 9 s is warm-up, 50 and 60 s were profiled
 
 
+def test_a_resumed_runs_summary_leaves_out_its_own_warmup_and_profiled_steps():
+    """Iterations are counted from the resumed one: warm-up is the job's first 2 (1001-1002), the
+    profiler slowed 1003-1004, and the first interval's phase means carry the warm-up's one-off cost."""
+    from scalable_transformer.metrics.sinks import LogRecord
+    from scalable_transformer.train.measurement import History
+    from scalable_transformer.train.outputs import summarize
+
+    cfg = resolve(load_config("tiny-gpt", ["train.train_iters=1008", "logging.warmup_iters=2"]), 1)
+    history = History(
+        iteration_seconds=[9.0, 9.0, 50.0, 60.0, 1.0, 1.0, 1.0, 1.0],
+        first_iteration=1001,
+        excluded_iterations={1003, 1004},
+    )
+    history.records = [
+        LogRecord({"iteration": 1002, "first_iteration": 1001, "loss": 1.0}, phase_ms={"optimizer": 900.0}),
+        LogRecord(
+            {"iteration": 1004, "first_iteration": 1003, "loss": 1.0, "profiled_steps": 2},
+            phase_ms={"optimizer": 700.0},
+        ),
+        LogRecord({"iteration": 1006, "first_iteration": 1005, "loss": 1.0}, phase_ms={"optimizer": 60.0}),
+        LogRecord({"iteration": 1008, "first_iteration": 1007, "loss": 1.0}, phase_ms={"optimizer": 40.0}),
+    ]
+
+    class Flops:
+        convention, model_flops, hardware_flops = "megatron", 1e9, 1e9
+
+    class Peak:
+        flops_per_second, source = 1e12, "test"
+
+    summary = summarize(cfg, history, Flops(), Peak(), 1000, 10.0)
+    assert summary["median_iteration_seconds"] == 1.0
+    assert summary["phase_time_ms_median"] == {"optimizer": 50.0}
+
+
 @pytest.mark.slow
 def test_energy_per_sample_from_the_counter_over_the_post_warmup_intervals(tmp_path):
     """A fake GPU adapter (its energy counter rises 100 J per read) stands in for NVML in a CPU run."""

@@ -174,7 +174,8 @@ class StepClock:
 class History:
     """Per-iteration wall times and the records the summary is computed from."""
 
-    iteration_seconds: list[float] = field(default_factory=list)  # index i = iteration i + 1 of this job
+    iteration_seconds: list[float] = field(default_factory=list)  # index i = iteration first_iteration + i
+    first_iteration: int = 1  # the first iteration this job ran (later than 1 after a resume)
     records: list[LogRecord] = field(
         default_factory=list
     )  # one per log interval, `iteration` among its scalars
@@ -197,6 +198,15 @@ class History:
     stragglers: list[int | None] = field(default_factory=list)
     # fields callbacks add to summary.json (telemetry, the profile table)
     summary_extra: dict[str, Any] = field(default_factory=dict)
+
+    def warmup_iterations(self, warmup_iters: int) -> int:
+        """How many of this job's first iterations the statistics leave out: `logging.warmup_iters`,
+        or none when the job ran no more than that."""
+        return warmup_iters if len(self.iteration_seconds) > warmup_iters else 0
+
+    def last_warmup_iteration(self, warmup_iters: int) -> int:
+        """The job's last warm-up iteration, counted as the trainer counts (from the resumed one on)."""
+        return self.first_iteration + self.warmup_iterations(warmup_iters) - 1
 
 
 @dataclass
@@ -362,7 +372,8 @@ class Measurement:
         per_rank = gather_floats(busy, self.dims.rank, self.dims.world_size)
         record["busy_ms_per_rank"] = per_rank
         record["straggler_rank"] = straggler(per_rank)
-        if self.interval.first_iteration + self.interval.iterations - 1 > self.cfg.logging.warmup_iters:
+        last = self.interval.first_iteration + self.interval.iterations - 1
+        if last > self.history.first_iteration + self.cfg.logging.warmup_iters - 1:
             self.history.stragglers.append(record["straggler_rank"])
 
 

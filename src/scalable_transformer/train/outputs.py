@@ -129,16 +129,25 @@ def summarize(
     """Median throughput over the post-warm-up window, plus the losses and memory of the run."""
     times = history.iteration_seconds
     global_batch = cfg.train.global_batch_size
-    warmup = cfg.logging.warmup_iters if len(times) > cfg.logging.warmup_iters else 0
+    warmup = history.warmup_iterations(cfg.logging.warmup_iters)
+    first = history.first_iteration
     # profiled iterations (the profiler slows them) are left out as well, unless nothing else is left
-    kept = [t for i, t in enumerate(times) if i >= warmup and i + 1 not in history.excluded_iterations]
+    excluded = history.excluded_iterations
+    kept = [t for i, t in enumerate(times) if i >= warmup and first + i not in excluded]
     window = kept or times[warmup:]
     median = statistics.median(window)
     perf = throughput_metrics(flops, median, num_devices, peak.flops_per_second)
     phases: dict[str, float] = {}
-    records = [
-        r for r in history.records if r["iteration"] > warmup and not r.get("profiled_steps")
-    ] or history.records
+    # per-phase times: the intervals that began after the warm-up (a first interval's mean carries
+    # the first step's one-off costs: lazily built optimizer state, allocator growth), else those
+    # that ended after it, else all; never the profiled ones where others are left
+    last_warmup = history.last_warmup_iteration(cfg.logging.warmup_iters)
+    timed = [r for r in history.records if not r.get("profiled_steps")] or history.records
+    records = (
+        [r for r in timed if r.get("first_iteration", r["iteration"]) > last_warmup]
+        or [r for r in timed if r["iteration"] > last_warmup]
+        or history.records
+    )
     for name in records[0].phase_ms if records else {}:
         phases[name] = statistics.median(r.phase_ms[name] for r in records if name in r.phase_ms)
     return {

@@ -67,8 +67,8 @@ class TelemetryCallback(Callback):
     def on_fit_end(self, trainer: Trainer, history: History) -> None:
         if self.started:
             self.telemetry.stop()
-        warmup = trainer.cfg.logging.warmup_iters
-        window = [r for r in self.records if r[0] > warmup] or self.records
+        last_warmup = history.last_warmup_iteration(trainer.cfg.logging.warmup_iters)
+        window = [r for r in self.records if r[0] > last_warmup] or self.records
         own: dict[str, tuple[float, float]] = {}
         for key in SUMMARY_FIELDS:
             values = [fig[key] for _, fig, _ in window if fig.get(key) is not None]

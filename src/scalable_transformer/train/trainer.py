@@ -271,6 +271,7 @@ class Trainer:
     def fit(self) -> History:
         """Train to train_iters, or until a stop signal (then `history.stopped_by` names it)."""
         h = self.history
+        h.first_iteration = self.iteration + 1
         self.measure.start_interval(self.iteration)
         # the callbacks' end (the final checkpoint) inside too: a second signal must not cut that save short
         with self.stop_signals:
@@ -337,7 +338,9 @@ class Trainer:
         profiled = sum(1 for i in range(first, self.iteration + 1) if i in h.excluded_iterations)
         if profiled:
             record["profiled_steps"] = profiled  # slowed by the profiler: left out of the summary
-        h.records.append(dataclasses.replace(record, scalars={"iteration": self.iteration, **record.scalars}))
+        # the summary's own bookkeeping (the sinks write the record without them)
+        bounds = {"iteration": self.iteration, "first_iteration": first}
+        h.records.append(dataclasses.replace(record, scalars={**bounds, **record.scalars}))
         self.sinks.write("train", self.iteration, record)
         measure.start_interval(self.iteration)
 
