@@ -94,6 +94,7 @@ def test_a_quick_calibration_gives_every_section_in_the_contract_shape(measured)
     assert {p["pass"] for p in measured["attention"]} == {"fwd", "bwd"}
     assert {p["causal"] for p in measured["attention"]} == {True, False}
     assert measured["memory_bound"]["bandwidth_gbps"] > 0 and measured["memory_bound"]["op_overhead_us"] > 0
+    assert measured["memory_bound"]["activation_gbps"] > 0  # a CPU: the model's own elementwise ops
     assert measured["collectives"] == []  # one process: nothing to measure
     assert set(measured["corrections"].values()) == {1.0} and measured["corrections_source"] is None
     lines = measured["_lines"]
@@ -131,6 +132,10 @@ def test_a_profile_from_another_machine_or_torch_names_each_difference(measured)
     ("change", "message"),
     [
         (lambda d: d["memory_bound"].pop("bandwidth_gbps"), r"memory_bound\.bandwidth_gbps is required"),
+        (
+            lambda d: d["memory_bound"].update(activation_gbps=0),
+            r"memory_bound\.activation_gbps must be a positive number, got 0",
+        ),
         (lambda d: d["gemm"][1].update(tflops=-1), r"gemm\[1\]\.tflops must be a positive number, got -1"),
         (lambda d: d["attention"][0].update(causal="yes"), r"attention\[0\]\.causal must be true or false"),
         (lambda d: d.update(device_memory_gb="lots"), r"device_memory_gb must be a positive number"),
@@ -200,6 +205,7 @@ def _slower(data: dict, factor: float) -> dict:
     for point in data["gemm"] + data["attention"]:
         point["tflops"] /= factor
     data["memory_bound"]["bandwidth_gbps"] /= factor
+    data["memory_bound"]["activation_gbps"] /= factor
     data["memory_bound"]["op_overhead_us"] *= factor
     data["peak_tflops"] = {k: v / factor for k, v in data["peak_tflops"].items()}
     return data
@@ -214,6 +220,29 @@ def test_stx_plan_reads_the_profile_and_a_slower_profile_predicts_a_slower_step(
     with_slow = _plan(capsys, "--hardware", str(slow))
     assert with_profile["time_breakdown_seconds"] != without["time_breakdown_seconds"]
     assert with_slow["step_seconds"] > 1.5 * with_profile["step_seconds"]
+
+
+def test_the_layers_elementwise_ops_are_planned_at_their_own_rate_and_the_optimizer_at_the_bandwidth(
+    measured, tmp_path, capsys
+):
+    """activation_gbps times the layers' and the loss's memory-bound work, bandwidth_gbps the
+    optimizer's: a quarter of the one makes that work 4x longer and leaves the optimizer as it was;
+    a profile without it (as GPU profiles are) plans that work at the bandwidth."""
+    data = copy.deepcopy({k: v for k, v in measured.items() if not k.startswith("_")})
+    bandwidth = data["memory_bound"]["bandwidth_gbps"]
+    data["memory_bound"]["activation_gbps"] = bandwidth
+    same = _plan(capsys, "--hardware", str(_profile_file(data, tmp_path / "same.yaml")))
+    data["memory_bound"]["activation_gbps"] = bandwidth / 4
+    slow = _plan(capsys, "--hardware", str(_profile_file(data, tmp_path / "slow.yaml")))
+    del data["memory_bound"]["activation_gbps"]
+    absent = _plan(capsys, "--hardware", str(_profile_file(data, tmp_path / "absent.yaml")))
+    for phase in ("forward", "backward"):
+        base = same["time_classes_seconds"][phase]["memory_bound"]
+        assert base > 0
+        assert slow["time_classes_seconds"][phase]["memory_bound"] == pytest.approx(4 * base)
+        assert absent["time_classes_seconds"][phase]["memory_bound"] == pytest.approx(base)
+    assert slow["time_classes_seconds"]["optimizer"] == same["time_classes_seconds"]["optimizer"]
+    assert slow["step_seconds"] > same["step_seconds"]
 
 
 def test_stx_plan_warns_naming_each_difference_of_a_profile_from_elsewhere(measured, tmp_path, capsys):

@@ -26,6 +26,7 @@ f ffn, v padded vocabulary, n heads, d head dim.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import os
 import socket
@@ -328,18 +329,90 @@ def _attention_times(
 # ---------------------------------------------------------------------------- memory-bound kernels
 
 
-def measure_memory_bound(job: Job, say=print) -> dict:
+def measure_memory_bound(job: Job, cfg: Config | None = None, say=print) -> dict:
     """Achievable bandwidth of elementwise kernels on tensors far beyond the caches (GB/s: bytes read
     + written / s; the median of copy, scale and add) and the fixed cost of one dispatched op (us: a
-    chain of tiny ops with autograd, forward and backward, per op), averaged over the ranks."""
-    section = Section(job, "memory_bound", 4, say)
+    chain of tiny ops with autograd, forward and backward, per op), averaged over the ranks.
+    On a CPU, given the model, also `activation_gbps`: its layers' and loss's own elementwise ops at
+    its shapes (`_activation_gbps`), which a CPU runs well below a copy's bandwidth."""
+    activation = cfg is not None and not job.cuda
+    section = Section(job, "memory_bound", 5 if activation else 4, say)
     rates = _bandwidths(job, section)
     bandwidth = sorted(rates)[len(rates) // 2] if rates else 0.0
     overhead = _op_overhead(job, section.per_point()) if section.go() else 0.0
     section.done += 1
-    bandwidth, overhead = job.mean([bandwidth, overhead])
-    section.finish(f"{bandwidth:.1f} GB/s elementwise, {overhead * 1e6:.1f} us per op")
-    return {"bandwidth_gbps": _figure(bandwidth), "op_overhead_us": _figure(overhead * 1e6)}
+    figures = [bandwidth, overhead]
+    if activation and section.go():
+        assert cfg is not None
+        figures.append(_activation_gbps(job, cfg, section.per_point()))
+        section.done += 1
+    figures = job.mean(figures)
+    out = {"bandwidth_gbps": _figure(figures[0]), "op_overhead_us": _figure(figures[1] * 1e6)}
+    what = f"{figures[0]:.1f} GB/s elementwise, {figures[1] * 1e6:.1f} us per op"
+    if len(figures) > 2 and figures[2] > 0:
+        out["activation_gbps"] = _figure(figures[2])
+        what += f", {figures[2]:.2f} GB/s in the model's own elementwise ops"
+    section.finish(what)
+    return out
+
+
+def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
+    """GB/s of the elementwise work plan/speed.py counts in bytes, run as a step runs it at the
+    model's shapes on one rank (tp 1): per layer two layer norms, the activation (SiLU-gated or
+    GELU), two residual adds, the hidden dropouts when the model has them and the math attention
+    path's softmax, each forward and backward; and the fp32 log-softmax over the vocabulary with its
+    backward. The rate is the planner's byte count over the measured time, the layers weighted by
+    their number, so that the planner, reading it back, predicts the measured time."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from ..config.validate import resolve
+    from .speed import _layer_bytes, _shape
+
+    one_rank = copy.deepcopy(cfg)
+    one_rank.parallel.tp = one_rank.parallel.pp = 1
+    one_rank.parallel.sequence_parallel = False
+    one_rank.parallel.zero_stage = 0
+    sh = dataclasses.replace(_shape(resolve(one_rank, 1), "cpu"), tp=1, sp=False)
+    dtype = DTYPES[sh.dtype]
+    gen = torch.Generator().manual_seed(0)
+
+    def tensor(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    x0, a0 = tensor(sh.tokens, sh.h), tensor(sh.tokens, (2 if sh.gated else 1) * sh.f)
+    scores0 = tensor(sh.b, sh.n, sh.s, sh.s) if sh.kernel == "math" else None
+    logits0 = tensor(sh.tokens, sh.v)
+    p = cfg.model.hidden_dropout
+
+    def layer() -> None:
+        x, a = x0.detach().requires_grad_(), a0.detach().requires_grad_()
+        normed = F.layer_norm(x, (sh.h,))
+        r1 = (F.dropout(normed, p, True) if sh.dropout else normed) + x
+        normed2 = F.layer_norm(r1, (sh.h,))
+        r2 = (F.dropout(normed2, p, True) if sh.dropout else normed2) + r1
+        if sh.gated:
+            gate, up = a.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = F.gelu(a)
+        outs = [r2, act]
+        if scores0 is not None:
+            outs.append(torch.softmax(scores0.float().detach().requires_grad_(), dim=-1))
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    def loss() -> None:
+        logits = logits0.detach().requires_grad_()
+        logp = F.log_softmax(logits.float(), dim=-1)
+        logp.backward(torch.ones_like(logp))
+
+    layer_s = fastest(job, layer, seconds / 2)
+    loss_s = fastest(job, loss, seconds / 2)
+    layers = cfg.model.num_layers
+    layer_bytes = 3 * _layer_bytes(sh)  # forward, and backward counted as twice the forward
+    loss_bytes = sh.tokens * sh.v * (2 * sh.e + 12)  # as _ends_compute counts the log-softmax
+    return (layers * layer_bytes + loss_bytes) / (layers * layer_s + loss_s) / 1e9
 
 
 def _bandwidths(job: Job, section: Section) -> list[float]:
@@ -494,7 +567,7 @@ def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict
     start = time.perf_counter()
     gemm = measure_gemm(job, gemm_shapes(cfg, job.quick), dtype, say)
     attention = measure_attention(job, attention_cases(cfg, job.quick), dtype, say)
-    memory = measure_memory_bound(job, say)
+    memory = measure_memory_bound(job, cfg, say)
     collectives = measure_collectives(job, say)
     say(f"calibrate: all sections in {time.perf_counter() - start:.1f} s")
     return profile_mapping(job, dtype, gemm, attention, memory, collectives)

@@ -23,7 +23,8 @@ per machine (format 1). Written by `stx calibrate` for this machine, shipped for
 
 Optional keys beyond these (GPU profiles use them): `topology: {devices_per_node, nics_per_node,
 nic_gbps}` (inter-node links), `memory_bound.unit_overhead_us` (fixed cost of one FSDP unit's
-collectives), and a `source` string on any gemm/attention/collectives entry.
+collectives), and a `source` string on any gemm/attention/collectives entry. A CPU calibration adds
+`memory_bound.activation_gbps`: the rate of a layer's elementwise ops as the step runs them.
 
 Units: TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s, GiB for memory, microseconds for times.
 """
@@ -122,6 +123,10 @@ class MemoryBound:
     bandwidth_gbps: float  # achievable bytes/s of elementwise ops (read + write counted)
     op_overhead_us: float  # fixed cost of one dispatched op (launch / dispatch)
     unit_overhead_us: float = 0.0  # fixed cost per FSDP unit (its gather/scatter bookkeeping)
+    # bytes/s of a layer's own elementwise ops (norms, activation, residual adds, dropout, the fp32
+    # log-softmax) as a step runs them, in the planner's byte count; None: bandwidth_gbps. On a CPU
+    # exp, erf and the dropout RNG run at compute rates, 4-5x below a copy's bandwidth.
+    activation_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -400,7 +405,7 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
         path,
         "memory_bound",
         data.get("memory_bound"),
-        ("bandwidth_gbps", "op_overhead_us", "unit_overhead_us"),
+        ("bandwidth_gbps", "op_overhead_us", "unit_overhead_us", "activation_gbps"),
     )
     corrections = dict.fromkeys(CORRECTION_CLASSES, 1.0)
     if data.get("corrections") is not None:
@@ -428,6 +433,7 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
             mb.number("bandwidth_gbps"),
             mb.number("op_overhead_us", zero=True),
             mb.number("unit_overhead_us", 0.0, zero=True),
+            mb.number("activation_gbps", None),
         ),
         collectives=tuple(
             _collective(path, i, x) for i, x in enumerate(_entries(path, data, "collectives", False))
@@ -496,6 +502,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
     }
     if profile.memory_bound.unit_overhead_us:
         out["memory_bound"]["unit_overhead_us"] = profile.memory_bound.unit_overhead_us
+    if profile.memory_bound.activation_gbps is not None:
+        out["memory_bound"]["activation_gbps"] = profile.memory_bound.activation_gbps
     if profile.topology:
         out["topology"] = dict(profile.topology)
     return out

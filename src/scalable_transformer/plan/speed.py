@@ -75,7 +75,10 @@ class _ProfileRates:
     def __init__(self, cluster: Cluster) -> None:
         assert cluster.profile is not None
         self.cluster, self.profile = cluster, cluster.profile
-        self.bandwidth = self.profile.memory_bound.bandwidth_gbps * 1e9
+        mb = self.profile.memory_bound
+        self.bandwidth = mb.bandwidth_gbps * 1e9
+        # a layer's and the loss's elementwise ops: their own measured rate where the profile has one
+        self.activation_bandwidth = (mb.activation_gbps or mb.bandwidth_gbps) * 1e9
         self.op_seconds = self.profile.memory_bound.op_overhead_us * 1e-6
         self.unit_seconds = self.profile.memory_bound.unit_overhead_us * 1e-6
         self.host_link = self.profile.host_link_gbps * 1e9
@@ -135,7 +138,7 @@ class _TableRates(_ProfileRates):
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self.bandwidth = cluster.device.memory_bandwidth
+        self.bandwidth = self.activation_bandwidth = cluster.device.memory_bandwidth
         self.op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS
         self.unit_seconds = 0.0
         self.host_link = cluster.device.host_link_bandwidth
@@ -330,7 +333,7 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     recomputed forward (full: the whole layer; selective: the attention core) counts in backward."""
     g_f, g_b = _gemm_seconds(rates, _layer_gemms(sh), sh.dtype)
     a_f, a_b = _attention_seconds(rates, sh)
-    mem = _layer_bytes(sh) / rates.bandwidth
+    mem = _layer_bytes(sh) / rates.activation_bandwidth
     fwd = {
         "gemm": g_f,
         "attention": a_f,
@@ -357,8 +360,8 @@ def _ends_compute(rates: _ProfileRates, sh: _Shape, first: bool, last: bool) -> 
     fwd = dict.fromkeys(OP_CLASSES[:4], 0.0)
     bwd = dict.fromkeys(OP_CLASSES[:4], 0.0)
     if first:
-        fwd["memory_bound"] += sh.tokens * sh.h * sh.e * 2 / rates.bandwidth
-        bwd["memory_bound"] += sh.tokens * sh.h * (sh.e + 4) / rates.bandwidth
+        fwd["memory_bound"] += sh.tokens * sh.h * sh.e * 2 / rates.activation_bandwidth
+        bwd["memory_bound"] += sh.tokens * sh.h * (sh.e + 4) / rates.activation_bandwidth
     if last:
         g_f, g_b = _gemm_seconds(rates, [(sh.tokens, sh.v // sh.tp, sh.h)], sh.dtype)
         fwd["gemm"] += g_f
@@ -366,8 +369,8 @@ def _ends_compute(rates: _ProfileRates, sh: _Shape, first: bool, last: bool) -> 
         logits = sh.tokens * sh.v / sh.tp
         # forward: read the logits, write fp32 log-probabilities; backward: read them, write the
         # gradient in the logits' dtype (16 bytes per logit over the step, fp32 as torch computes it)
-        fwd["memory_bound"] += logits * (sh.e + 4) / rates.bandwidth
-        bwd["memory_bound"] += logits * (4 + 4 + sh.e) / rates.bandwidth
+        fwd["memory_bound"] += logits * (sh.e + 4) / rates.activation_bandwidth
+        bwd["memory_bound"] += logits * (4 + 4 + sh.e) / rates.activation_bandwidth
     fwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
     bwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
     return {"forward": fwd, "backward": bwd}
