@@ -222,6 +222,20 @@ def test_stx_plan_reads_the_profile_and_a_slower_profile_predicts_a_slower_step(
     assert with_slow["step_seconds"] > 1.5 * with_profile["step_seconds"]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=3"],
+        ["train.global_batch_size=16", "train.gradient_accumulation_steps=2"],  # dp 2 implied
+    ],
+)
+def test_the_elementwise_point_measures_the_model_whatever_layout_the_config_names(layout):
+    """The job's config may name the layout of a bigger job (its dp, tp, batch): the point measures
+    the model on one rank at tp 1 and does not fail on the config's own world size."""
+    cfg = load_config("tiny-gpt", [*TINY, *layout])
+    assert cal._activation_gbps(cal.Job(torch.device("cpu"), quick=True, hosts=["h"]), cfg, 0.2) > 0
+
+
 def test_the_layers_elementwise_ops_are_planned_at_their_own_rate_and_the_optimizer_at_the_bandwidth(
     measured, tmp_path, capsys
 ):

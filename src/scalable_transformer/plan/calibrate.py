@@ -370,10 +370,13 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     from ..config.validate import resolve
     from .speed import _layer_bytes, _shape
 
-    one_rank = copy.deepcopy(cfg)
+    one_rank = copy.deepcopy(cfg)  # the model and micro-batch alone, whatever layout the config names
     one_rank.parallel.tp = one_rank.parallel.pp = 1
+    one_rank.parallel.dp = -1
     one_rank.parallel.sequence_parallel = False
     one_rank.parallel.zero_stage = 0
+    one_rank.train.global_batch_size = None
+    one_rank.train.gradient_accumulation_steps = None
     sh = dataclasses.replace(_shape(resolve(one_rank, 1), "cpu"), tp=1, sp=False)
     dtype = DTYPES[sh.dtype]
     gen = torch.Generator().manual_seed(0)
