@@ -368,7 +368,7 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     import torch.nn.functional as F
 
     from ..config.validate import resolve
-    from .speed import _layer_bytes, _shape
+    from .speed import _layer_bytes, _loss_bytes, _shape
 
     one_rank = copy.deepcopy(cfg)  # the model and micro-batch alone, whatever layout the config names
     one_rank.parallel.tp = one_rank.parallel.pp = 1
@@ -414,7 +414,7 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     loss_s = fastest(job, loss, seconds / 2)
     layers = cfg.model.num_layers
     layer_bytes = 3 * _layer_bytes(sh)  # forward, and backward counted as twice the forward
-    loss_bytes = sh.tokens * sh.v * (2 * sh.e + 12)  # as _ends_compute counts the log-softmax
+    loss_bytes = sum(_loss_bytes(sh))
     return (layers * layer_bytes + loss_bytes) / (layers * layer_s + loss_s) / 1e9
 
 

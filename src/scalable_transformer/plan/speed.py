@@ -303,6 +303,14 @@ def _layer_bytes(sh: _Shape) -> float:
     return sh.tokens * (norms + act + residual + dropout + softmax)
 
 
+def _loss_bytes(sh: _Shape) -> tuple[float, float]:
+    """Bytes the fp32 log-softmax over the vocabulary moves on one rank per micro-batch, forward (read
+    the logits, write fp32 log-probabilities) and backward (read them, write the gradient in the
+    logits' dtype): 16 bytes per logit over the step in fp32, as torch computes it."""
+    logits = sh.tokens * sh.v / sh.tp
+    return logits * (sh.e + 4), logits * (4 + 4 + sh.e)
+
+
 def _shape(cfg: Config, kind: str) -> _Shape:
     mc, p = cfg.model, cfg.parallel
     assert mc.ffn_hidden_size is not None
@@ -366,11 +374,9 @@ def _ends_compute(rates: _ProfileRates, sh: _Shape, first: bool, last: bool) -> 
         g_f, g_b = _gemm_seconds(rates, [(sh.tokens, sh.v // sh.tp, sh.h)], sh.dtype)
         fwd["gemm"] += g_f
         bwd["gemm"] += g_b
-        logits = sh.tokens * sh.v / sh.tp
-        # forward: read the logits, write fp32 log-probabilities; backward: read them, write the
-        # gradient in the logits' dtype (16 bytes per logit over the step, fp32 as torch computes it)
-        fwd["memory_bound"] += logits * (sh.e + 4) / rates.activation_bandwidth
-        bwd["memory_bound"] += logits * (4 + 4 + sh.e) / rates.activation_bandwidth
+        loss_fwd, loss_bwd = _loss_bytes(sh)
+        fwd["memory_bound"] += loss_fwd / rates.activation_bandwidth
+        bwd["memory_bound"] += loss_bwd / rates.activation_bandwidth
     fwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
     bwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
     return {"forward": fwd, "backward": bwd}
