@@ -106,3 +106,18 @@ def test_stop_check_cost_writes_its_table(tmp_path):
     a, b, c = (float(x) for x in row.split("|")[2:5])
     assert a > 0 and b > 0 and c > 0
     assert "## Environment" in text and "stop_check_cost.py --ranks 2" in text
+
+
+def test_cross_entropy_benchmark_reports_both_allocator_settings():
+    """benchmarks/cross_entropy.py at toy size: a row per allocator setting with both timings."""
+    script = SCRIPT.with_name("cross_entropy.py")
+    args = ["--rows", "8", "--vocab", "64", "--repeats", "1", "--iters", "1", "--warmup", "0"]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        line.split("|")[1:-1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| heap") or line.startswith("| fsdp")
+    ]
+    assert [r[0].strip() for r in rows] == ["heap", "fsdp"], proc.stdout
+    assert all(float(cell) > 0 for r in rows for cell in r[1:]), proc.stdout

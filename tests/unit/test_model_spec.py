@@ -177,3 +177,39 @@ def test_the_rest_of_the_package_does_not_branch_on_the_model_type():
 def test_a_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         get_spec("gpt").lm_metric = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_sum_matches_torchs_in_value_and_gradient(dtype):
+    from torch.nn import functional as F
+
+    from scalable_transformer.models.spec import IGNORE_INDEX, cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(48, 97, generator=gen)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 97, (48,), generator=gen)
+    labels[::5] = IGNORE_INDEX
+    ours = cross_entropy_sum(logits, labels, IGNORE_INDEX)
+    (0.37 * ours).backward()
+    ours_grad, logits.grad = logits.grad, None
+    torchs = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (0.37 * torchs).backward()
+    assert ours.dtype == torch.float32 and ours_grad.dtype == dtype
+    torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours_grad, logits.grad, rtol=1e-5, atol=1e-7)
+    assert ours_grad[::5].eq(0).all()  # ignored rows get no gradient
+
+
+def test_cross_entropy_sum_of_no_labelled_row_is_zero_and_a_second_backward_is_an_error():
+    from scalable_transformer.models.spec import IGNORE_INDEX, cross_entropy_sum
+
+    logits = torch.randn(4, 10, requires_grad=True)
+    loss = cross_entropy_sum(logits, torch.full((4,), IGNORE_INDEX), IGNORE_INDEX)
+    loss.backward()
+    assert loss.item() == 0.0 and not str(loss.item()).startswith("-")
+    assert logits.grad is not None and logits.grad.eq(0).all()
+    # the backward overwrites its saved log-probabilities: reusing the graph must fail, not mislead
+    again = cross_entropy_sum(logits, torch.tensor([1, 2, 3, 4]), IGNORE_INDEX)
+    again.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        again.backward()

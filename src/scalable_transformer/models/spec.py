@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scalable_transformer.config.schema import ModelConfig
@@ -25,9 +24,46 @@ Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
 
 
+class _CrossEntropySum(torch.autograd.Function):
+    """F.cross_entropy(logits.float(), labels, reduction="sum") with one [n, v] fp32 buffer instead of
+    four. torch's composite saves the log-softmax, then its backward allocates the NLL's zero-filled
+    gradient and log-softmax's gradient, both [n, v] fp32, per micro-batch. Here the backward writes
+    softmax - one-hot into the saved log-probabilities in place (nothing else holds them) and returns
+    that buffer (fp32 logits) or its cast (bf16/fp16 logits). On a CPU with a 1 MiB mmap threshold
+    (FSDP2's steps, parallel.init.step_allocation) each fresh [n, v] buffer is zero-filled page by
+    page by the kernel; on a GPU the loss's backward peak loses two [n, v] fp32 buffers.
+    Liger-Kernel's fused linear cross-entropy goes further (no logits at all) but is Triton-only."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int
+    ) -> torch.Tensor:
+        logp_nv = torch.log_softmax(logits_nv.float(), dim=-1)
+        valid_n = labels_n != ignore_index
+        rows_n1 = torch.where(valid_n, labels_n, 0).unsqueeze(1)
+        picked_n = logp_nv.gather(1, rows_n1).squeeze(1)
+        loss = torch.where(valid_n, -picked_n, 0.0).sum()
+        ctx.save_for_backward(logp_nv, rows_n1, valid_n)
+        ctx.logits_dtype = logits_nv.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        logp_nv, rows_n1, valid_n = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        # d(sum of -log p[label]) / d logits = softmax - one-hot, for the labelled rows only; the
+        # version counter makes a second backward through this graph an error, never a wrong value
+        grad_nv = logp_nv.exp_()
+        grad_nv.scatter_add_(1, rows_n1, torch.full_like(rows_n1, -1, dtype=grad_nv.dtype))
+        grad_nv.mul_((valid_n.to(grad_nv.dtype) * grad_loss.to(grad_nv.dtype)).unsqueeze(1))
+        return grad_nv.to(ctx.logits_dtype), None, None
+
+
 def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed fp32 cross-entropy over the rows whose label is not ignore_index (a scalar)."""
-    return F.cross_entropy(logits_nv.float(), labels_n, ignore_index=ignore_index, reduction="sum")
+    """Summed fp32 cross-entropy over the rows whose label is not ignore_index (a scalar), as
+    F.cross_entropy(reduction="sum") on the fp32 logits computes it (`_CrossEntropySum`)."""
+    return _CrossEntropySum.apply(logits_nv, labels_n, ignore_index)
 
 
 def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:

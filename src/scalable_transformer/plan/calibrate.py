@@ -360,14 +360,16 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     """GB/s of the elementwise work plan/speed.py counts in bytes, run as a step runs it at the
     model's shapes on one rank (tp 1): per layer two layer norms, the activation (SiLU-gated or
     GELU), two residual adds, the hidden dropouts when the model has them and the math attention
-    path's softmax, each forward and backward; and the fp32 log-softmax over the vocabulary with its
-    backward. The rate is the planner's byte count over the measured time, the layers weighted by
-    their number, so that the planner, reading it back, predicts the measured time."""
+    path's softmax, each forward and backward; and the model's fp32 cross-entropy over the vocabulary
+    (models.spec.cross_entropy_sum) with its backward. The rate is the planner's byte count over the
+    measured time, the layers weighted by their number, so that the planner, reading it back,
+    predicts the measured time."""
     import dataclasses
 
     import torch.nn.functional as F
 
     from ..config.validate import resolve
+    from ..models.spec import IGNORE_INDEX, cross_entropy_sum
     from .speed import _layer_bytes, _loss_bytes, _shape
 
     one_rank = copy.deepcopy(cfg)  # the model and micro-batch alone, whatever layout the config names
@@ -405,10 +407,11 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
             outs.append(torch.softmax(scores0.float().detach().requires_grad_(), dim=-1))
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
+    labels0 = torch.randint(0, sh.v, (sh.tokens,), generator=gen)
+
     def loss() -> None:
         logits = logits0.detach().requires_grad_()
-        logp = F.log_softmax(logits.float(), dim=-1)
-        logp.backward(torch.ones_like(logp))
+        cross_entropy_sum(logits, labels0, IGNORE_INDEX).backward()
 
     layer_s = fastest(job, layer, seconds / 2)
     loss_s = fastest(job, loss, seconds / 2)

@@ -461,9 +461,11 @@ def activation_bytes(
 
 def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int, later: bool = False) -> float:
     """The head's saved tensors and the loss's buffers on the last stage, at the loss's backward
-    (log_softmax's backward, the step's peak on CPU measurements): logits [b, s, v/t] in the compute
-    dtype (the trainer still holds the model's outputs), their fp32 copy under autocast, the fp32
-    log-softmax cross-entropy saved, its gradient from the NLL backward and the gradient it makes."""
+    (the step's peak on CPU measurements): logits [b, s, v/t] in the compute dtype (the trainer still
+    holds the model's outputs) and the fp32 log-softmax the cross-entropy saved. Without tensor
+    parallelism the loss's backward writes its gradient into that log-softmax in place and adds only
+    its cast to the logits' dtype under bf16/fp16 (models.spec._CrossEntropySum); loss_parallel's
+    (tp > 1) makes the NLL's gradient and log-softmax's gradient, two more fp32 buffers."""
     if not sp_.last:
         return 0.0
     mc, p, t = cfg.model, cfg.parallel, cfg.train
@@ -488,4 +490,5 @@ def logits_bytes(cfg: Config, sp_: StageParams, pp_rank: int, later: bool = Fals
     if p.pp > 1 and p.pipeline_schedule in ("gpipe", "looped-bfs"):
         m = t.gradient_accumulation_steps or 1
         micro = max(1, m - 1) if later else m
-    return logits * (kept * micro + 4 + 4) + head * micro
+    gradients = 4 + 4 if p.tp > 1 else (0 if e == 4 else e)
+    return logits * (kept * micro + gradients) + head * micro

@@ -304,11 +304,16 @@ def _layer_bytes(sh: _Shape) -> float:
 
 
 def _loss_bytes(sh: _Shape) -> tuple[float, float]:
-    """Bytes the fp32 log-softmax over the vocabulary moves on one rank per micro-batch, forward (read
-    the logits, write fp32 log-probabilities) and backward (read them, write the gradient in the
-    logits' dtype): 16 bytes per logit over the step in fp32, as torch computes it."""
+    """Bytes the fp32 cross-entropy over the vocabulary moves on one rank per micro-batch. Forward:
+    read the logits, write fp32 log-probabilities. Backward without tensor parallelism
+    (models.spec._CrossEntropySum): exp and the scaling in place (read + write twice), then the cast
+    to a bf16/fp16 logits' dtype; loss_parallel's (tp > 1): read the log-probabilities, write the
+    gradient in the logits' dtype."""
     logits = sh.tokens * sh.v / sh.tp
-    return logits * (sh.e + 4), logits * (4 + 4 + sh.e)
+    if sh.tp > 1:
+        return logits * (sh.e + 4), logits * (4 + 4 + sh.e)
+    cast = 0 if sh.e == 4 else 4 + sh.e
+    return logits * (sh.e + 4), logits * (4 + 4 + 4 + 4 + cast)
 
 
 def _shape(cfg: Config, kind: str) -> _Shape:
