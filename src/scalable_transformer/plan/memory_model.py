@@ -309,10 +309,11 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         sharded = int(4 * P / dp)
         states = int(k * P / dp)
         # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
-        # backward; ZeRO-3: at the loss's backward every unit is resharded, the root (embedding, head)
-        # included (its pre-backward gather fires when the backward reaches the logits, after the
-        # loss's buffers), except one block: measured, 1.6% below the profiler's peak on tiny-gpt
-        gathered = gather_bytes * P if zero == 2 else gather_bytes * sp_.block
+        # backward; ZeRO-3: at the loss's backward every block is resharded but the last, and without
+        # pipeline stages the root (embedding, head) stays gathered too (parallel/apply.py): both
+        # are the first units the backward needs. A pipeline stage reshards both.
+        kept_units = sp_.block + sp_.root if p.pp == 1 else sp_.block
+        gathered = gather_bytes * P if zero == 2 else gather_bytes * kept_units
         # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
         # (set_requires_gradient_sync(False)); without accumulation no block's backward has started
         # at the loss's backward: no gradient and no reduce-scatter buffer yet
