@@ -109,13 +109,16 @@ def ds_config(
     adam: str,
     persistence_threshold: int | None = None,
     max_reuse_distance: int | None = None,
+    prefetch_bucket_size: int | None = None,
 ) -> dict:
     """The DeepSpeed config equivalent to our resolved config (fp32, no scheduler). At stage 3,
     `persistence_threshold` is stage3_param_persistence_threshold: parameters with fewer elements stay
     whole on every rank (DeepSpeed's default 1e5 when None); `max_reuse_distance` is
     stage3_max_reuse_distance: a parameter used again within that many gathered elements is not
     released (DeepSpeed's default 1e9 when None: below a billion parameters, a forward's parameters
-    stay gathered until their backward)."""
+    stay gathered until their backward); `prefetch_bucket_size` is stage3_prefetch_bucket_size: how many
+    elements of the next modules' parameters are gathered ahead, in one collective (DeepSpeed's
+    default 5e7 when None; 0 gathers a module's parameters when it runs)."""
     o, t = cfg.optim, cfg.train
     params: dict = {
         "lr": o.lr,
@@ -132,6 +135,8 @@ def ds_config(
         zero["stage3_param_persistence_threshold"] = persistence_threshold
     if zero_stage == 3 and max_reuse_distance is not None:
         zero["stage3_max_reuse_distance"] = max_reuse_distance
+    if zero_stage == 3 and prefetch_bucket_size is not None:
+        zero["stage3_prefetch_bucket_size"] = prefetch_bucket_size
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -169,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-reuse-distance",
         type=int,
         help="stage 3: stage3_max_reuse_distance (DeepSpeed's default 1e9 when not given)",
+    )
+    p.add_argument(
+        "--prefetch-bucket-size",
+        type=int,
+        help="stage 3: stage3_prefetch_bucket_size (DeepSpeed's default 5e7 when not given)",
     )
     p.add_argument(
         "--profile-steps",
@@ -217,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(cfg.train.seed)  # as run.py, right before init: the same initial weights as our run
     model = build_model(cfg.model)
     config = ds_config(
-        cfg, args.zero_stage, args.ds_adam, args.persistence_threshold, args.max_reuse_distance
+        cfg,
+        args.zero_stage,
+        args.ds_adam,
+        args.persistence_threshold,
+        args.max_reuse_distance,
+        args.prefetch_bucket_size,
     )
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=config
