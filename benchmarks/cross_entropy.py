@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from scalable_transformer.metrics.environment import cpu_model
 
 SETTINGS = ("heap", "fsdp")
 DTYPES = ("fp32", "bf16")
@@ -68,17 +68,6 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 
-def processor() -> str:
-    """The CPU's model name (Linux), else platform's description."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def torch_version() -> str:
     return importlib.metadata.version("torch")
 
@@ -105,7 +94,7 @@ def main() -> None:
     shape = f"[{args.rows} x {args.vocab}] {args.dtype} logits"
     print(f"# cross_entropy: {shape}, forward + backward, 1 thread\n")
     print(f"Command: `{shlex.join(['python', 'benchmarks/cross_entropy.py', *sys.argv[1:]])}`\n")
-    print(f"Processor: {processor()}, torch {torch_version()}. Median over {args.repeats} process(es)")
+    print(f"Processor: {cpu_model()}, torch {torch_version()}. Median over {args.repeats} process(es)")
     print(f"per setting of each process's median of {args.iters} calls.\n")
     print("| allocator | ours (ms) | torch F.cross_entropy (ms) | ours / torch |")
     print("|---|---:|---:|---:|")

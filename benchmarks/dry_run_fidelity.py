@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import plan_accuracy  # noqa: E402  (the layouts and their model)
+from scalable_transformer.metrics.environment import cpu_model  # noqa: E402
 
 TARGET = 0.03
 EXTRA = ["train.train_iters=4", "logging.log_interval=2"]
@@ -43,14 +44,6 @@ def real_run(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Pat
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"exit {proc.returncode}: {tail}")
     return json.loads(summaries[-1].read_text())["peak_tensor_bytes_per_rank"], shlex.join(cmd)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main() -> int:
