@@ -124,20 +124,21 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
     }
     recorder = CommRecorder()  # measured all-gathers / reduce-scatters (parallel/comm.py)
     layers = blocks(model)
+    # without pipeline stages, the units the backward needs first stay gathered from their forward
+    keep_into_backward = p.zero_stage == 3 and p.pp == 1
     for i, (_, block) in enumerate(layers):
         # ZeRO-3, one pipeline stage: the last block's backward comes right after the loss, so its
         # parameters stay gathered from its forward instead of being all-gathered again (torchtitan
         # does the same). One block held through the loss: the peak gains at most one unit, never the
         # model. (A pipeline stage's last block waits for the next stage's backward: resharded.)
-        keep = p.zero_stage == 3 and p.pp == 1 and i == len(layers) - 1
+        keep = keep_into_backward and i == len(layers) - 1
         block_kwargs = {**kwargs, "reshard_after_forward": False} if keep else kwargs
         instrument_fsdp(fully_shard(block, **block_kwargs), recorder)
     # The root (embeddings, final norm, head) likewise: its backward starts at the logits, right after
     # the loss, so resharding it after the forward only gathers it again a moment later (torch's own
     # default for a root when reshard_after_forward is left unset). On tiny-gpt, whose root is 76% of
     # its parameters, it was 2 of the 10 all-gathers of a 2-micro-batch ZeRO-3 step (profiled).
-    keep_root = p.zero_stage == 3 and p.pp == 1
-    root_kwargs = {**kwargs, "reshard_after_forward": False} if keep_root else kwargs
+    root_kwargs = {**kwargs, "reshard_after_forward": False} if keep_into_backward else kwargs
     instrument_fsdp(fully_shard(model, **root_kwargs), recorder)
     setattr(model, "comm_recorder", recorder)  # noqa: B010 (found by parallel.comm.recorders)
 
