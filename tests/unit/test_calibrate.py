@@ -311,3 +311,17 @@ def test_a_gpu_profile_keeps_the_table_peak_of_every_dtype_so_another_dtype_can_
     assert peaks["fp16"] == pytest.approx(989.4) and peaks["fp32"] < peaks["tf32"] < peaks["bf16"]
     cpu = cal.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
     assert cal._peak_tflops_by_dtype(cpu, "fp32", [{"tflops": 0.5}, {"tflops": 0.7}]) == {"fp32": 0.7}
+
+
+def test_a_point_is_the_median_of_its_repeats_not_the_fastest(monkeypatch):
+    """Each call of the timed function advances a fake clock by its own duration: the warm-up call
+    is not counted, and the figure is the median of the rest (a fastest-repeat rule would give 1.0)."""
+    durations = iter([50.0, 3.0, 1.0, 2.0, 9.0, 4.0])  # warm-up, then five repeats: median 3.0
+    now = [0.0]
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: now[0])
+
+    def call() -> None:
+        now[0] += next(durations)
+
+    job = cal.Job(torch.device("cpu"))
+    assert cal.median_seconds(job, call, seconds=1e9, repeats=5) == 3.0
