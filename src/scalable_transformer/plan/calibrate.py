@@ -117,7 +117,8 @@ def median_seconds(job: Job, fn: Callable[[], Any], seconds: float, repeats: int
             fn()
             took = time.perf_counter() - t0
         times.append(took)
-        # at least 3 calls unless one alone takes the time given
+        # at least 3 calls unless one alone takes the time given: the median of 3 sets aside one
+        # call that met a preemption
         if time.perf_counter() > deadline and (i >= 2 or took > seconds):
             break
     return statistics.median(times)
