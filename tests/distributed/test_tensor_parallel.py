@@ -279,3 +279,58 @@ def test_gpt_llama_shape_tp2(tmp_path, groups, sequence_parallel):
     # 2 groups: each rank holds one whole group; 1 group (MQA): the qkv projection is replicated
     # and each rank keeps half the query heads and the shared key/value head.
     check_equivalent(tmp_path, tiny("gpt", num_query_groups=groups, **LLAMA), sequence_parallel)
+
+
+def _partial_grads_worker(rank: int, world_size: int, cfg: ModelConfig) -> dict:
+    """After a sequence-parallel backward: the norms' gradients are Partial; reduce_partial_grads
+    makes them Replicate with the values DTensor's own reduction gives, in one all-reduce."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from scalable_transformer.parallel.grads import reduce_partial_grads
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(SEED)
+    model = build_model(cfg)
+    apply_tensor_parallel(model, mesh["tp"], True)
+    batch = batches(cfg)[0]
+    with loss_parallel_context(2):
+        outputs = model(*model_inputs(cfg.type, batch))
+        loss, _ = compute_loss(cfg.type, outputs, batch, None, loss_ops(2))
+        loss.backward()
+    partial = {
+        n: p.grad.full_tensor()  # DTensor's own reduction, one all-reduce per tensor
+        for n, p in model.named_parameters()
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
+    }
+    before = {n: _full(p.grad) for n, p in model.named_parameters() if n not in partial}
+    calls = []
+    real = dist.all_reduce
+    with mock.patch.object(dist, "all_reduce", side_effect=lambda *a, **k: calls.append(1) or real(*a, **k)):
+        reduced = reduce_partial_grads(list(model.parameters()))
+        again = reduce_partial_grads(list(model.parameters()))
+    params = dict(model.named_parameters())
+    return {
+        "names": sorted(partial),
+        "reduced": reduced,
+        "again": again,
+        "calls": len(calls),
+        "placements": {n: tuple(type(pl).__name__ for pl in params[n].grad.placements) for n in partial},
+        "equal": all(torch.equal(params[n].grad.to_local(), partial[n]) for n in partial),
+        "others_unchanged": all(torch.equal(_full(params[n].grad), t) for n, t in before.items()),
+    }
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_partial_grads_reduced_in_one_all_reduce(tmp_path):
+    cfg = tiny("gpt")
+    for result in run_distributed(_partial_grads_worker, 2, cfg, tmp_dir=tmp_path, timeout=120):
+        # two norms per block and the final norm, weight and bias each
+        assert len(result["names"]) == 2 * 2 * cfg.num_layers + 2, result["names"]
+        assert all(".norm" in n or n.startswith("final_norm") for n in result["names"]), result["names"]
+        assert result["reduced"] == len(result["names"])
+        assert result["again"] == 0  # nothing Partial is left
+        assert result["calls"] == 1  # one flat buffer for all of them
+        assert set(result["placements"].values()) == {("Replicate",)}
+        assert result["equal"] and result["others_unchanged"]

@@ -6,6 +6,12 @@ norm weights, FSDP2 shards of both). So the grads are grouped by (mesh, placemen
 norm comes from `torch.nn.utils.get_total_norm` (DTensor groups reduce themselves over their mesh),
 the groups are combined, and the squares are summed over the pipeline group, whose stages hold
 disjoint parameters. Clipping then scales every local shard by one coefficient.
+
+Sequence parallelism leaves the norms' gradients as Partial DTensors (each tensor-parallel rank holds
+the sum over its sequence shard): `reduce_partial_grads` sums them into Replicate with one all-reduce
+per mesh, as Megatron's `layernorm-grads-all-reduce` does with its flattened buffer. Left Partial,
+DTensor reduced each one again inside every foreach op that read it (the norm, AdamW's lerp and
+addcmul): 250 small all-reduces per step for a 12-layer model, and the optimizer phase 4.5x slower.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .distributed import collective_device
 
@@ -23,6 +29,44 @@ from .distributed import collective_device
 def local(grad: torch.Tensor) -> torch.Tensor:
     """The tensor that holds this rank's values (a DTensor's local shard aliases its storage)."""
     return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+def reduce_partial_grads(params: Iterable[torch.nn.Parameter]) -> int:
+    """Turn every Partial DTensor gradient into its Replicate sum, in place of p.grad: one flat
+    all-reduce per (mesh, placements, dtype) and Partial mesh dimension. Returns how many gradients
+    it reduced (0: nothing to do, no collective). Every rank of the mesh must call it (it does
+    whenever they hold the same parameters, which tensor-parallel ranks do)."""
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            groups.setdefault((id(g.device_mesh), g.placements, g.dtype), []).append(p)
+    for members in groups.values():
+        first = members[0].grad
+        assert isinstance(first, DTensor)
+        mesh, placements = first.device_mesh, first.placements
+        shards = [local(p.grad) for p in members if p.grad is not None]
+        flat = torch.cat([t.reshape(-1) for t in shards])
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                op = getattr(placement, "reduce_op", "sum")
+                if op not in ("sum", "avg"):
+                    raise ValueError(f"gradient placement {placement} (reduce op {op!r}): only sum and avg")
+                group = mesh.get_group(dim)
+                dist.all_reduce(flat, group=group)
+                if op == "avg":  # gloo has no AVG
+                    flat /= dist.get_world_size(group)
+        replicated = tuple(Replicate() if pl.is_partial() else pl for pl in placements)
+        offset = 0
+        for p, shard in zip(members, shards, strict=True):
+            shard.copy_(flat[offset : offset + shard.numel()].view_as(shard))
+            offset += shard.numel()
+            grad = p.grad
+            assert isinstance(grad, DTensor)
+            p.grad = DTensor.from_local(
+                shard, mesh, replicated, run_check=False, shape=grad.shape, stride=grad.stride()
+            )
+    return sum(len(m) for m in groups.values())
 
 
 def _group_key(grad: torch.Tensor) -> tuple:

@@ -50,6 +50,7 @@ PHASES = {
     "pipeline-p2p-wait": "pipeline_wait",
     "all-grads-sync": "dp_communication",
     "embedding-grads-all-reduce": "dp_communication",
+    "layernorm-grads-all-reduce": "tp_communication",
     "metrics-all-reduce": "other",
     "zero-grad": "other",
     "batch-generator": "other",
@@ -235,7 +236,7 @@ def extrapolate(probes: list[DepthProbe], chunks: int, per_chunk: int) -> dict[s
         phases = {k: v * step / covered for k, v in phases.items()}
     else:
         phases["other"] = phases.get("other", 0.0) + step - covered
-    order = ("compute", "dp_communication", "pipeline_wait", "optimizer", "other")
+    order = ("compute", "tp_communication", "dp_communication", "pipeline_wait", "optimizer", "other")
     return {k: phases[k] for k in order if phases.get(k, 0.0) > 0}
 
 

@@ -43,6 +43,7 @@ PHASES = (
     "forward-backward",  # a pipeline schedule's step (pp > 1): compute, P2P waits, gradient reductions
     "metrics-all-reduce",  # waiting for the step's token count over dp (a lagging rank is waited for here)
     "embedding-grads-all-reduce",  # tied word-embedding copies of the first and last stage (pp > 1)
+    "layernorm-grads-all-reduce",  # sequence parallel: the norms' gradients summed over the tp ranks
     "zero-grad",
     "optimizer",
     "batch-generator",
@@ -53,7 +54,13 @@ NESTED = {
     "optimizer-clip-main-grad": "optimizer",
     "optimizer-inner-step": "optimizer",
 }
-WAITS = ("all-grads-sync", "metrics-all-reduce", "embedding-grads-all-reduce", "pipeline-p2p-wait")
+WAITS = (
+    "all-grads-sync",
+    "metrics-all-reduce",
+    "embedding-grads-all-reduce",
+    "layernorm-grads-all-reduce",
+    "pipeline-p2p-wait",
+)
 STRAGGLER_MARGIN = 0.10  # a rank busier than the median of the ranks by more than this is flagged
 LOSS_KEYS = ("loss", "lm_loss", "mlm_loss", "binary_loss", "grad_norm")
 

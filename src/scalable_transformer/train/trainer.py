@@ -26,7 +26,7 @@ from ..metrics.sinks import LogRecord
 from ..models import spec_for
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import collective_device
-from ..parallel.grads import clip_grads, grad_norm, local
+from ..parallel.grads import clip_grads, grad_norm, local, reduce_partial_grads
 from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
 from .measurement import History, Measurement, StepResult, StepValues
@@ -163,6 +163,10 @@ class Trainer:
                 self.pipeline.sync_tied_grads()
         else:
             metrics = self._forward_backward(micro_batches, normalizers, counted)
+        if self.dims.tp > 1 and self.cfg.parallel.sequence_parallel:
+            # the norms' Partial gradients, summed over the tensor-parallel ranks in one all-reduce
+            with self.timers("layernorm-grads-all-reduce"):
+                reduce_partial_grads(self.params)
         with self.timers("optimizer"):
             norm, found_inf, nonfinite = self._unscale_and_clip(metrics["loss"])
             lr = self.optimizer.param_groups[0]["lr"]
