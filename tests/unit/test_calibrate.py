@@ -325,3 +325,28 @@ def test_a_point_is_the_median_of_its_repeats_not_the_fastest(monkeypatch):
 
     job = cal.Job(torch.device("cpu"))
     assert cal.median_seconds(job, call, seconds=1e9, repeats=5) == 3.0
+
+
+def test_the_fsdp_unit_cost_is_the_measured_extra_less_the_collectives_bytes_per_collective(measured):
+    data = {k: v for k, v in measured.items() if not k.startswith("_")}
+    data["collectives"] = [
+        {"op": op, "scope": "intra_node", "ranks": 2, "size_bytes": size, "time_us": us, "busbw_gbps": bw}
+        for op in ("all_gather", "reduce_scatter")
+        for size, us, bw in ((4096, 400.0, 0.005), (2**20, 1000.0, 0.524288))
+    ]
+    profile = profile_from_dict(data, "synthetic")
+    calls = [("all_gather", 2**20)] * 4 + [("reduce_scatter", 2**20)] * 2
+    moved = 6 * profile.collective_seconds("all_gather", "intra_node", 2, 2**20)
+    assert moved == pytest.approx(6e-3)  # the curve's own 1 MiB point: 1 ms each
+    timing = cal.FsdpUnitTiming(moved + 6 * 2.5e-3, calls, "intra_node")
+    assert cal.unit_overhead_us(profile, timing, 2) == pytest.approx(2500.0)
+    # noisier than the cost it looks for: no negative cost
+    assert cal.unit_overhead_us(profile, cal.FsdpUnitTiming(moved / 2, calls, "intra_node"), 2) == 0.0
+    assert cal.unit_overhead_us(profile, cal.FsdpUnitTiming(1.0, [], "intra_node"), 2) == 0.0
+
+
+def test_the_fsdp_unit_point_keeps_a_gpu_models_blocks_small_and_a_small_models_as_they_are():
+    rows, h, f = cal._unit_dims(load_config("tiny-gpt", TINY))
+    assert (rows, h, f) == (2 * 32, 64, 256)
+    _, h, f = cal._unit_dims(load_config("gpt-13b", []))
+    assert 4 * h * h + 2 * h * f <= cal.FSDP_UNIT_MAX_PARAMS and f == pytest.approx(4 * h, abs=1)

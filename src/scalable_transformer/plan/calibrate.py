@@ -1,10 +1,11 @@
 """`stx calibrate`: measure the constants of the planner's op-class time model on this machine.
 
-Every rank of the job measures at once (as training runs them), in four sections, each with a time
+Every rank of the job measures at once (as training runs them), in five sections, each with a time
 budget: GEMMs at the config's layer shapes, attention forward and backward for every SDPA kernel
-this device offers, memory-bound kernels (bandwidth, fixed cost per op), and the collectives between
-the ranks (world > 1). Rank 0 gathers the results into a hardware profile (plan/hardware_profile.py's
-format 1) that `stx plan --hardware` reads.
+this device offers, memory-bound kernels (bandwidth, fixed cost per op), the collectives between
+the ranks (world > 1), and the fixed cost of an FSDP unit's collective beyond its bytes (world > 1:
+`measure_fsdp_unit`, `unit_overhead_us`). Rank 0 gathers the results into a hardware profile
+(plan/hardware_profile.py's format 1) that `stx plan --hardware` reads.
 
 Timing: CUDA events around each call on a GPU, `time.perf_counter` on a CPU; each point keeps the
 median of its repeats after a warm-up call, and the ranks' figures are averaged (compute) or the
@@ -47,10 +48,20 @@ from ..config.rules import padded_vocab_size, physical_memory_bytes
 from ..config.schema import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SECTIONS = ("gemm", "attention", "memory_bound", "collectives")
+SECTIONS = ("gemm", "attention", "memory_bound", "collectives", "fsdp_unit", "tp_layer")
 # seconds per section: the whole run stays under 3 minutes on 2 busy CPU cores with process startup
-BUDGET_SECONDS = {"gemm": 40.0, "attention": 30.0, "memory_bound": 10.0, "collectives": 40.0}
-QUICK_BUDGET_SECONDS = {"gemm": 4.0, "attention": 3.0, "memory_bound": 1.5, "collectives": 4.0}
+BUDGET_SECONDS = {
+    "gemm": 40.0, "attention": 30.0, "memory_bound": 10.0, "collectives": 40.0, "fsdp_unit": 15.0,
+    "tp_layer": 15.0,
+}  # fmt: skip
+QUICK_BUDGET_SECONDS = {
+    "gemm": 4.0, "attention": 3.0, "memory_bound": 1.5, "collectives": 4.0, "fsdp_unit": 2.0,
+    "tp_layer": 4.0,
+}  # fmt: skip
+# the FSDP unit point: this many blocks, each at most this many parameters (a GPU model's blocks are
+# scaled down: the fixed cost per unit is what it measures, and plain + sharded copies must fit)
+FSDP_UNITS = 4
+FSDP_UNIT_MAX_PARAMS = 16 * 2**20
 MAX_REPEATS = 20
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 MESSAGE_SIZES = tuple(4 * 2**10 * 4**i for i in range(9))  # 4 KiB .. 64 MiB, x4 apart
@@ -571,6 +582,267 @@ def measure_collectives(job: Job, say=print) -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------------------- FSDP units
+
+
+@dataclass
+class FsdpUnitTiming:
+    """What the FSDP unit point measured: the extra seconds of a forward + backward of FSDP_UNITS
+    blocks sharded one per unit (ZeRO-3: gathered in forward and again in backward, gradients
+    reduce-scattered) over the same blocks unsharded, and the collectives FSDP2 issued in it as
+    (op, bytes of the whole tensor)."""
+
+    extra_seconds: float
+    calls: list[tuple[str, int]]
+    scope: str
+
+
+def _unit_dims(cfg: Config) -> tuple[int, int, int]:
+    """(rows, h, f) of the point's blocks: the micro-batch's tokens and the model's widths, both
+    widths scaled down together when a block would exceed FSDP_UNIT_MAX_PARAMS."""
+    d = model_dims(cfg)
+    h, f = d["h"], d["f"]
+    scale = min(1.0, (FSDP_UNIT_MAX_PARAMS / (4 * h * h + 2 * h * f)) ** 0.5)
+    return d["b"] * d["s"], max(8, int(h * scale)), max(8, int(f * scale))
+
+
+def measure_fsdp_unit(job: Job, cfg: Config, say=print) -> FsdpUnitTiming | None:
+    """Time FSDP_UNITS transformer-sized blocks (an attention-sized pair of linears, 4 h^2, and the
+    MLP's, 2 h f) forward and backward, plain and under FSDP2 (`fully_shard` per block, as
+    parallel/apply.py shards a model), alternating, and count the collectives FSDP2 issues by
+    wrapping torch.distributed's all_gather_single / reduce_scatter_single for one call. The
+    planner's share of the difference, the collectives' bytes on this profile's curves, is taken
+    out in `unit_overhead_us`; what is left is the fixed cost per unit collective (hooks, copy-in
+    and copy-out, the ranks meeting). None with one process."""
+    if job.world == 1:
+        return None
+    from unittest import mock
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    section = Section(job, "fsdp_unit", 1, say)
+    rows, h, f = _unit_dims(cfg)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h), nn.Linear(h, f), nn.GELU(),
+                             nn.Linear(f, h))  # fmt: skip
+
+    plain = nn.Sequential(*[block() for _ in range(FSDP_UNITS)]).to(job.device)
+    sharded = copy.deepcopy(plain)
+    mesh = init_device_mesh(job.device.type, (job.world,))
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=True)
+    x = torch.randn(rows, h, generator=gen).to(job.device)
+
+    calls: list[tuple[str, int]] = []
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted_gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(("all_gather", output.numel() * output.element_size()))
+        return gather(output, *args, **kwargs)
+
+    def counted_scatter(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(("reduce_scatter", input.numel() * input.element_size()))
+        return scatter(output, input, *args, **kwargs)
+
+    with (
+        mock.patch.object(dist, "all_gather_single", counted_gather),
+        mock.patch.object(dist, "reduce_scatter_single", counted_scatter),
+    ):
+        _train_call(sharded, x)()  # also FSDP2's lazy initialization, not timed
+    extra = _paired_extra(job, _train_call(plain, x), _train_call(sharded, x), section.per_point())
+    section.done += 1
+    section.finish(
+        f"{FSDP_UNITS} units of {sum(p.numel() for p in plain[0].parameters()):,} parameters, "
+        f"{len(calls)} collectives, {extra * 1e3:.1f} ms more than unsharded per forward + backward"
+    )
+    scope = "inter_node" if len(set(job.hosts)) > 1 else "intra_node"
+    return FsdpUnitTiming(extra, calls, scope)
+
+
+def _train_call(model: Any, x: torch.Tensor) -> Callable[[], None]:
+    """A forward and backward of `model` on x, its gradients dropped after (as a step's zero_grad)."""
+
+    def call() -> None:
+        model(x).sum().backward()
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+
+    return call
+
+
+def _paired_extra(job: Job, baseline: Callable[[], Any], test: Callable[[], Any], seconds: float) -> float:
+    """Seconds `test` takes beyond `baseline`: each called once untimed, then alternately (the ranks
+    starting each call together, as a step's collectives meet them) until `seconds` have passed, at
+    least 3 and at most MAX_REPEATS pairs; the difference of the medians, averaged over the ranks."""
+    baseline()
+    test()
+    job.sync()
+    times: tuple[list[float], list[float]] = ([], [])
+    deadline = time.perf_counter() + seconds
+    while len(times[0]) < 3 or (time.perf_counter() < deadline and len(times[0]) < MAX_REPEATS):
+        for fn, out in zip((baseline, test), times, strict=True):
+            job.reduce([0.0])
+            t0 = time.perf_counter()
+            fn()
+            job.sync()
+            out.append(time.perf_counter() - t0)
+    return job.mean([statistics.median(times[1]) - statistics.median(times[0])])[0]
+
+
+def unit_overhead_us(profile: Any, timing: FsdpUnitTiming, ranks: int) -> float:
+    """The fixed cost of one FSDP unit collective (us) that `plan/speed.py` adds to each: the measured
+    extra seconds less the collectives' bytes on the profile's own curves, per collective, at
+    least 0 (a measurement noisier than the cost it looks for)."""
+    if not timing.calls:
+        return 0.0
+    moved = sum(profile.collective_seconds(op, timing.scope, ranks, n) for op, n in timing.calls)
+    return max(0.0, (timing.extra_seconds - moved) / len(timing.calls)) * 1e6
+
+
+# ---------------------------------------------------------------------------- tensor-parallel layers
+
+
+@dataclass
+class TpLayerTiming:
+    """The extra seconds of one tensor-parallel layer per micro-batch (forward + backward) over the
+    same layer unsharded at its local widths, without and with sequence parallelism, on `ranks`
+    ranks, and the collectives' tensor size (bytes of b s h)."""
+
+    extra_seconds: dict[str, float]  # "tp" | "sp" -> seconds per layer
+    ranks: int
+    tensor_bytes: int
+    scope: str = "intra_node"
+
+
+def _tp_mesh(job: Job) -> Any:
+    """A 1-D mesh over the ranks of each node (the tensor-parallel group a layout puts in a node), or
+    None when the nodes hold different numbers of ranks, ranks are not numbered node by node, or a
+    node holds one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nodes = sorted(set(job.hosts), key=job.hosts.index)
+    per = job.world // len(nodes)
+    if per < 2 or job.hosts != [h for h in nodes for _ in range(per)]:
+        return None
+    if len(nodes) == 1:
+        return init_device_mesh(job.device.type, (per,))
+    return init_device_mesh(job.device.type, (len(nodes), per), mesh_dim_names=("node", "tp"))["tp"]
+
+
+class _Pair(torch.nn.Module):
+    """Two linears h -> w -> h with GELU between: an attention's qkv/out pair (w = 2 h: 4 h^2
+    weights) or an MLP (w = f)."""
+
+    def __init__(self, h: int, w: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(h, w), torch.nn.Linear(w, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Layer(torch.nn.Module):
+    """A pre-norm layer of the model's widths (its attention core left out: the heads split without
+    communication), its linears `t` times narrower when `t` > 1 (a tensor-parallel rank's shapes)."""
+
+    def __init__(self, h: int, f: int, t: int = 1) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.attention, self.mlp = _Pair(h, 2 * h // t), _Pair(h, f // t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def _tp_plan(sp: bool) -> dict[str, Any]:
+    """parallel/tensor.py's styles for a layer: column-parallel up, row-parallel down; with SP the
+    norms on the sequence shard and the pairs' inputs gathered from it, their outputs scattered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {}
+    for pair in ("attention", "mlp"):
+        plan[f"{pair}.up"] = ColwiseParallel()
+        plan[f"{pair}.down"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+        if sp:
+            plan[pair] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if sp:
+        plan["norm1"] = plan["norm2"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def measure_tp_layer(job: Job, cfg: Config, say=print) -> TpLayerTiming | None:
+    """Time FSDP_UNITS layers (`_Layer`, the FSDP unit point's widths) forward and backward under
+    torch's tensor-parallel styles as parallel/tensor.py applies them, without and with sequence
+    parallelism, each against the same layers unsharded at one rank's widths, alternating. The
+    collectives' bytes as the planner counts them are taken out in `tp_layer_overhead_us`; the rest
+    is DTensor's cost per layer. None with one process or ranks that do not form per-node groups."""
+    if job.world == 1:
+        return None
+    mesh = _tp_mesh(job)
+    if mesh is None:
+        say("calibrate: tp_layer: skipped: the nodes do not hold 2 or more ranks each, numbered by node")
+        return None
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    t = mesh.size()
+    d = model_dims(cfg)
+    _, h, f = _unit_dims(cfg)
+    h, f = -(-h // t) * t, -(-f // t) * t  # the sharded widths divide evenly
+    b, s = d["b"], max(t, d["s"] // t * t)
+    section = Section(job, "tp_layer", 2, say)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    extra: dict[str, float] = {}
+    for kind in ("tp", "sp"):
+        if not section.go():
+            break
+        local = torch.nn.Sequential(*[_Layer(h, f, t) for _ in range(FSDP_UNITS)]).to(job.device)
+        sharded = torch.nn.Sequential(*[_Layer(h, f) for _ in range(FSDP_UNITS)]).to(job.device)
+        for layer in sharded:
+            parallelize_module(layer, mesh, _tp_plan(kind == "sp"))
+        x = torch.randn(b, s, h, generator=gen).to(job.device).requires_grad_()
+        xs = x[:, : s // t].detach().clone().requires_grad_() if kind == "sp" else x
+        seconds = _paired_extra(job, _train_call(local, x), _train_call(sharded, xs), section.per_point())
+        extra[kind] = seconds / FSDP_UNITS
+        section.done += 1
+    section.finish(
+        f"{t} ranks, per layer beyond its local GEMMs: "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in extra.items())
+    )
+    scope = "inter_node" if len(set(job.hosts)) > 1 and t == job.world else "intra_node"
+    return TpLayerTiming(extra, t, b * s * h * 4, scope)
+
+
+def tp_layer_overhead_us(profile: Any, timing: TpLayerTiming) -> dict[str, float]:
+    """{"tp_layer_overhead_us", "sp_layer_overhead_us"}: each variant's extra seconds per layer less
+    the layer's collectives as plan/speed.py counts them (`tp_layer_collectives`) on the profile's
+    curves, at least 0."""
+    from .speed import tp_layer_collectives
+
+    out = {}
+    for kind, extra in timing.extra_seconds.items():
+        moved = sum(
+            n * profile.collective_seconds(op, timing.scope, timing.ranks, timing.tensor_bytes)
+            for op, n in tp_layer_collectives(kind == "sp", full=False)
+        )
+        out[f"{kind}_layer_overhead_us"] = max(0.0, extra - moved) * 1e6
+    return out
+
+
 # ---------------------------------------------------------------------------- the whole run
 
 
@@ -583,8 +855,24 @@ def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict
     attention = measure_attention(job, attention_cases(cfg, job.quick), dtype, say)
     memory = measure_memory_bound(job, cfg, say)
     collectives = measure_collectives(job, say)
+    fsdp = measure_fsdp_unit(job, cfg, say)
+    tp = measure_tp_layer(job, cfg, say)
+    mapping = profile_mapping(job, dtype, gemm, attention, memory, collectives)
+    if collectives:
+        from .hardware_profile import profile_from_dict
+
+        profile = profile_from_dict(mapping)
+        if fsdp is not None:
+            unit_us = unit_overhead_us(profile, fsdp, job.world)
+            mapping["memory_bound"]["unit_overhead_us"] = _figure(unit_us)
+            say(f"calibrate: fsdp_unit: {unit_us / 1e3:.2f} ms per unit collective beyond its bytes")
+        if tp is not None:
+            for key, us in tp_layer_overhead_us(profile, tp).items():
+                mapping["memory_bound"][key] = _figure(us)
+                say(f"calibrate: {key.removesuffix('_overhead_us')}: {us / 1e3:.2f} ms per layer and "
+                    "micro-batch beyond its GEMMs and collectives")  # fmt: skip
     say(f"calibrate: all sections in {time.perf_counter() - start:.1f} s")
-    return profile_mapping(job, dtype, gemm, attention, memory, collectives)
+    return mapping
 
 
 def profile_mapping(

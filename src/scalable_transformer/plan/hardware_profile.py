@@ -23,8 +23,10 @@ per machine (format 1). Written by `stx calibrate` for this machine, shipped for
 
 Optional keys beyond these (GPU profiles use them): `topology: {devices_per_node, nics_per_node,
 nic_gbps}` (inter-node links), `memory_bound.unit_overhead_us` (fixed cost of one FSDP unit's
-collectives), and a `source` string on any gemm/attention/collectives entry. A CPU calibration adds
-`memory_bound.activation_gbps`: the rate of a layer's elementwise ops as the step runs them.
+collectives), `memory_bound.tp_layer_overhead_us` / `sp_layer_overhead_us` (fixed cost of a
+tensor-parallel layer, without / with sequence parallelism, per micro-batch), and a `source`
+string on any gemm/attention/collectives entry. A CPU calibration adds `memory_bound.activation_gbps`:
+the rate of a layer's elementwise ops as the step runs them.
 
 Units: TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s, GiB for memory, microseconds for times.
 """
@@ -127,6 +129,11 @@ class MemoryBound:
     # log-softmax) as a step runs them, in the planner's byte count; None: bandwidth_gbps. On a CPU
     # exp, erf and the dropout RNG run at compute rates, 4-5x below a copy's bandwidth.
     activation_gbps: float | None = None
+    # fixed cost of one tensor-parallel layer per micro-batch, forward and backward, beyond its GEMMs
+    # at the local shapes and its collectives' bytes: DTensor's dispatch, redistributes, wrappers;
+    # with sequence parallelism (its norms and input redistributes on DTensors too)
+    tp_layer_overhead_us: float = 0.0
+    sp_layer_overhead_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -405,7 +412,14 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
         path,
         "memory_bound",
         data.get("memory_bound"),
-        ("bandwidth_gbps", "op_overhead_us", "unit_overhead_us", "activation_gbps"),
+        (
+            "bandwidth_gbps",
+            "op_overhead_us",
+            "unit_overhead_us",
+            "activation_gbps",
+            "tp_layer_overhead_us",
+            "sp_layer_overhead_us",
+        ),
     )
     corrections = dict.fromkeys(CORRECTION_CLASSES, 1.0)
     if data.get("corrections") is not None:
@@ -434,6 +448,8 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
             mb.number("op_overhead_us", zero=True),
             mb.number("unit_overhead_us", 0.0, zero=True),
             mb.number("activation_gbps", None),
+            mb.number("tp_layer_overhead_us", 0.0, zero=True),
+            mb.number("sp_layer_overhead_us", 0.0, zero=True),
         ),
         collectives=tuple(
             _collective(path, i, x) for i, x in enumerate(_entries(path, data, "collectives", False))
@@ -504,6 +520,9 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
         out["memory_bound"]["unit_overhead_us"] = profile.memory_bound.unit_overhead_us
     if profile.memory_bound.activation_gbps is not None:
         out["memory_bound"]["activation_gbps"] = profile.memory_bound.activation_gbps
+    for key in ("tp_layer_overhead_us", "sp_layer_overhead_us"):
+        if getattr(profile.memory_bound, key):
+            out["memory_bound"][key] = getattr(profile.memory_bound, key)
     if profile.topology:
         out["topology"] = dict(profile.topology)
     return out

@@ -3,10 +3,11 @@
 Per layer and micro-batch, forward and backward: every GEMM at its own (M, N, K) on the hardware
 profile's efficiency surface; attention by kernel at the profile's attention rate; memory-bound work
 (norms, activations, residual adds, dropout, the vocabulary's fp32 log-softmax) as bytes moved at the
-achievable bandwidth; a fixed cost per dispatched op and per FSDP unit; recomputation under activation
-checkpointing. Then tensor-, data- and pipeline-parallel collectives from the profile's curves
-(intra- or inter-node by where the group's members sit), the data-parallel share hidden behind
-backward, the pipeline bubble, the optimizer as bytes moved, offload over the host link.
+achievable bandwidth; a fixed cost per dispatched op, per FSDP unit and per tensor-parallel layer
+(DTensor's dispatch); recomputation under activation checkpointing. Then tensor-, data- and
+pipeline-parallel collectives from the profile's curves (intra- or inter-node by where the group's
+members sit), the data-parallel share hidden behind backward, the pipeline bubble, the optimizer as
+bytes moved, offload over the host link.
 
 `profile.corrections[class]` multiplies each class's seconds. A cluster without a profile (a CPU not
 calibrated yet, a table device without a built-in profile) reads the same lookups from `_TableRates`.
@@ -81,6 +82,11 @@ class _ProfileRates:
         self.activation_bandwidth = (mb.activation_gbps or mb.bandwidth_gbps) * 1e9
         self.op_seconds = self.profile.memory_bound.op_overhead_us * 1e-6
         self.unit_seconds = self.profile.memory_bound.unit_overhead_us * 1e-6
+        self.tp_layer_seconds = self.profile.memory_bound.tp_layer_overhead_us * 1e-6
+        # a profile without the sequence-parallel point: at least the tensor-parallel layer's cost
+        self.sp_layer_seconds = (
+            self.profile.memory_bound.sp_layer_overhead_us or self.profile.memory_bound.tp_layer_overhead_us
+        ) * 1e-6
         self.host_link = self.profile.host_link_gbps * 1e9
         self._gemm: dict[tuple, float] = {}
         self._coll: dict[tuple, float] = {}
@@ -140,7 +146,7 @@ class _TableRates(_ProfileRates):
         self.cluster = cluster
         self.bandwidth = self.activation_bandwidth = cluster.device.memory_bandwidth
         self.op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS
-        self.unit_seconds = 0.0
+        self.unit_seconds = self.tp_layer_seconds = self.sp_layer_seconds = 0.0
         self.host_link = cluster.device.host_link_bandwidth
         self._gemm = {}
         self._coll = {}
@@ -347,17 +353,21 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     g_f, g_b = _gemm_seconds(rates, _layer_gemms(sh), sh.dtype)
     a_f, a_b = _attention_seconds(rates, sh)
     mem = _layer_bytes(sh) / rates.activation_bandwidth
+    # a tensor-parallel layer's DTensor dispatch (the profile's measured cost per layer and
+    # micro-batch), shared between the passes as their op counts
+    tp_layer = (rates.sp_layer_seconds if sh.sp else rates.tp_layer_seconds) if sh.tp > 1 else 0.0
+    share = OPS_FORWARD_PER_LAYER / (OPS_FORWARD_PER_LAYER + OPS_BACKWARD_PER_LAYER)
     fwd = {
         "gemm": g_f,
         "attention": a_f,
         "memory_bound": mem,
-        "overhead": OPS_FORWARD_PER_LAYER * rates.op_seconds,
+        "overhead": OPS_FORWARD_PER_LAYER * rates.op_seconds + share * tp_layer,
     }
     bwd = {
         "gemm": g_b,
         "attention": a_b,
         "memory_bound": 2 * mem,
-        "overhead": OPS_BACKWARD_PER_LAYER * rates.op_seconds,
+        "overhead": OPS_BACKWARD_PER_LAYER * rates.op_seconds + (1 - share) * tp_layer,
     }
     if recompute == "full":
         for k, v in fwd.items():
@@ -412,6 +422,17 @@ def _stage_compute(cfg: Config, rates: _ProfileRates, sh: _Shape) -> tuple[dict[
     return best[1], best[2]
 
 
+def tp_layer_collectives(sp: bool, full: bool) -> list[tuple[str, int]]:
+    """(op, count) of one layer's tensor-parallel collectives per micro-batch on a b s h tensor: 2
+    all-reduces forward and 2 backward (sequence parallel: an all-gather and a reduce-scatter for
+    each, and the backward's re-gathers of the qkv and up inputs), forward's again under full
+    recompute (which re-gathers anyway). `stx calibrate` takes the same out of its tp_layer point."""
+    n = 4 + (2 if full else 0)
+    if sp:
+        return [("all_gather", n // 2 + (0 if full else 2)), ("reduce_scatter", n // 2)]
+    return [("all_reduce", n)]
+
+
 def _tp_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> float:
     """Tensor-parallel collectives of one rank per micro-batch: 2 all-reduces forward and 2 backward
     per layer (sequence parallel: all-gather + reduce-scatter, the same bytes), 2 more for the
@@ -422,14 +443,13 @@ def _tp_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> f
         return 0.0
     per = sh.tokens * sh.h * sh.e
     full = p.activation_checkpointing == "full"
-    n_coll = (4 + (2 if full else 0)) * layers + 2
-    if p.sequence_parallel:
-        one = rates.collective("all_gather", p.tp, per, 1) + rates.collective("reduce_scatter", p.tp, per, 1)
-        seconds = n_coll / 2 * one
-        if not full:
-            seconds += 2 * layers * rates.collective("all_gather", p.tp, per, 1)
-    else:
-        seconds = n_coll * rates.collective("all_reduce", p.tp, per, 1)
+    layer = tp_layer_collectives(p.sequence_parallel, full)
+    ends = [("all_gather", 1), ("reduce_scatter", 1)] if p.sequence_parallel else [("all_reduce", 2)]
+    seconds = sum(
+        n * count * rates.collective(op, p.tp, per, 1)
+        for n, ops in ((layers, layer), (1, ends))
+        for op, count in ops
+    )
     if full and p.distribute_saved_activations:
         am = activation_model(cfg, rates.cluster.kind)
         whole = am.residual_bytes * sh.tokens * sh.h
