@@ -46,6 +46,10 @@ def test_two_ranks_measure_collectives_and_rank0_writes_a_profile_that_loads(tmp
     assert "calibrate: fsdp_unit: 4 units of " in proc.stdout and " 12 collectives, " in proc.stdout
     assert profile.memory_bound.unit_overhead_us >= 0
     assert "ms per unit collective beyond its bytes" in proc.stdout
+    # the tensor-parallel layer point, without and with sequence parallelism
+    assert "calibrate: tp_layer: 2 ranks, per layer beyond its local GEMMs: tp " in proc.stdout
+    assert "micro-batch beyond its GEMMs and collectives" in proc.stdout
+    assert profile.memory_bound.tp_layer_overhead_us >= 0
     assert not list(out.parent.glob(".*.tmp"))
 
 

@@ -350,3 +350,29 @@ def test_the_fsdp_unit_point_keeps_a_gpu_models_blocks_small_and_a_small_models_
     assert (rows, h, f) == (2 * 32, 64, 256)
     _, h, f = cal._unit_dims(load_config("gpt-13b", []))
     assert 4 * h * h + 2 * h * f <= cal.FSDP_UNIT_MAX_PARAMS and f == pytest.approx(4 * h, abs=1)
+
+
+def test_the_tp_layer_cost_is_the_measured_extra_less_the_layers_collectives_as_the_planner_counts_them(
+    measured,
+):
+    from scalable_transformer.plan.speed import tp_layer_collectives
+
+    data = {k: v for k, v in measured.items() if not k.startswith("_")}
+    data["collectives"] = [
+        {"op": op, "scope": "intra_node", "ranks": 2, "size_bytes": size, "time_us": us, "busbw_gbps": bw}
+        for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for size, us, bw in ((4096, 400.0, 0.005), (2**20, 1000.0, 0.5 * 2**20 / 1e6))
+    ]
+    profile = profile_from_dict(data, "synthetic")
+    # the planner's count: 4 all-reduces per layer; SP: 4 all-gathers (2 re-gathers), 2 reduce-scatters
+    assert tp_layer_collectives(False, False) == [("all_reduce", 4)]
+    assert tp_layer_collectives(True, False) == [("all_gather", 4), ("reduce_scatter", 2)]
+    one = {op: profile.collective_seconds(op, "intra_node", 2, 2**20) for op in ("all_reduce", "all_gather")}
+    extra = {"tp": 4 * one["all_reduce"] + 0.003, "sp": 6 * one["all_gather"] + 0.005}
+    timing = cal.TpLayerTiming(extra, 2, 2**20)
+    assert cal.tp_layer_overhead_us(profile, timing) == pytest.approx(
+        {"tp_layer_overhead_us": 3000.0, "sp_layer_overhead_us": 5000.0}
+    )
+    assert cal.tp_layer_overhead_us(profile, cal.TpLayerTiming({"tp": 0.0}, 2, 2**20)) == {
+        "tp_layer_overhead_us": 0.0
+    }

@@ -241,3 +241,50 @@ def test_gpu_validation_runs_on_a_few_rows(tmp_path):
     assert len(rows) >= 4  # one row of each source the model expresses
     errors = [float(line.split("|")[9].strip().rstrip("%")) for line in rows]
     assert all(math.isfinite(e) for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "recompute", "memory_bound", "per_layer_us"),
+    [
+        (2, False, "none", {"tp_layer_overhead_us": 500.0, "sp_layer_overhead_us": 900.0}, 500.0),
+        (2, True, "none", {"tp_layer_overhead_us": 500.0, "sp_layer_overhead_us": 900.0}, 900.0),
+        (2, True, "none", {"tp_layer_overhead_us": 500.0}, 500.0),  # no SP point: at least TP's
+        (2, False, "full", {"tp_layer_overhead_us": 500.0}, 700.0),  # the forward share (30 of 75) again
+        (1, False, "none", {"tp_layer_overhead_us": 500.0, "sp_layer_overhead_us": 900.0}, 0.0),
+    ],
+)
+def test_a_tensor_parallel_layers_measured_cost_is_added_per_layer_and_micro_batch(
+    tp, sp, recompute, memory_bound, per_layer_us
+):
+    import dataclasses
+
+    from scalable_transformer.plan.cluster import table_cluster
+    from scalable_transformer.plan.search import prepare
+    from scalable_transformer.plan.speed import step_time
+
+    cluster = table_cluster("a100-80gb", 2, 8)
+    cfg = _gpt(tp=tp, recompute=recompute)
+    cfg.parallel.sequence_parallel = sp
+    cfg = prepare(cfg, cluster.world_size)
+    prof = cluster.profile
+    assert prof is not None and prof.memory_bound.tp_layer_overhead_us == 0.0  # built-in GPU: unmeasured
+    base = step_time(cfg, cluster)
+    measured = dataclasses.replace(prof.memory_bound, **memory_bound)
+    st = step_time(
+        cfg, dataclasses.replace(cluster, profile=dataclasses.replace(prof, memory_bound=measured))
+    )
+    overhead = sum(st.classes[p]["overhead"] - base.classes[p]["overhead"] for p in ("forward", "backward"))
+    m = cfg.train.gradient_accumulation_steps
+    assert overhead == pytest.approx(cfg.model.num_layers * m * per_layer_us * 1e-6)
+    assert st.total - base.total == pytest.approx(overhead)
+
+
+def test_the_tp_layer_costs_round_trip_and_a_negative_one_names_its_key(tmp_path):
+    prof = profile(memory_bound={"bandwidth_gbps": 12.0, "op_overhead_us": 9.0, "tp_layer_overhead_us": 250.0,
+                                 "sp_layer_overhead_us": 400.0})  # fmt: skip
+    hp.save_profile(prof, tmp_path / "p.yaml")
+    again = hp.load_profile(tmp_path / "p.yaml")
+    mb = again.memory_bound
+    assert (mb.tp_layer_overhead_us, mb.sp_layer_overhead_us) == (250.0, 400.0)
+    with pytest.raises(ConfigError, match=r"memory_bound.sp_layer_overhead_us must be a non-negative number"):
+        profile(memory_bound={"bandwidth_gbps": 12.0, "op_overhead_us": 9.0, "sp_layer_overhead_us": -1})
