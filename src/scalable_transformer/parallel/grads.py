@@ -3,9 +3,11 @@
 `torch.nn.utils.clip_grad_norm_` handles one kind at a time: its foreach kernels cannot mix plain
 tensors with DTensors, or DTensors on different meshes (tensor-parallel weights next to replicated
 norm weights, FSDP2 shards of both). So the grads are grouped by (mesh, placements); each group's
-norm comes from `torch.nn.utils.get_total_norm` (DTensor groups reduce themselves over their mesh),
-the groups are combined, and the squares are summed over the pipeline group, whose stages hold
-disjoint parameters. Clipping then scales every local shard by one coefficient.
+norm comes from `torch.nn.utils.get_total_norm` over its local shards, the DTensor groups' squares
+are summed over the mesh dimensions that shard them (one all-reduce per process group for all of
+them, not DTensor's reduction per group), the groups are combined, and the squares are summed over
+the pipeline group, whose stages hold disjoint parameters. Clipping then scales every local shard by
+one coefficient.
 
 Sequence parallelism leaves the norms' gradients as Partial DTensors (each tensor-parallel rank holds
 the sum over its sequence shard): `reduce_partial_grads` sums them into Replicate with one all-reduce
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,11 +95,25 @@ def grad_norm(
         if p.grad is not None and id(p) not in exclude:
             groups.setdefault(_group_key(p.grad), []).append(p.grad)
     squares: torch.Tensor | None = None
+    sharded: list[tuple[torch.Tensor, tuple]] = []  # (local sum of squares, the groups to sum it over)
     for grads in groups.values():
+        first = grads[0]
+        if isinstance(first, DTensor) and not any(pl.is_partial() for pl in first.placements):
+            # each element lives on one rank of every Shard dimension and on all of a Replicate one:
+            # this rank's shards' squares, summed below over the Shard dimensions' groups only
+            local_norm = torch.nn.utils.get_total_norm([local(g) for g in grads], 2.0)
+            mesh = first.device_mesh
+            # Shard and FSDP-over-TP's _StridedShard (torch 2.13: not a Shard, is_shard() False)
+            over = tuple(mesh.get_group(d) for d, pl in enumerate(first.placements) if not pl.is_replicate())
+            sharded.append((local_norm.detach().float() ** 2, over))
+            continue
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
+        if isinstance(norm, DTensor):  # Partial gradients: DTensor reduces them itself
             norm = norm.full_tensor()
         square = norm.detach().float() ** 2
+        squares = square if squares is None else squares + square.to(squares.device)
+    if sharded:
+        square = _sum_over_groups(sharded)
         squares = square if squares is None else squares + square.to(squares.device)
     if squares is None:  # no gradients on this rank (a pipeline stage without parameters)
         squares = torch.zeros((), dtype=torch.float32, device=_grad_device(params))
@@ -106,6 +123,22 @@ def grad_norm(
         dist.all_reduce(total, group=pp_group)
         squares = total.to(squares.device)
     return squares.sqrt()
+
+
+def _sum_over_groups(entries: list[tuple[torch.Tensor, tuple]]) -> torch.Tensor:
+    """The sum of the entries' values, each first summed over its process groups: one all-reduce
+    per distinct group, of the stacked values that need it (a 2-D FSDP + TP mesh: 2 collectives,
+    where reducing each placement group's norm separately took 2 per group, 18 for a BERT)."""
+    values = torch.stack([v.to(entries[0][0].device) for v, _ in entries])
+    order: list[Any] = []
+    for _, over in entries:
+        order += [g for g in over if all(g is not seen for seen in order)]
+    for group in order:
+        rows = [i for i, (_, over) in enumerate(entries) if any(g is group for g in over)]
+        picked = values[rows].to(collective_device(group))
+        dist.all_reduce(picked, group=group)
+        values[rows] = picked.to(values.device)
+    return values.sum()
 
 
 def _grad_device(params: Iterable[torch.nn.Parameter]) -> torch.device:
