@@ -61,3 +61,40 @@ def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path: Path) -> Non
     assert 1.0 <= result.wall_seconds < 30 and time.perf_counter() - t0 < 30
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     assert not (tmp_path / "slow" / "summary.json").exists()
+
+
+# A Ctrl-C that arrives while the launcher forks: Python runs its at-fork handlers then, and a
+# KeyboardInterrupt raised inside one is printed and dropped. Here the parent's at-fork handler sends
+# the signal itself, so it always arrives in that window (the sweep e2e test hit it by chance).
+CTRL_C_WHILE_FORKING = """
+import os, signal, sys, time
+from pathlib import Path
+from scalable_transformer.launch import local_jobs
+from scalable_transformer.launch.launcher import JobSpec
+
+local_jobs.launch_command = lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGINT))
+t0 = time.monotonic()
+try:
+    local_jobs.LocalLauncher().launch(JobSpec("train", (), nproc=1), Path(sys.argv[1]), 120)
+    print("not interrupted", round(time.monotonic() - t0, 1))
+except KeyboardInterrupt:
+    print("interrupted", round(time.monotonic() - t0, 1))
+"""
+
+
+def test_a_ctrl_c_while_the_job_is_forked_stops_it_instead_of_being_lost(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_WHILE_FORKING)
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "job.log")], capture_output=True, text=True, timeout=90
+    )
+    assert proc.stdout.startswith("interrupted "), proc.stdout + proc.stderr
+    assert float(proc.stdout.split()[1]) < 30  # the 60 s job was stopped, not waited for
+    sleeping = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
+                and "time.sleep(60)" in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not sleeping  # and nothing left running

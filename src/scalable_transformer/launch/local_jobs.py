@@ -34,6 +34,9 @@ def launch_command(job: JobSpec) -> list[str]:
     ]
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 class LocalLauncher:
     """Runs each job through `stx launch` on this node (the `Launcher` protocol)."""
 
@@ -50,16 +53,25 @@ class LocalLauncher:
         with open(log_path, "w", encoding="utf-8") as log:
             log.write("$ " + " ".join(cmd[3:]) + "\n")  # as the user would type it after `stx`
             log.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=None if env is None else {**os.environ, **env},
-                preexec_fn=_child_setup(job.memory_limit_mb),
-            )
+            # Ctrl-C / SIGTERM held back while forking: Python runs its at-fork handlers (logging's
+            # lock release) then, and a KeyboardInterrupt raised inside one is printed and dropped,
+            # so the sweep went on as if never interrupted. Held, it is raised when unblocked below.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             try:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env=None if env is None else {**os.environ, **env},
+                    preexec_fn=_child_setup(job.memory_limit_mb),
+                )
+            except BaseException:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+                raise
+            try:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal held back is raised here
                 proc.wait(timeout=timeout_seconds)
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -78,6 +90,7 @@ def _child_setup(mb: int | None) -> Callable[[], None]:
     stopping its ranks, so a killed sweep leaves no job running behind it."""
 
     def apply() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held back in the caller only
         if mb is not None:
             limit = mb * 2**20
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
