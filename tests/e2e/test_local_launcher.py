@@ -72,6 +72,8 @@ from pathlib import Path
 from scalable_transformer.launch import local_jobs
 from scalable_transformer.launch.launcher import JobSpec
 
+# a shell's background job (CI's) starts with SIGINT ignored: Ctrl-C's own handler, as in a terminal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 local_jobs.launch_command = lambda job: [sys.executable, "-c", "import time; time.sleep(60)"]
 os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGINT))
 t0 = time.monotonic()
