@@ -43,7 +43,7 @@ def reduce_partial_grads(params: Iterable[torch.nn.Parameter]) -> int:
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            groups.setdefault((id(g.device_mesh), g.placements, g.dtype), []).append(p)
+            groups.setdefault(_group_key(g), []).append(p)
     for members in groups.values():
         first = members[0].grad
         assert isinstance(first, DTensor)

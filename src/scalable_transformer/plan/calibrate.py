@@ -1,10 +1,11 @@
 """`stx calibrate`: measure the constants of the planner's op-class time model on this machine.
 
-Every rank of the job measures at once (as training runs them), in five sections, each with a time
+Every rank of the job measures at once (as training runs them), in six sections, each with a time
 budget: GEMMs at the config's layer shapes, attention forward and backward for every SDPA kernel
 this device offers, memory-bound kernels (bandwidth, fixed cost per op), the collectives between
-the ranks (world > 1), and the fixed cost of an FSDP unit's collective beyond its bytes (world > 1:
-`measure_fsdp_unit`, `unit_overhead_us`). Rank 0 gathers the results into a hardware profile
+the ranks (world > 1), the fixed cost of an FSDP unit's collective beyond its bytes (world > 1:
+`measure_fsdp_unit`, `unit_overhead_us`) and of a tensor-parallel layer (world > 1:
+`measure_tp_layer`, `tp_layer_overhead_us`). Rank 0 gathers the results into a hardware profile
 (plan/hardware_profile.py's format 1) that `stx plan --hardware` reads.
 
 Timing: CUDA events around each call on a GPU, `time.perf_counter` on a CPU; each point keeps the
@@ -627,11 +628,9 @@ def measure_fsdp_unit(job: Job, cfg: Config, say=print) -> FsdpUnitTiming | None
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
 
-    def block() -> nn.Module:
-        return nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h), nn.Linear(h, f), nn.GELU(),
-                             nn.Linear(f, h))  # fmt: skip
-
-    plain = nn.Sequential(*[block() for _ in range(FSDP_UNITS)]).to(job.device)
+    plain = nn.Sequential(*[nn.Sequential(_Pair(h, 2 * h), _Pair(h, f)) for _ in range(FSDP_UNITS)]).to(
+        job.device
+    )
     sharded = copy.deepcopy(plain)
     mesh = init_device_mesh(job.device.type, (job.world,))
     for unit in sharded:
