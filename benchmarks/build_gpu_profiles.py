@@ -1,6 +1,8 @@
 """Build the planner's built-in GPU hardware profiles (src/scalable_transformer/plan/profiles/*.yaml)
-from the public kernel-level data in benchmarks/data/gpu_kernels/ ONLY (never the end-to-end tables
-of gpu_validation/). Every point keeps its source; every assumption says so in its `source` and in
+from the kernel-level data in benchmarks/data/gpu_kernels/ ONLY (never the end-to-end tables of
+gpu_validation/): public kernel measurements, and `stx calibrate` profiles measured on one H100 and
+one H200 (gpu_kernels/measured/: GEMMs at training shapes, SDPA attention, elementwise bandwidth and
+the cost of one op). Every point keeps its source; every assumption says so in its `source` and in
 docs/PLANNER.md#built-in-gpu-profiles.
 
     python benchmarks/build_gpu_profiles.py        # rewrites the profiles; a test checks they load
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,14 +24,12 @@ sys.path.insert(0, str(ROOT / "src"))
 from scalable_transformer.plan.hardware_profile import profile_from_dict, save_profile  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "gpu_kernels"
+MEASURED = DATA / "measured"  # stx calibrate profiles, one GPU each: FILE names start with the device key
 OUT = ROOT / "src" / "scalable_transformer" / "plan" / "profiles"
 MLE = "stas00/ml-engineering@744d01e18b79512572f64a6bbd8b5f4a725203a7"
 # Assumptions where the public data have gaps (docs/PLANNER.md#built-in-gpu-profiles)
 HBM_ACHIEVABLE = 1800 / 2039  # the one measured HBM read (A100 80GB forum post, devices.yaml), as a share
 PCIE_ACHIEVABLE = 55.43 / 63  # nvbandwidth H2D on H200 PCIe 5 (devices.yaml) over the PCIe 5 x16 spec
-# per dispatched op, measured: stx calibrate on an H200 (torch 2.11, eager) gave 11.3 us (--quick) and
-# 12.2 us; host-bound launch cost, so used for every GPU (benchmarks/results/gpu_check-h200.md)
-OP_OVERHEAD_US = 12.0
 N_HALF = 192.0  # GEMM efficiency below the best shape: n / (n + 192) in the smallest dimension (assumed)
 ASSUMED_DIMS = (64, 128, 256, 512, 1024)
 ATTENTION_KERNELS = {
@@ -60,6 +61,49 @@ def gemm_points(best: dict, dtype: str) -> list[dict]:
             }
         )
     return points
+
+
+def measured_profiles(device: str) -> list[tuple[str, dict]]:
+    """The `stx calibrate` profiles measured on this device (measured/DEVICE-*.yaml), with their names."""
+    return [(p.name, yaml.safe_load(p.read_text())) for p in sorted(MEASURED.glob(f"{device}-*.yaml"))]
+
+
+def _measured_source(name: str, prof: dict) -> str:
+    fp = prof["fingerprint"]
+    return f"measured/{name}: stx calibrate on one {fp['device_name']} (torch {fp['torch']}, {fp['created']})"
+
+
+def measured_points(profs: list[tuple[str, dict]], key: str, dtype: str = "bf16") -> list[dict]:
+    """Every `key` (gemm or attention) point of dtype the calibrations measured, each citing its file."""
+    return [
+        {**point, "source": _measured_source(name, prof)}
+        for name, prof in profs
+        for point in prof[key]
+        if point["dtype"] == dtype
+    ]
+
+
+def measured_memory_bound(profs: list[tuple[str, dict]]) -> dict:
+    """Elementwise bandwidth and cost per op: the medians over the calibrations."""
+    return {
+        "bandwidth_gbps": round(statistics.median(p["memory_bound"]["bandwidth_gbps"] for _, p in profs)),
+        "op_overhead_us": round(statistics.median(p["memory_bound"]["op_overhead_us"] for _, p in profs), 1),
+    }
+
+
+def transferred_gemm(measured: list[dict], measured_best: dict, best: dict, dtype: str) -> list[dict]:
+    """A GPU without a measured surface: each measured point's share of its own GPU's best-shape rate
+    (gemm_mamf.csv) times this GPU's best-shape rate (an assumption: the same shapes lose the same share
+    of the best on both; it replaces the n/(n+192) curve, which no measurement supported)."""
+    ratio = float(best["mamf_tflops"]) / float(measured_best["mamf_tflops"])
+    note = (
+        f"assumption: {best['gpu']} best {best['mamf_tflops']} / {measured_best['gpu']} best "
+        f"{measured_best['mamf_tflops']} TFLOPS (gemm_mamf.csv) x the rate "
+    )
+    return [
+        {**p, "dtype": dtype, "tflops": round(p["tflops"] * ratio, 1), "source": note + p["source"]}
+        for p in measured
+    ]
 
 
 def attention_points(gpu: str) -> list[dict]:
@@ -130,9 +174,10 @@ def profile(
         "host_link_gbps": round(kw["pcie_gbps"] * PCIE_ACHIEVABLE, 1),
         "gemm": gemm,
         "attention": attention,
-        "memory_bound": {
+        "memory_bound": kw.get("memory_bound")
+        or {
             "bandwidth_gbps": round(kw["hbm_gbps"] * HBM_ACHIEVABLE, 0),
-            "op_overhead_us": OP_OVERHEAD_US,
+            "op_overhead_us": round(kw["op_overhead_us"], 1),
         },
         "collectives": colls,
         "corrections": dict.fromkeys(("gemm", "attention", "memory_bound", "overhead", "communication"), 1.0),
@@ -144,10 +189,18 @@ def profile(
 def main() -> None:
     with open(DATA / "gemm_mamf.csv") as f:
         mamf = {(r["gpu"], r["dtype"]): r for r in csv.DictReader(f)}
-    a100_gemm = gemm_points(mamf[("NVIDIA A100 SXM", "bf16")], "bf16")
-    h100_gemm = gemm_points(mamf[("NVIDIA H100 SXM", "bf16")], "bf16") + gemm_points(
-        mamf[("NVIDIA H100 SXM", "fp8_e4m3fn")], "fp8"
+    h100, h200 = measured_profiles("h100"), measured_profiles("h200")
+    fp8 = gemm_points(mamf[("NVIDIA H100 SXM", "fp8_e4m3fn")], "fp8")  # no fp8 measured: the public point
+    h100_gemm = measured_points(h100, "gemm") + fp8
+    h200_gemm = measured_points(h200, "gemm") + fp8
+    a100_gemm = transferred_gemm(
+        measured_points(h100, "gemm"),
+        mamf[("NVIDIA H100 SXM", "bf16")],
+        mamf[("NVIDIA A100 SXM", "bf16")],
+        "bf16",
     )
+    # the cost of one op is the host's: each measured GPU its own, the A100s the median of all of them
+    op_overhead = statistics.median(p["memory_bound"]["op_overhead_us"] for _, p in h100 + h200)
     a100_coll = collective_points("A100 node (8 GPUs)")
     # H200 sweep (NVLS all_reduce); ring all_gather 361.4 and reduce_scatter 362.9 vs NVLS 482.26 at 16 GiB
     h_coll = collective_points(
@@ -159,25 +212,28 @@ def main() -> None:
         "a100-40gb": profile(
             "a100-40gb", {"memory_gb": 40}, a100_gemm, attention_points("A100 SXM4 80GB"), a100_coll,
             device_name="NVIDIA A100-SXM4-40GB", peaks=a100_peaks, pcie_gbps=31.5, hbm_gbps=1555,
-            nic_gbps=22.75, note="A100 GEMM, attention (80GB part) and NVLink 3 data; HDR NIC 22.75 GB/s "
-            "(reporter figure, nccl_collectives.csv 2x HGX A100)",
+            nic_gbps=22.75, op_overhead_us=op_overhead, note="A100 GEMM (best point; the H100's measured "
+            "surface), attention (80GB part) and NVLink 3 data; HDR NIC 22.75 GB/s (reporter figure, "
+            "nccl_collectives.csv 2x HGX A100)",
         ),
         "a100-80gb": profile(
             "a100-80gb", {"memory_gb": 80}, a100_gemm, attention_points("A100 SXM4 80GB"), a100_coll,
             device_name="NVIDIA A100-SXM4-80GB", peaks=a100_peaks, pcie_gbps=31.5, hbm_gbps=2039,
-            nic_gbps=22.75, note="A100 GEMM, attention and NVLink 3 data; HDR NIC 22.75 GB/s",
+            nic_gbps=22.75, op_overhead_us=op_overhead, note="A100 GEMM (best point; the H100's measured "
+            "surface), attention and NVLink 3 data; HDR NIC 22.75 GB/s",
         ),
         "h100-sxm": profile(
-            "h100-sxm", {"memory_gb": 80}, h100_gemm, attention_points("H100 SXM5 80GB"), h_coll,
+            "h100-sxm", {"memory_gb": 80}, h100_gemm, measured_points(h100, "attention"), h_coll,
             device_name="NVIDIA H100 80GB HBM3", peaks=h100_peaks, pcie_gbps=63, hbm_gbps=3350,
-            nic_gbps=47.0, note="H100 GEMM and attention; NVLink 4 sweep measured on H200 (same fabric); "
-            "NDR NIC 47 GB/s (maintainer, nccl-tests issue 290)",
+            nic_gbps=47.0, memory_bound=measured_memory_bound(h100), note="H100 GEMM, attention and "
+            "elementwise work measured (stx calibrate, one GPU); NVLink 4 sweep measured on H200 (same "
+            "fabric); NDR NIC 47 GB/s (maintainer, nccl-tests issue 290)",
         ),
         "h200-sxm": profile(
-            "h200-sxm", {"memory_gb": 141}, h100_gemm, attention_points("H100 SXM5 80GB"), h_coll,
+            "h200-sxm", {"memory_gb": 141}, h200_gemm, measured_points(h200, "attention"), h_coll,
             device_name="NVIDIA H200", peaks=h100_peaks, pcie_gbps=63, hbm_gbps=4800, nic_gbps=47.0,
-            note="H200 NVLink 4 sweep; GEMM and attention from H100 (gemm_mamf: 'H200 is the same'; "
-            "attention assumed equal)",
+            memory_bound=measured_memory_bound(h200), note="H200 GEMM, attention and elementwise work "
+            "measured (stx calibrate, one GPU); H200 NVLink 4 sweep",
         ),
     }  # fmt: skip
     OUT.mkdir(parents=True, exist_ok=True)

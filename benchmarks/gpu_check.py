@@ -73,6 +73,18 @@ CASES: dict[str, list[str]] = {
         "parallel.offload_optimizer=true",
         "parallel.offload_param=true",
     ],
+    # llm-foundry's MPT-7b rows at one GPU's share: 4 of the 32 layers (the layer's GEMMs, attention and
+    # elementwise work at the published shape; no FSDP communication on one GPU)
+    "gpt-7b-4l": ["gpt-7b", "model.num_layers=4", "train.micro_batch_size=6", "train.global_batch_size=12"],
+    "gpt-7b-4l-seq4096-ac": [
+        "gpt-7b",
+        "model.num_layers=4",
+        "model.seq_length=4096",
+        "model.max_position_embeddings=4096",
+        "train.micro_batch_size=16",
+        "train.global_batch_size=32",
+        "parallel.activation_checkpointing=full",
+    ],
     # the preset warms up for 10,000 iterations, longer than the run: a config error without this
     "bert-large": [
         "bert-large",
@@ -183,6 +195,7 @@ def plan(train_args: list[str], device: str) -> dict[str, Any]:
         "device": device,
         **{k: layout.get(k) for k in keep},
         "time": layout.get("time_breakdown_seconds"),
+        "classes": layout.get("time_classes_seconds"),
     }
 
 
@@ -225,6 +238,14 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--calibrate", action="store_true", help="end with `stx calibrate gpt-1b --quick`")
     parser.add_argument(
+        "--calibrate-with",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="first run `stx calibrate ARGS` (a config and overrides, `--quick` allowed; repeatable), "
+        "each profile written as OUT/calibrated-N.yaml",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="tiny-gpt on CPU through the same machinery (checks this script)"
     )
     parser.add_argument("--case-timeout", type=float, default=240, help="seconds per case (and calibrate)")
@@ -251,6 +272,13 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     with (args.out / "gpu_check.jsonl").open("a") as sink:
         sink.write(json.dumps({"environment": env}) + "\n")
+        for i, text in enumerate(args.calibrate_with, 1):
+            words = text.split()
+            rc, took = calibrate(
+                words, args.out / f"calibrated-{i}.yaml", args.out / f"calibrate-{i}.log", args
+            )
+            sink.write(json.dumps({"calibrate": words, "returncode": rc, "seconds": round(took, 1)}) + "\n")
+            sink.flush()
         for label in args.cases.split(","):
             start = time.monotonic()
             train_args = [cases[label][0], *common, *cases[label][1:]]  # the case's overrides win
@@ -282,21 +310,28 @@ def main() -> int:
             write_record(args.out / "gpu_check.md", env, rows)  # after each case: a killed run keeps it
             print(json.dumps({k: v for k, v in row.items() if k not in ("tail", "prediction")}), flush=True)
         if args.calibrate:
-            start = time.monotonic()
-            profile = args.out / "calibrated.yaml"
-            try:
-                proc = subprocess.run(
-                    [*stx_command(), "calibrate", "gpt-1b", "--quick", "--output", str(profile)],
-                    capture_output=True,
-                    text=True,
-                    timeout=args.case_timeout,
-                )
-                (args.out / "calibrate.log").write_text(proc.stdout + proc.stderr)
-                rc: int = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
-            sink.write(json.dumps({"calibrate": rc, "seconds": time.monotonic() - start}) + "\n")
+            rc, took = calibrate(
+                ["gpt-1b", "--quick"], args.out / "calibrated.yaml", args.out / "calibrate.log", args
+            )
+            sink.write(json.dumps({"calibrate": rc, "seconds": took}) + "\n")
     return 0
+
+
+def calibrate(words: list[str], profile: Path, log: Path, args: argparse.Namespace) -> tuple[int, float]:
+    """`stx calibrate WORDS --output PROFILE` within the case timeout: (return code, seconds)."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [*stx_command(), "calibrate", *words, "--output", str(profile)],
+            capture_output=True,
+            text=True,
+            timeout=args.case_timeout,
+        )
+        log.write_text(proc.stdout + proc.stderr)
+        rc: int = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    return rc, time.monotonic() - start
 
 
 def write_record(path: Path, env: dict[str, Any], rows: list[dict[str, Any]]) -> None:
