@@ -288,3 +288,33 @@ def test_the_tp_layer_costs_round_trip_and_a_negative_one_names_its_key(tmp_path
     assert (mb.tp_layer_overhead_us, mb.sp_layer_overhead_us) == (250.0, 400.0)
     with pytest.raises(ConfigError, match=r"memory_bound.sp_layer_overhead_us must be a non-negative number"):
         profile(memory_bound={"bandwidth_gbps": 12.0, "op_overhead_us": 9.0, "sp_layer_overhead_us": -1})
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "momentum", "zero", "per_param"),
+    [
+        ("adamw", 0.0, 0, 80 + 12),
+        ("adamw", 0.0, 1, 80 + 12),
+        ("sgd", 0.9, 0, 32 + 12),
+        ("sgd", 0.0, 0, 12 + 12),
+    ],
+)
+def test_the_optimizer_phase_moves_the_bytes_of_torchs_foreach_passes(optimizer, momentum, zero, per_param):
+    """AdamW's eight foreach passes (80 bytes per parameter) plus the norm and clipping (12), over the
+    shard this rank steps, at the profile's bandwidth; SGD's passes by momentum."""
+    from scalable_transformer.plan.cluster import table_cluster
+    from scalable_transformer.plan.search import prepare
+    from scalable_transformer.plan.speed import stage_params, step_time
+
+    cluster = table_cluster("h100-sxm", 1, 8)
+    cfg = _gpt(zero=zero)
+    cfg.optim.optimizer, cfg.optim.sgd_momentum = optimizer, momentum
+    cfg = prepare(cfg, cluster.world_size)
+    prof = cluster.profile
+    assert prof is not None
+    st = step_time(cfg, cluster)
+    p = cfg.parallel
+    total = stage_params(cfg.model, 1, 1, 0, p.virtual_pipeline_stages, p.pipeline_schedule, None).total
+    shard = total / (8 if zero >= 1 else 1)
+    expected = shard * per_param / (prof.memory_bound.bandwidth_gbps * 1e9) * prof.correction("memory_bound")
+    assert st.classes["optimizer"]["memory_bound"] == pytest.approx(expected, rel=1e-6)

@@ -26,7 +26,7 @@ from ..config.model_shapes import ModelShape, gated_mlp, query_groups, stage_par
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
-from .memory_model import DTYPE_BYTES, activation_model, optimizer_bytes_per_param
+from .memory_model import DTYPE_BYTES, activation_model
 
 # torch ops per transformer layer per micro-batch (counted with torch.profiler on our TransformerBlock:
 # forward about 30 dispatched ops, backward about 45); the embedding, head and loss about 60 more.
@@ -498,15 +498,33 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     return comm, max(0.0, comm - exposed)
 
 
+# Bytes read + written per parameter by torch.optim's foreach step (fp32 state; torch 2.13's
+# `_multi_tensor_adam`, which AdamW runs): mul_ (decay) 8, lerp_ (exp_avg) 12, mul_ (exp_avg_sq) 8,
+# addcmul_ 12, sqrt 8, div_ 8, add_ (eps) 8, addcdiv_ (param) 16. SGD: momentum mul_ 8 + add_ 12,
+# then param add_ 12; without momentum the add_ alone. The gradient norm reads every gradient once
+# and clipping scales it (read + write). An H100 trace of gpt-7b at 4 layers (1.02e9 parameters) ran
+# its optimizer kernels in 31.5 ms: 91 bytes per parameter at the measured 2950 GB/s, against 92 here
+# (benchmarks/results/gpu_check-h100.md).
+ADAM_STEP_BYTES = 80
+SGD_STEP_BYTES = {True: 32, False: 12}
+CLIP_BYTES = 4 + 8
+
+
+def optimizer_step_bytes(cfg: Config) -> int:
+    """Bytes per parameter that one optimizer step moves, with the gradient norm and clipping."""
+    o = cfg.optim
+    step = ADAM_STEP_BYTES if o.optimizer in ("adam", "adamw") else SGD_STEP_BYTES[o.sgd_momentum > 0]
+    return step + CLIP_BYTES
+
+
 def _optimizer_seconds(cfg: Config, rates: _ProfileRates, total_params: int) -> dict[str, dict[str, float]]:
-    """Adam over the shard this rank steps, as bytes moved: foreach Adam reads param, grad and the
-    states and writes param and states (fp32), plus the gradient norm (one read) and clipping (read
-    and write); on the host under offload (HOST_BANDWIDTH), with the transfers over the host link."""
+    """The optimizer over the shard this rank steps, as the bytes its foreach passes move
+    (`optimizer_step_bytes`); on the host under offload (HOST_BANDWIDTH), with the transfers over
+    the host link."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
     shard = total_params / (p.dp if p.zero_stage >= 1 else 1)
-    k = optimizer_bytes_per_param(cfg)
-    opt_bytes = shard * (4 + 4 + 2 * k + 4 + 2 * 4 + 4 * 3)
+    opt_bytes = shard * optimizer_step_bytes(cfg)
     offload = p.offload_optimizer or p.offload_param
     out: dict[str, dict[str, float]] = {}
     if offload and rates.cluster.kind == "gpu":
