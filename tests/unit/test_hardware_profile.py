@@ -318,3 +318,31 @@ def test_the_optimizer_phase_moves_the_bytes_of_torchs_foreach_passes(optimizer,
     shard = total / (8 if zero >= 1 else 1)
     expected = shard * per_param / (prof.memory_bound.bandwidth_gbps * 1e9) * prof.correction("memory_bound")
     assert st.classes["optimizer"]["memory_bound"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_builtin_gpu_profiles_are_what_the_builder_makes_of_the_kernel_data(tmp_path, monkeypatch):
+    """plan/profiles/*.yaml are benchmarks/build_gpu_profiles.py's output from benchmarks/data/gpu_kernels
+    (public kernel data and the stx calibrate profiles in measured/): a profile edited by hand, or data
+    changed without a rebuild, fails here."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "build_gpu_profiles", root / "benchmarks" / "build_gpu_profiles.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "OUT", tmp_path)
+    monkeypatch.setattr(module, "ROOT", tmp_path.parent)  # its progress line prints paths relative to ROOT
+    module.main()
+    shipped = root / "src" / "scalable_transformer" / "plan" / "profiles"
+    built = sorted(p.name for p in tmp_path.glob("*.yaml"))
+    assert built == sorted(p.name for p in shipped.glob("*.yaml"))
+    for name in built:
+        assert yaml.safe_load((tmp_path / name).read_text()) == yaml.safe_load(
+            (shipped / name).read_text()
+        ), name
+    h100 = yaml.safe_load((shipped / "h100-sxm.yaml").read_text())
+    assert any(str(p["source"]).startswith("measured/h100-") for p in h100["gemm"])
