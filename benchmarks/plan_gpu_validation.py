@@ -359,13 +359,12 @@ tables: +8% to +19% up to seq 2048, +19% to +28% at 4k-8k, +46% to +54% at 16k-6
   predicts a flat line, so the rank correlation of a 5% spread is meaningless (-1.00).
 - **Unstated layouts** are assumed (Narayanan's tp/pp split and micro-batch, Megatron-Core's
   micro-batch, recompute and optimizer sharding, torchtitan's sequence length).
-- **Memory**: the planner says "does not fit" for 82 of the llm-foundry rows, flagged in the notes
-  column. It predicts our engine, whose loss materializes the whole micro-batch's logits and fp32
-  log-softmax at once (MPT-7b, micro-batch 16 x 4096 tokens x 50k vocabulary: 44.6 GiB of "logits and
-  loss" per GPU); the published runs fit, so their loss takes less memory. With Composer's per-micro-batch
-  reduce-scatter mapped to `parallel.reduce_each_micro_batch=true` (unsharded gradients accumulated over
-  the micro-batches were another 24.8 GiB) the count fell from 139 to 82. A chunked loss is not in the
-  engine; the time model is unaffected."""
+- **Memory**: the planner says "does not fit" for 65 of the llm-foundry rows, flagged in the notes
+  column. It predicts our engine, whose loss materializes the whole micro-batch's fp32 log-softmax
+  (MPT-7b, micro-batch 16 x 4096 tokens x 50k vocabulary: 26.1 GiB of "logits and loss" per GPU); the
+  published runs fit, so their loss takes less memory. With Composer's per-micro-batch reduce-scatter
+  mapped to `parallel.reduce_each_micro_batch=true` the count fell from 139 to 82; it is 65 in
+  this report (2026-11-26). A chunked loss is not in the engine; the time model is unaffected."""
 
 
 def main(argv: list[str] | None = None) -> int:
