@@ -346,3 +346,29 @@ def test_builtin_gpu_profiles_are_what_the_builder_makes_of_the_kernel_data(tmp_
         ), name
     h100 = yaml.safe_load((shipped / "h100-sxm.yaml").read_text())
     assert any(str(p["source"]).startswith("measured/h100-") for p in h100["gemm"])
+
+
+@pytest.mark.parametrize("kernel", ["math", "flash"])
+def test_the_attention_probabilities_dropout_is_counted_on_the_math_path(kernel):
+    """On the math path (a CPU with attention dropout) the dropout of the b n s^2 probabilities moves
+    fp32 in, fp32 out and a mask byte per score, and q, k, v and the output are copied to and from
+    heads; SDPA's flash kernel does both inside the kernel."""
+    import dataclasses
+
+    from scalable_transformer.config.load import load_config
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.plan.speed import _layer_bytes, _shape
+
+    cfg = resolve(load_config("tiny-gpt", ["model.attention_dropout=0.1", "train.micro_batch_size=4"]), 1)
+    sh = dataclasses.replace(_shape(cfg, "cpu"), kernel=kernel)
+    assert sh.attention_dropout
+    without = dataclasses.replace(sh, attention_dropout=False)
+    extra = _layer_bytes(sh) - _layer_bytes(without)
+    expected = sh.tokens * sh.n * sh.s * (2 * 4 + 1) if kernel == "math" else 0
+    assert extra == pytest.approx(expected)
+    # the math path's own work over the flash kernel's: the fp32 softmax and the head copies
+    math_only = _layer_bytes(dataclasses.replace(without, kernel="math")) - _layer_bytes(
+        dataclasses.replace(without, kernel="flash")
+    )
+    copies = (2 * sh.n + 2 * sh.g) * sh.d * 2 * sh.e
+    assert math_only == pytest.approx(sh.tokens * (sh.n * sh.s * 3 * 4 + copies))

@@ -380,9 +380,10 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     """GB/s of the elementwise work plan/speed.py counts in bytes, run as a step runs it at the
     model's shapes on one rank (tp 1): per layer two layer norms, the activation (SiLU-gated or
     GELU), two residual adds, the hidden dropouts when the model has them and the math attention
-    path's softmax, each forward and backward; and the model's fp32 cross-entropy over the vocabulary
-    (models.spec.cross_entropy_sum) with its backward. The rate is the planner's byte count over the
-    measured time, the layers weighted by their number, so that the planner, reading it back,
+    path's softmax (the dropout of its probabilities, the head split and merge copies), each
+    forward and backward; and the model's fp32 cross-entropy over the vocabulary
+    (models.spec.cross_entropy_sum) with its backward. The rate is the planner's byte count over
+    the measured time, the layers weighted by their number, so that the planner, reading it back,
     predicts the measured time."""
     import dataclasses
 
@@ -409,7 +410,7 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     x0, a0 = tensor(sh.tokens, sh.h), tensor(sh.tokens, (2 if sh.gated else 1) * sh.f)
     scores0 = tensor(sh.b, sh.n, sh.s, sh.s) if sh.kernel == "math" else None
     logits0 = tensor(sh.tokens, sh.v)
-    p = cfg.model.hidden_dropout
+    p, p_attention = cfg.model.hidden_dropout, cfg.model.attention_dropout
 
     def layer() -> None:
         x, a = x0.detach().requires_grad_(), a0.detach().requires_grad_()
@@ -424,7 +425,12 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
             act = F.gelu(a)
         outs = [r2, act]
         if scores0 is not None:
-            outs.append(torch.softmax(scores0.float().detach().requires_grad_(), dim=-1))
+            probs = torch.softmax(scores0.float().detach().requires_grad_(), dim=-1)
+            outs.append(F.dropout(probs, p_attention, True) if sh.attention_dropout else probs)
+            # the head split of q, k, v (g key/value heads) and the merge of the output: copies
+            for heads in (sh.n, sh.g, sh.g, sh.n):
+                part = x[:, : heads * sh.d].reshape(sh.b, sh.s, heads, sh.d)
+                outs.append(part.transpose(1, 2).reshape(sh.b * heads, sh.s, sh.d))
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
     labels0 = torch.randint(0, sh.v, (sh.tokens,), generator=gen)

@@ -243,6 +243,7 @@ class _Shape:
     kernel: str
     dropout: bool
     sp: bool
+    attention_dropout: bool = False  # dropout of the attention probabilities (on the math path)
 
     @property
     def tokens(self) -> int:
@@ -296,7 +297,9 @@ def _layer_bytes(sh: _Shape) -> float:
     gradient and the saved input, writing the input's gradient): two norms in fp32 (read the
     stream, write the normed input), the activation (gated: two inputs), two residual adds (read
     two, write one), two hidden dropouts (read, write, mask), rotary/bias work folded into the
-    GEMMs; the math attention path's softmax over s^2 scores in fp32."""
+    GEMMs; on the math attention path the softmax over s^2 scores in fp32, the dropout of those
+    probabilities when the model has one (read, write, mask), and the copies that split q, k and v
+    into heads and merge the output (read, write)."""
     seq_shard = sh.tp if sh.sp else 1
     per_pos = sh.h / seq_shard
     norms = 2 * (4 + sh.e) * per_pos
@@ -306,6 +309,10 @@ def _layer_bytes(sh: _Shape) -> float:
     softmax = 0.0
     if sh.kernel == "math":
         softmax = (sh.n / sh.tp) * sh.s * 3 * 4  # read scores, write probabilities, fp32
+        if sh.attention_dropout:
+            softmax += (sh.n / sh.tp) * sh.s * (2 * 4 + 1)
+        # the head split of q, k and v for the batched GEMMs and the merge of the output: copies
+        softmax += (2 * sh.n + 2 * sh.g) * sh.d / sh.tp * 2 * sh.e
     return sh.tokens * (norms + act + residual + dropout + softmax)
 
 
@@ -343,6 +350,7 @@ def _shape(cfg: Config, kind: str) -> _Shape:
         causal=mc.type == "gpt",
         kernel=kernel,
         dropout=mc.hidden_dropout > 0,
+        attention_dropout=mc.attention_dropout > 0,
         sp=p.sequence_parallel,
     )
 
