@@ -91,7 +91,7 @@ def measured_memory_bound(profs: list[tuple[str, dict]]) -> dict:
     }
 
 
-def transferred_gemm(measured: list[dict], measured_best: dict, best: dict, dtype: str) -> list[dict]:
+def transferred_gemm(measured: list[dict], measured_best: dict, best: dict) -> list[dict]:
     """A GPU without a measured surface: each measured point's share of its own GPU's best-shape rate
     (gemm_mamf.csv) times this GPU's best-shape rate (an assumption: the same shapes lose the same share
     of the best on both; it replaces the n/(n+192) curve, which no measurement supported)."""
@@ -100,10 +100,7 @@ def transferred_gemm(measured: list[dict], measured_best: dict, best: dict, dtyp
         f"assumption: {best['gpu']} best {best['mamf_tflops']} / {measured_best['gpu']} best "
         f"{measured_best['mamf_tflops']} TFLOPS (gemm_mamf.csv) x the rate "
     )
-    return [
-        {**p, "dtype": dtype, "tflops": round(p["tflops"] * ratio, 1), "source": note + p["source"]}
-        for p in measured
-    ]
+    return [{**p, "tflops": round(p["tflops"] * ratio, 1), "source": note + p["source"]} for p in measured]
 
 
 def attention_points(gpu: str) -> list[dict]:
@@ -191,13 +188,11 @@ def main() -> None:
         mamf = {(r["gpu"], r["dtype"]): r for r in csv.DictReader(f)}
     h100, h200 = measured_profiles("h100"), measured_profiles("h200")
     fp8 = gemm_points(mamf[("NVIDIA H100 SXM", "fp8_e4m3fn")], "fp8")  # no fp8 measured: the public point
-    h100_gemm = measured_points(h100, "gemm") + fp8
+    h100_bf16 = measured_points(h100, "gemm")
+    h100_gemm = h100_bf16 + fp8
     h200_gemm = measured_points(h200, "gemm") + fp8
     a100_gemm = transferred_gemm(
-        measured_points(h100, "gemm"),
-        mamf[("NVIDIA H100 SXM", "bf16")],
-        mamf[("NVIDIA A100 SXM", "bf16")],
-        "bf16",
+        h100_bf16, mamf[("NVIDIA H100 SXM", "bf16")], mamf[("NVIDIA A100 SXM", "bf16")]
     )
     # the cost of one op is the host's: each measured GPU its own, the A100s the median of all of them
     op_overhead = statistics.median(p["memory_bound"]["op_overhead_us"] for _, p in h100 + h200)

@@ -275,7 +275,7 @@ def main() -> int:
         for i, text in enumerate(args.calibrate_with, 1):
             words = text.split()
             rc, took = calibrate(
-                words, args.out / f"calibrated-{i}.yaml", args.out / f"calibrate-{i}.log", args
+                words, args.out / f"calibrated-{i}.yaml", args.out / f"calibrate-{i}.log", args.case_timeout
             )
             sink.write(json.dumps({"calibrate": words, "returncode": rc, "seconds": round(took, 1)}) + "\n")
             sink.flush()
@@ -311,21 +311,24 @@ def main() -> int:
             print(json.dumps({k: v for k, v in row.items() if k not in ("tail", "prediction")}), flush=True)
         if args.calibrate:
             rc, took = calibrate(
-                ["gpt-1b", "--quick"], args.out / "calibrated.yaml", args.out / "calibrate.log", args
+                ["gpt-1b", "--quick"],
+                args.out / "calibrated.yaml",
+                args.out / "calibrate.log",
+                args.case_timeout,
             )
             sink.write(json.dumps({"calibrate": rc, "seconds": took}) + "\n")
     return 0
 
 
-def calibrate(words: list[str], profile: Path, log: Path, args: argparse.Namespace) -> tuple[int, float]:
-    """`stx calibrate WORDS --output PROFILE` within the case timeout: (return code, seconds)."""
+def calibrate(words: list[str], profile: Path, log: Path, timeout: float) -> tuple[int, float]:
+    """`stx calibrate WORDS --output PROFILE` within `timeout` seconds: (return code, seconds)."""
     start = time.monotonic()
     try:
         proc = subprocess.run(
             [*stx_command(), "calibrate", *words, "--output", str(profile)],
             capture_output=True,
             text=True,
-            timeout=args.case_timeout,
+            timeout=timeout,
         )
         log.write_text(proc.stdout + proc.stderr)
         rc: int = proc.returncode

@@ -58,21 +58,19 @@ def kernel_classes(path: Path) -> dict[str, Any]:
     kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
     # one range per step on the host and one on the GPU (gpu_user_annotation): count the names
     n = max(len({str(e["name"]) for e in steps}), 1)
+    per_name: dict[str, float] = {}  # microseconds per kernel name
+    for e in kernels:
+        per_name[str(e["name"])] = per_name.get(str(e["name"]), 0.0) + float(e["dur"])
     by_class: dict[str, float] = {}
-    for e in kernels:
-        cls = kernel_class(str(e["name"]))
-        by_class[cls] = by_class.get(cls, 0.0) + float(e["dur"])
-    busy = _length(_union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]))
-    first = min((float(e["ts"]) for e in kernels), default=0.0)
-    last = max((float(e["ts"]) + float(e["dur"]) for e in kernels), default=0.0)
-    top: dict[str, float] = {}
-    for e in kernels:
-        top[str(e["name"])[:90]] = top.get(str(e["name"])[:90], 0.0) + float(e["dur"])
+    for name, us in per_name.items():
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + us
+    busy_spans = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
+    span = busy_spans[-1][1] - busy_spans[0][0] if busy_spans else 0.0
     return {
         "steps": n,
         "kernel_ms_per_step": {k: round(v / n / 1000, 3) for k, v in sorted(by_class.items())},
-        "gpu_busy_ms_per_step": round(busy / n / 1000, 3),
-        "kernel_span_ms_per_step": round((last - first) / n / 1000, 3),
+        "gpu_busy_ms_per_step": round(_length(busy_spans) / n / 1000, 3),
+        "kernel_span_ms_per_step": round(span / n / 1000, 3),
         "host_step_ms": round(
             sum(float(e["dur"]) for e in steps if e.get("cat") != "gpu_user_annotation") / n / 1000, 3
         ),
@@ -80,7 +78,7 @@ def kernel_classes(path: Path) -> dict[str, Any]:
             sum(float(e["dur"]) for e in steps if e.get("cat") == "gpu_user_annotation") / n / 1000, 3
         ),
         "top_kernels_ms_per_step": {
-            k: round(v / n / 1000, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+            k[:90]: round(v / n / 1000, 3) for k, v in sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
         },
     }
 

@@ -242,8 +242,8 @@ class _Shape:
     causal: bool
     kernel: str
     dropout: bool
+    attention_dropout: bool  # of the attention probabilities (counted on the math path)
     sp: bool
-    attention_dropout: bool = False  # dropout of the attention probabilities (on the math path)
 
     @property
     def tokens(self) -> int:
