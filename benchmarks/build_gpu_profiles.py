@@ -36,6 +36,7 @@ ATTENTION_KERNELS = {
     "FlashAttention-2": "flash",
     "xformers": "mem_efficient",
     "PyTorch standard attention": "math",
+    "FlashAttention Triton": "triton",
 }
 
 
@@ -132,6 +133,35 @@ def attention_points(gpu: str) -> list[dict]:
     return out
 
 
+def transferred_triton(gpu: str, measured_gpu: str = "A100 SXM4 80GB") -> list[dict]:
+    """Triton FlashAttention (2022) on a GPU without a figure for it: its fwd+bwd rate on
+    `measured_gpu` x this GPU's FlashAttention-2 fwd+bwd rate / measured_gpu's, per (causal, head dim,
+    seq) of the flash-attention README figures (an assumption: Triton loses the same share against
+    FA2 on both GPUs)."""
+    fa2 = {
+        (p["causal"], p["head_dim"], p["seq_len"]): p["tflops"]
+        for p in attention_points(gpu)
+        if p["kernel"] == "flash" and p["pass"] == "fwd"
+    }
+    ref = {
+        (p["causal"], p["head_dim"], p["seq_len"]): p["tflops"]
+        for p in attention_points(measured_gpu)
+        if p["kernel"] == "flash" and p["pass"] == "fwd"
+    }
+    out = []
+    for p in attention_points(measured_gpu):
+        key = (p["causal"], p["head_dim"], p["seq_len"])
+        if p["kernel"] != "triton" or key not in fa2:
+            continue
+        ratio = fa2[key] / ref[key]
+        note = (
+            f"assumption: {measured_gpu} Triton x {gpu} FA2 / {measured_gpu} FA2 ({fa2[key]:g} / "
+            f"{ref[key]:g}) at this causality, head dim and seq; "
+        )
+        out.append({**p, "tflops": round(p["tflops"] * ratio, 1), "source": note + p["source"]})
+    return out
+
+
 def collective_points(system: str, scale: dict[str, float] | None = None) -> list[dict]:
     """The all_reduce size sweep of one 8-GPU node; all_gather / reduce_scatter as the same sweep
     scaled by their ratio to all_reduce at 16 GiB (`scale`, an assumption: only 16 GiB is published)."""
@@ -201,6 +231,8 @@ def main() -> None:
     h_coll = collective_points(
         "8x H200 node", {"all_gather": 361.4 / 482.26, "reduce_scatter": 362.9 / 482.26}
     )
+    # Triton FlashAttention has a figure on the A100 only; the H200 shares the H100's SMs
+    h_triton = transferred_triton("H100 SXM5 80GB")
     a100_peaks = {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}
     h100_peaks = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}
     specs = {
@@ -218,14 +250,14 @@ def main() -> None:
             "surface), attention and NVLink 3 data; HDR NIC 22.75 GB/s",
         ),
         "h100-sxm": profile(
-            "h100-sxm", {"memory_gb": 80}, h100_gemm, measured_points(h100, "attention"), h_coll,
+            "h100-sxm", {"memory_gb": 80}, h100_gemm, measured_points(h100, "attention") + h_triton, h_coll,
             device_name="NVIDIA H100 80GB HBM3", peaks=h100_peaks, pcie_gbps=63, hbm_gbps=3350,
             nic_gbps=47.0, memory_bound=measured_memory_bound(h100), note="H100 GEMM, attention and "
             "elementwise work measured (stx calibrate, one GPU); NVLink 4 sweep measured on H200 (same "
             "fabric); NDR NIC 47 GB/s (maintainer, nccl-tests issue 290)",
         ),
         "h200-sxm": profile(
-            "h200-sxm", {"memory_gb": 141}, h200_gemm, measured_points(h200, "attention"), h_coll,
+            "h200-sxm", {"memory_gb": 141}, h200_gemm, measured_points(h200, "attention") + h_triton, h_coll,
             device_name="NVIDIA H200", peaks=h100_peaks, pcie_gbps=63, hbm_gbps=4800, nic_gbps=47.0,
             memory_bound=measured_memory_bound(h200), note="H200 GEMM, attention and elementwise work "
             "measured (stx calibrate, one GPU); H200 NVLink 4 sweep",

@@ -372,3 +372,56 @@ def test_the_attention_probabilities_dropout_is_counted_on_the_math_path(kernel)
     )
     copies = (2 * sh.n + 2 * sh.g) * sh.d * 2 * sh.e
     assert math_only == pytest.approx(sh.tokens * (sh.n * sh.s * 3 * 4 + copies))
+
+
+def _plan_json(capsys, *argv: str) -> dict:
+    import json
+
+    from scalable_transformer.cli import main
+
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["layouts"][0]
+
+
+def test_attention_kernel_option_times_only_the_attention_core_at_that_kernels_rates(capsys):
+    """`stx plan --attention-kernel triton` (another engine's run: llm-foundry's Triton FlashAttention)
+    changes the attention class by the ratio of the profile's rates and nothing else; memory keeps the
+    config's."""
+    from scalable_transformer.plan.cluster import builtin_profile
+
+    args = ["gpt-1b", "model.seq_length=8192", "model.max_position_embeddings=8192",
+            "train.micro_batch_size=1", "--device", "a100-80gb", "--world-size", "8"]  # fmt: skip
+    flash = _plan_json(capsys, *args)
+    triton = _plan_json(capsys, *args, "--attention-kernel", "triton")
+    profile = builtin_profile("a100-80gb")
+    assert profile is not None
+    ratio = profile.attention_rate("flash", "bf16", 8192, 128, True, "fwd") / profile.attention_rate(
+        "triton", "bf16", 8192, 128, True, "fwd"
+    )
+    assert ratio > 1.5  # FlashAttention-2 against the 2022 Triton kernel in the flash-attention README
+    for phase in ("forward", "backward"):
+        assert triton["time_classes_seconds"][phase]["attention"] == pytest.approx(
+            flash["time_classes_seconds"][phase]["attention"] * ratio, rel=1e-6
+        )
+        for c in ("gemm", "memory_bound"):
+            assert triton["time_classes_seconds"][phase][c] == flash["time_classes_seconds"][phase][c]
+    assert triton["step_seconds"] > flash["step_seconds"]
+    assert triton["peak_memory_bytes"] == flash["peak_memory_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "h100-sxm", "--attention-kernel", "cudnn"], "has no attention points of that kernel"),
+        (["--device", "a100-80gb", "--attention-kernel", "flashy"], "has no attention points of that kernel"),
+        (["--device", "cpu", "--attention-kernel", "flash"], "add --no-probe"),
+    ],
+)
+def test_attention_kernel_option_refuses_a_kernel_it_cannot_plan(capsys, argv, message):
+    from scalable_transformer.cli import main
+
+    assert main(["plan", "tiny-gpt", "--world-size", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "points" in err:
+        assert "it has flash, math, mem_efficient" in err

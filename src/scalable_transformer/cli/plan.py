@@ -34,6 +34,7 @@ class PlanOptions:
     dry_run_top: int = 0  # --search: dry-run the best K layouts that fit
     calibrate_from: Path | None = None  # a results store: refit the profile's corrections from its runs
     output: Path | None = None  # where the refitted profile goes
+    attention_kernel: str | None = None  # plan the attention core at this kernel's rates
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanOptions:
@@ -79,6 +80,7 @@ class PlanOptions:
             remeasure=args.remeasure,
             dry_run=args.dry_run,
             dry_run_top=args.dry_run_top or 0,
+            attention_kernel=args.attention_kernel,
             **calibrate_options(args),
         )
 
@@ -164,6 +166,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(docs/PLANNER.md#prediction-error-and-refits) and plan with them",
     )
     p.add_argument("--output", metavar="PROFILE", help="--calibrate-from: write the refitted profile here")
+    p.add_argument(
+        "--attention-kernel",
+        metavar="KERNEL",
+        help="time the attention core at this kernel's rates from the hardware profile (flash, "
+        "mem_efficient, math, cudnn, triton: those it has points of) instead of the kernel this "
+        "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
+        "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
+    )
     p.set_defaults(fn=run)
 
 
@@ -216,7 +226,29 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
         cluster = table_cluster(opts.device, nodes, per_node, opts.host_memory_gb)
     if opts.host_memory_gb is not None:
         cluster = dataclasses.replace(cluster, host_memory_bytes=int(opts.host_memory_gb * 2**30))
+    if opts.attention_kernel is not None:
+        cluster = with_attention_kernel(cluster, opts.attention_kernel, opts.probe)
     return cluster
+
+
+def with_attention_kernel(cluster: Any, kernel: str, probe: bool) -> Any:
+    """`--attention-kernel`: the cluster planned with this kernel's attention rates, which its hardware
+    profile must have."""
+    from ..errors import UsageError
+
+    if cluster.kind == "cpu" and probe:
+        raise UsageError(
+            "--attention-kernel changes the time model; on cpu `stx plan` measures the step with the "
+            "depth probes instead: add --no-probe"
+        )
+    have = sorted({p.kernel for p in cluster.profile.attention}) if cluster.profile is not None else []
+    if kernel not in have:
+        where = f"hardware profile {cluster.profile.name!r}" if cluster.profile is not None else cluster.name
+        raise UsageError(
+            f"--attention-kernel {kernel}: {where} has no attention points of that kernel (it has "
+            f"{', '.join(have) or 'none'}); `stx calibrate` measures the SDPA kernels of a machine"
+        )
+    return dataclasses.replace(cluster, attention_kernel=kernel)
 
 
 def run(args: argparse.Namespace) -> int:

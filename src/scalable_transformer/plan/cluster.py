@@ -60,6 +60,9 @@ class Cluster:
     # the measured rates the time model reads (plan/hardware_profile.py): a built-in GPU profile for a
     # table device, a file given with --hardware, or this CPU's rates; None: the rate model's defaults
     profile: HardwareProfile | None = None
+    # `stx plan --attention-kernel`: plan the attention core at this kernel's rates instead of the one
+    # the engine's SDPA takes for the config (time model only; the memory model keeps the config's)
+    attention_kernel: str | None = None
 
     @property
     def world_size(self) -> int:

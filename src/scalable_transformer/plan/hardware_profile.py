@@ -47,7 +47,8 @@ from ..errors import ConfigError
 
 FORMAT = 1
 KINDS = ("cpu", "gpu")
-ATTENTION_KERNELS = ("flash", "mem_efficient", "math")
+# SDPA's kernels, and Triton FlashAttention (2022) for planning runs of engines that use it
+ATTENTION_KERNELS = ("flash", "mem_efficient", "math", "cudnn", "triton")
 PASSES = ("fwd", "bwd")
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 SCOPES = ("intra_node", "inter_node")

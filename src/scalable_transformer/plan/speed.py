@@ -329,11 +329,11 @@ def _loss_bytes(sh: _Shape) -> tuple[float, float]:
     return logits * (sh.e + 4), logits * (4 + 4 + 4 + 4 + cast)
 
 
-def _shape(cfg: Config, kind: str) -> _Shape:
+def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shape:
     mc, p = cfg.model, cfg.parallel
     assert mc.ffn_hidden_size is not None
     am = activation_model(cfg, kind)
-    kernel = "flash" if am.flash else "math"
+    kernel = attention_kernel or ("flash" if am.flash else "math")
     return _Shape(
         b=cfg.train.micro_batch_size,
         s=mc.seq_length,
@@ -570,7 +570,7 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         p.activation_checkpointing,
     )  # fmt: skip
     rates = _rates(cluster)
-    sh = _shape(cfg, cluster.kind)
+    sh = _shape(cfg, cluster.kind, cluster.attention_kernel)
     per_micro, sp_ = _stage_compute(cfg, rates, sh)
     tally = _Tally()
     for phase, by_class in per_micro.items():
