@@ -376,3 +376,31 @@ def test_the_tp_layer_cost_is_the_measured_extra_less_the_layers_collectives_as_
     assert cal.tp_layer_overhead_us(profile, cal.TpLayerTiming({"tp": 0.0}, 2, 2**20)) == {
         "tp_layer_overhead_us": 0.0
     }
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "copies"), [(64, 64, 64, 64), (1024, 1024, 2048, 2), (2048, 2048, 2048, 1)]
+)
+def test_a_gemm_point_reads_operands_that_are_not_in_cache(monkeypatch, m, n, k, copies):
+    """The timed calls rotate through copies of a and b that together take at least COLD_BYTES (a
+    training step's GEMMs read weights a whole step of other work evicted), at most MAX_COPIES; a
+    pair larger than COLD_BYTES alone would take one."""
+    seen: list[tuple[int, int]] = []
+    real_mm = torch.mm
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append((a.data_ptr(), b.data_ptr()))
+        return real_mm(a, b)
+
+    def calls(job: cal.Job, fn, seconds: float) -> float:
+        for _ in range(2 * copies):
+            fn()
+        return 1.0
+
+    monkeypatch.setattr(cal.torch, "mm", mm)
+    monkeypatch.setattr(cal, "median_seconds", calls)
+    monkeypatch.setattr(cal, "COLD_BYTES", 32 * 2**20)
+    cal._gemm_seconds(cal.Job(torch.device("cpu")), m, n, k, "fp32", seconds=1.0)
+    assert len(set(seen)) == copies and seen[:copies] == seen[copies:]  # every copy, in turn
+    pair_bytes = 4 * (m * k + k * n)
+    assert copies == min(cal.MAX_COPIES, -(-32 * 2**20 // pair_bytes))

@@ -224,11 +224,24 @@ def measure_gemm(job: Job, shapes: list[tuple[int, int, int]], dtype: str, say=p
     return out
 
 
+# Each timed GEMM reads operands that are not in the processor's cache, as a training step's are (a
+# layer's weights were last touched a whole step of other work ago): the calls rotate through copies
+# of a and b that together take at least this many bytes, more than a core's L2 (1-2 MiB), an AMD
+# EPYC's L3 per core complex (32 MiB) or an H100's L2 (50 MB). Triton's do_bench flushes a 256 MB
+# buffer between calls for the same reason; rotating costs no flush time.
+COLD_BYTES = 64 * 2**20
+MAX_COPIES = 64
+
+
 def _gemm_seconds(job: Job, m: int, n: int, k: int, dtype: str, seconds: float) -> float:
     gen = torch.Generator(device=job.device).manual_seed(0)
     a = torch.randn(m, k, generator=gen, device=job.device).to(DTYPES[dtype])
     b = torch.randn(k, n, generator=gen, device=job.device).to(DTYPES[dtype])
-    return median_seconds(job, lambda: torch.mm(a, b), seconds)
+    pair = a.numel() * a.element_size() + b.numel() * b.element_size()
+    copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // pair)))
+    operands = [(a, b)] + [(a.clone(), b.clone()) for _ in range(copies - 1)]
+    calls = iter(range(1 << 62))
+    return median_seconds(job, lambda: torch.mm(*operands[next(calls) % copies]), seconds)
 
 
 def _tflops(flops: float, seconds: float) -> float:
