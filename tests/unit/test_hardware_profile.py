@@ -425,3 +425,46 @@ def test_attention_kernel_option_refuses_a_kernel_it_cannot_plan(capsys, argv, m
     assert message in err
     if "points" in err:
         assert "it has flash, math, mem_efficient" in err
+
+
+def _gpu_profile(**extra: object) -> hp.HardwareProfile:
+    """A GPU profile with flash and cudnn attention points (cudnn twice as fast)."""
+    data = copy.deepcopy(BASE)
+    data.update(kind="gpu", peak_tflops={"bf16": 989.0}, **extra)
+    data["gemm"] = [{**g, "dtype": "bf16", "tflops": 500.0} for g in data["gemm"]]
+    data["attention"] = [
+        {"kernel": kernel, "dtype": "bf16", "batch": 1, "heads": 16, "seq_len": s, "head_dim": 128,
+         "causal": True, "pass": pass_, "tflops": rate}
+        for kernel, rate in (("flash", 200.0), ("cudnn", 400.0))
+        for s in (1024, 8192)
+        for pass_ in ("fwd", "bwd")
+    ]  # fmt: skip
+    return hp.profile_from_dict(data, "gpu.yaml")
+
+
+def test_a_gpu_profile_times_attention_at_the_kernel_sdpa_dispatched_in_calibration(tmp_path):
+    """`attention_kernel` (recorded by stx calibrate) picks the attention points the plan times on a GPU;
+    `--attention-kernel` still overrides it; it round-trips; a kernel it has no points of is ignored."""
+    import dataclasses
+
+    from scalable_transformer.config.load import load_config
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.plan.cluster import profile_cluster
+    from scalable_transformer.plan.speed import step_time
+
+    cfg = resolve(load_config("gpt-1b", ["model.num_layers=2", "train.micro_batch_size=1"]), 1)
+
+    def attention_seconds(profile: hp.HardwareProfile, override: str | None = None) -> float:
+        cluster = dataclasses.replace(profile_cluster(profile, 1, 1), attention_kernel=override)
+        return step_time(cfg, cluster).classes["forward"]["attention"]
+
+    flash = attention_seconds(_gpu_profile())
+    cudnn = attention_seconds(_gpu_profile(attention_kernel="cudnn"))
+    assert cudnn == pytest.approx(flash / 2)
+    assert attention_seconds(_gpu_profile(attention_kernel="cudnn"), "flash") == pytest.approx(flash)
+    assert attention_seconds(_gpu_profile(attention_kernel="mem_efficient")) == pytest.approx(flash)
+    profile = _gpu_profile(attention_kernel="cudnn")
+    hp.save_profile(profile, tmp_path / "p.yaml")
+    assert hp.load_profile(tmp_path / "p.yaml").attention_kernel == "cudnn"
+    with pytest.raises(ConfigError, match=r"gpu.yaml: attention_kernel must be null or one of flash"):
+        _gpu_profile(attention_kernel="fastest")

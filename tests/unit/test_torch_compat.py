@@ -166,6 +166,26 @@ def test_profiler_and_cuda_memory_internals():
 # ---------------------------------------------------------------- FSDP2's Comm interface (duck-typed)
 
 
+def test_sdpa_dispatch_names_the_kernel_scaled_dot_product_attention_takes():
+    """torch._fused_sdp_choice answers for these inputs as SDPA dispatches them: on this CPU its
+    fused (flash) kernel without dropout, the math path with it (what plan/memory_model.py assumes)."""
+    attribute("torch:_fused_sdp_choice")
+    from torch.nn.attention import SDPBackend
+
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION"):
+        need(
+            hasattr(SDPBackend, name),
+            f"torch.nn.attention.SDPBackend.{name}",
+            "update torch_compat._SDPA_KERNELS",
+        )
+    q = torch.randn(2, 4, 64, 32, requires_grad=True)
+    name = "torch._fused_sdp_choice"
+    need(torch_compat.sdpa_dispatch(q, q, q, 0.0, True) == "flash", name,
+         "a CPU causal call without dropout should choose FLASH_ATTENTION; update sdpa_dispatch")  # fmt: skip
+    need(torch_compat.sdpa_dispatch(q, q, q, 0.1, True) == "math", name,
+         "a CPU call with dropout should choose MATH; update sdpa_dispatch")  # fmt: skip
+
+
 def test_fsdp_comm_interface_matches_parallel_comm():
     api = "torch.distributed.fsdp._fully_shard._fsdp_api"
     update = "parallel/comm.py's TimedAllGather / TimedReduceScatter implement this interface"

@@ -35,6 +35,11 @@ Routed through this module (call these functions, never the internal):
   profiler_allocation_tag    torch._C._profiler._EventType.Allocation, the tag of an allocation in
                              `profile.profiler.kineto_results.experimental_event_tree()` (itself
                              experimental): metrics/live_tensor_bytes.py's CPU tensor-byte peak.
+  sdpa_dispatch              torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal): the
+                             SDPBackend index scaled_dot_product_attention would dispatch to for
+                             those inputs; stx calibrate records it (the kernel `stx plan` times on
+                             a GPU). torch exposes no public query. If it goes, profiles record none
+                             and the plan times SDPA's flash kernel.
   record_cuda_memory_history / stop_cuda_memory_history / dump_cuda_memory_snapshot
                              torch.cuda.memory._record_memory_history(enabled, max_entries=...) and
                              _dump_snapshot(filename): logging.profile_memory's snapshot
@@ -202,3 +207,29 @@ def stop_cuda_memory_history() -> None:
 def dump_cuda_memory_snapshot(path: Path) -> None:
     """The recorded history as a pickle that pytorch.org/memory_viz opens."""
     torch.cuda.memory._dump_snapshot(str(path))
+
+
+# SDPBackend names (torch.nn.attention) -> the kernel names of hardware profiles
+_SDPA_KERNELS = {
+    "FLASH_ATTENTION": "flash",
+    "EFFICIENT_ATTENTION": "mem_efficient",
+    "MATH": "math",
+    "CUDNN_ATTENTION": "cudnn",
+}
+
+
+def sdpa_dispatch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool
+) -> str | None:
+    """The kernel (flash, mem_efficient, math, cudnn) scaled_dot_product_attention dispatches to for
+    these inputs, or None when torch does not say (or names a backend profiles have no name for)."""
+    from torch.nn.attention import SDPBackend
+
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    if choice is None:
+        return None
+    try:
+        backend = SDPBackend(int(choice(q, k, v, None, dropout_p, is_causal)))
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    return _SDPA_KERNELS.get(backend.name)

@@ -255,7 +255,7 @@ def _figure(x: float) -> float:
 
 # ---------------------------------------------------------------------------- attention
 
-KERNELS = ("flash", "mem_efficient", "math")
+KERNELS = ("flash", "mem_efficient", "math", "cudnn")
 
 
 def _backend(kernel: str) -> Any:
@@ -265,7 +265,20 @@ def _backend(kernel: str) -> Any:
         "flash": SDPBackend.FLASH_ATTENTION,
         "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
     }[kernel]
+
+
+def dispatched_kernel(job: Job, cfg: Config, dtype: str) -> str | None:
+    """The kernel scaled_dot_product_attention takes here for the config's attention call (its
+    micro-batch, heads, sequence, head dim, dtype, causality and attention dropout): what `stx plan`
+    times on a GPU. None when torch does not say."""
+    from ..parallel.torch_compat import sdpa_dispatch
+
+    d = model_dims(cfg)
+    shape = (d["b"], d["heads"], d["s"], d["d"])
+    q = torch.empty(shape, device=job.device, dtype=DTYPES[dtype], requires_grad=True)  # as in training
+    return sdpa_dispatch(q, q, q, cfg.model.attention_dropout, cfg.model.type == "gpt")
 
 
 def available_kernels(job: Job, dtype: str) -> list[str]:
@@ -876,6 +889,12 @@ def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict
     fsdp = measure_fsdp_unit(job, cfg, say)
     tp = measure_tp_layer(job, cfg, say)
     mapping = profile_mapping(job, dtype, gemm, attention, memory, collectives)
+    dispatched = dispatched_kernel(job, cfg, dtype)
+    if dispatched is not None:
+        mapping["attention_kernel"] = dispatched
+        say(
+            f"calibrate: attention: scaled_dot_product_attention dispatches the config's call to {dispatched}"
+        )
     if collectives:
         from .hardware_profile import profile_from_dict
 

@@ -77,6 +77,7 @@ _TOP_KEYS = (
     "host_link_gbps",
     "gemm",
     "attention",
+    "attention_kernel",
     "memory_bound",
     "collectives",
     "corrections",
@@ -153,6 +154,9 @@ class HardwareProfile:
     corrections: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CORRECTION_CLASSES, 1.0))
     corrections_source: Any = None
     topology: dict[str, float] = field(default_factory=dict)
+    # the kernel scaled_dot_product_attention dispatched in calibration (stx calibrate records it):
+    # on a GPU the time model times the attention core at this kernel's points; None: flash
+    attention_kernel: str | None = None
 
     def correction(self, op_class: str) -> float:
         return float(self.corrections.get(op_class, 1.0))
@@ -458,6 +462,12 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
         corrections=corrections,
         corrections_source=cs,
         topology=topology,
+        attention_kernel=top.get(
+            "attention_kernel",
+            lambda v: v is None or v in ATTENTION_KERNELS,
+            f"null or one of {', '.join(ATTENTION_KERNELS)}",
+            None,
+        ),
     )
 
 
@@ -517,6 +527,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
         "corrections": dict(profile.corrections),
         "corrections_source": profile.corrections_source,
     }
+    if profile.attention_kernel is not None:
+        out["attention_kernel"] = profile.attention_kernel
     if profile.memory_bound.unit_overhead_us:
         out["memory_bound"]["unit_overhead_us"] = profile.memory_bound.unit_overhead_us
     if profile.memory_bound.activation_gbps is not None:

@@ -560,6 +560,18 @@ def _checkpoint_transfer_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, 
     return 2 * layers / p.checkpoint_num_layers * kept / rates.host_link
 
 
+def attention_kernel(cluster: Cluster) -> str | None:
+    """The kernel the attention core is timed at: `--attention-kernel`'s, else on a GPU the one SDPA
+    dispatched when the profile was calibrated, else None (flash, or on a CPU as the config decides)."""
+    if cluster.attention_kernel is not None:
+        return cluster.attention_kernel
+    profile = cluster.profile
+    if cluster.kind != "gpu" or profile is None or profile.attention_kernel is None:
+        return None
+    measured = any(p.kernel == profile.attention_kernel for p in profile.attention)
+    return profile.attention_kernel if measured else None
+
+
 def step_time(cfg: Config, cluster: Cluster) -> StepTime:
     """Predicted seconds per optimizer step of cfg's layout on `cluster`, by part and by phase/class."""
     mc, p, t = cfg.model, cfg.parallel, cfg.train
@@ -570,7 +582,7 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         p.activation_checkpointing,
     )  # fmt: skip
     rates = _rates(cluster)
-    sh = _shape(cfg, cluster.kind, cluster.attention_kernel)
+    sh = _shape(cfg, cluster.kind, attention_kernel(cluster))
     per_micro, sp_ = _stage_compute(cfg, rates, sh)
     tally = _Tally()
     for phase, by_class in per_micro.items():
