@@ -98,10 +98,10 @@ _M_MMAP_THRESHOLD = -3
 LARGE_BLOCK_BYTES = 64 * 1024
 # The mmap threshold for the training steps: glibc's ceiling for its own dynamic threshold on 64-bit
 # (DEFAULT_MMAP_THRESHOLD_MAX, the state a default process settles in) where the steps gather
-# nothing; 1 MiB under FSDP2, whose per-parameter gradients and gathers must leave the RSS when freed
-# (measured below, `step_allocation`).
+# nothing; 8 MiB under FSDP2, whose larger per-parameter gradients and gathers must leave the RSS
+# when freed (measured below, `step_allocation`).
 REPLICA_STEP_BLOCK_BYTES = 32 * 2**20
-FSDP_STEP_BLOCK_BYTES = 2**20
+FSDP_STEP_BLOCK_BYTES = 8 * 2**20
 
 
 def _libc() -> Any:
@@ -145,9 +145,16 @@ def step_allocation(fsdp: bool) -> bool:
     run) and 20-30% of its throughput. Where nothing is gathered (ZeRO-0/1, tensor and pipeline
     shards) the threshold is glibc's own ceiling (trim threshold twice that, as glibc sets them):
     gpt-125m ZeRO-0 on 2 CPU ranks peaks at 2,893-2,905 MiB per rank against 2,733-2,734 with 64 KiB.
-    Under FSDP2, 1 MiB: gpt-125m ZeRO-3 on 2 ranks peaks at 1,946 MiB against 1,883 with 64 KiB, 1,986
-    with 4 MiB and 2,852-2,964 with 32 MiB (the gathered parameters' gradients stay resident); on 4
-    ranks at 1,489-1,500 MiB against 1,443-1,444 with 64 KiB.
+    Under FSDP2, 8 MiB. Each block at or above the threshold is a fresh mapping, faulted in page by
+    page whenever it is written: an activation, a gathered unit or its gradient in every micro-batch.
+    At 1 MiB (until 2026-11-26) that made a 2-process ZeRO-3 step of benchmarks/zero_vs_deepspeed.py
+    (tiny-gpt, 1 thread per rank) 235 ms against 203 at 8 MiB and 172 at 32 MiB, its GEMMs and
+    log-softmax up to 40% slower than the same ops under ZeRO-0 (a profile); peak RSS 441 / 485 / 518
+    MiB per rank. On gpt-125m (seq 128, mb 2 x 2, 2 ranks) 8.47 / 8.20 / 7.26 s per step at 2,259 /
+    2,451 / 3,535 MiB: above 8 MiB the gathered parameters' gradients stay resident in the heap
+    (malloc_trim after every step kept 3,307 MiB: the excess is within the step). Earlier, gpt-125m
+    ZeRO-3 (its own shape) peaked at 1,946 MiB with 1 MiB against 1,883 with 64 KiB and 1,986 with
+    4 MiB; on 4 ranks at 1,489-1,500 MiB against 1,443-1,444 with 64 KiB.
     Returns False where there is no glibc (nothing changes)."""
     block = FSDP_STEP_BLOCK_BYTES if fsdp else REPLICA_STEP_BLOCK_BYTES
     return _mallopt({_M_MMAP_THRESHOLD: block, _M_TRIM_THRESHOLD: 2 * block})
