@@ -406,6 +406,8 @@ def test_attention_kernel_option_times_only_the_attention_core_at_that_kernels_r
         for c in ("gemm", "memory_bound"):
             assert triton["time_classes_seconds"][phase][c] == flash["time_classes_seconds"][phase][c]
     assert triton["step_seconds"] > flash["step_seconds"]
+    assert triton["time_method"].endswith(", attention kernel triton")
+    assert "attention kernel" not in flash["time_method"]
     assert triton["peak_memory_bytes"] == flash["peak_memory_bytes"]
 
 

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from .cluster import Cluster
 from .layout import Layout
 from .memory_model import StageMemory, stage_memory
-from .speed import StepTime, step_time
+from .speed import StepTime, attention_kernel, step_time
 
 RATE_MODEL = "time model by op class (plan/speed.py)"
 
@@ -119,6 +119,9 @@ def predict(
     method = RATE_MODEL + (
         f", hardware profile {cluster.profile.name}" if cluster.profile is not None else ""
     )
+    kernel = attention_kernel(cluster)
+    if kernel is not None:  # not the config's own choice: say which kernel the attention core is timed at
+        method += f", attention kernel {kernel}"
     if probe and cluster.kind == "cpu":
         from .probe import ProbeError, probe_step_time
 
