@@ -163,7 +163,7 @@ def test_the_rest_of_the_package_does_not_branch_on_the_model_type():
     import re
 
     root = pathlib.Path(__file__).resolve().parents[2] / "src" / "scalable_transformer"
-    branch = re.compile(r"(model\.type|m\.type|cfg\.type|model_type)\s*(==|!=|\bin\b|\bnot in\b)")
+    branch = re.compile(r"(\b(model|mc|m|cfg)\.type|model_type)\s*(==|!=|\bin\b|\bnot in\b)")
     offenders = [
         f"{path.relative_to(root)}:{i}"
         for path in root.rglob("*.py")

@@ -50,6 +50,18 @@ def gated_mlp(m: ModelConfig) -> bool:
     return m.activation in GATED_ACTIVATIONS
 
 
+def causal_attention(m: ModelConfig) -> bool:
+    """Whether each position attends only to the ones before it (GPT) rather than to the whole
+    sequence (BERT): the attention core's work and kernel choice depend on it."""
+    return m.type == "gpt"
+
+
+def lm_head_transform(m: ModelConfig) -> bool:
+    """Whether the LM head transforms the hidden state (dense, GELU, norm: BERT's) before projecting
+    it onto the vocabulary, rather than projecting the final norm's output directly (GPT's)."""
+    return m.type == "bert"
+
+
 def query_groups(m: ModelConfig) -> int:
     """g: key/value heads (num_query_groups, which defaults to the number of heads)."""
     return m.num_query_groups or m.num_attention_heads

@@ -45,7 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config.model_shapes import default_ffn_hidden_size, family_options, gated_mlp, qkv_width
+from ..config.model_shapes import (
+    causal_attention,
+    default_ffn_hidden_size,
+    family_options,
+    gated_mlp,
+    qkv_width,
+)
 from ..config.rules import padded_vocab_size, physical_memory_bytes
 from ..config.schema import Config
 
@@ -279,7 +285,7 @@ def dispatched_kernel(job: Job, cfg: Config, dtype: str) -> str | None:
     d = model_dims(cfg)
     shape = (d["b"], d["heads"], d["s"], d["d"])
     q = torch.empty(shape, device=job.device, dtype=DTYPES[dtype], requires_grad=True)  # as in training
-    return sdpa_dispatch(q, q, q, cfg.model.attention_dropout, cfg.model.type == "gpt")
+    return sdpa_dispatch(q, q, q, cfg.model.attention_dropout, causal_attention(cfg.model))
 
 
 def available_kernels(job: Job, dtype: str) -> list[str]:

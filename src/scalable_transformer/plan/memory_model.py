@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.model_shapes import StageParams, gated_mlp, qkv_width, query_groups, stage_params, vocab
+from ..config.model_shapes import (
+    StageParams,
+    gated_mlp,
+    lm_head_transform,
+    qkv_width,
+    query_groups,
+    stage_params,
+    vocab,
+)
 from ..config.schema import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -486,7 +494,7 @@ def logits_bytes(
     logits = b * s * v / p.tp
     # BERT's head saves the dense input, gelu input, norm input (fp32 under autocast) and logits input;
     # GPT its final norm's input (fp32 under autocast) and the logits input
-    head = ((3 * e + 4) if mc.type == "bert" else (4 + e)) * b * s * h
+    head = ((3 * e + 4) if lm_head_transform(mc) else (4 + e)) * b * s * h
     # kept per micro-batch until its backward: the logits (the trainer's outputs, or the pipeline
     # stage's cached output) and the saved fp32 log-softmax (the loss's fp32 copy of the logits is
     # log_softmax's input, which it does not save: freed after the forward); then, for the

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.model_shapes import ModelShape, gated_mlp, query_groups, stage_params, vocab
+from ..config.model_shapes import ModelShape, causal_attention, gated_mlp, query_groups, stage_params, vocab
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
@@ -347,7 +347,7 @@ def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shap
         e=DTYPE_BYTES[cfg.train.precision],
         dtype=cfg.train.precision,
         gated=gated_mlp(mc),
-        causal=mc.type == "gpt",
+        causal=causal_attention(mc),
         kernel=kernel,
         dropout=mc.hidden_dropout > 0,
         attention_dropout=mc.attention_dropout > 0,
