@@ -138,27 +138,28 @@ def transferred_triton(gpu: str, measured_gpu: str = "A100 SXM4 80GB") -> list[d
     `measured_gpu` x this GPU's FlashAttention-2 fwd+bwd rate / measured_gpu's, per (causal, head dim,
     seq) of the flash-attention README figures (an assumption: Triton loses the same share against
     FA2 on both GPUs)."""
-    fa2 = {
-        (p["causal"], p["head_dim"], p["seq_len"]): p["tflops"]
-        for p in attention_points(gpu)
-        if p["kernel"] == "flash" and p["pass"] == "fwd"
-    }
-    ref = {
-        (p["causal"], p["head_dim"], p["seq_len"]): p["tflops"]
-        for p in attention_points(measured_gpu)
-        if p["kernel"] == "flash" and p["pass"] == "fwd"
-    }
+
+    def fa2(points: list[dict]) -> dict[tuple, float]:
+        return {
+            (p["causal"], p["head_dim"], p["seq_len"]): p["tflops"]
+            for p in points
+            if p["kernel"] == "flash" and p["pass"] == "fwd"
+        }
+
+    measured = attention_points(measured_gpu)
+    here, ref = fa2(attention_points(gpu)), fa2(measured)
     out = []
-    for p in attention_points(measured_gpu):
+    for p in measured:
         key = (p["causal"], p["head_dim"], p["seq_len"])
-        if p["kernel"] != "triton" or key not in fa2:
+        if p["kernel"] != "triton" or key not in here:
             continue
-        ratio = fa2[key] / ref[key]
         note = (
-            f"assumption: {measured_gpu} Triton x {gpu} FA2 / {measured_gpu} FA2 ({fa2[key]:g} / "
+            f"assumption: {measured_gpu} Triton x {gpu} FA2 / {measured_gpu} FA2 ({here[key]:g} / "
             f"{ref[key]:g}) at this causality, head dim and seq; "
         )
-        out.append({**p, "tflops": round(p["tflops"] * ratio, 1), "source": note + p["source"]})
+        out.append(
+            {**p, "tflops": round(p["tflops"] * here[key] / ref[key], 1), "source": note + p["source"]}
+        )
     return out
 
 

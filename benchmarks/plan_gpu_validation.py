@@ -369,7 +369,7 @@ rows are +17.5% (median), torchtitan's +49%.
   trace) are left out because Megatron's engine does not pay them.
 - **Clocks and power**: torchtitan's H100s are 96 GB parts capped at 500 W, not 700 W SXM parts. GPUs
   under sustained load run below the boost clock that short kernel benchmarks reach.
-- **Attention kernel**: Megatron 2021/2022 ran unfused softmax attention. The planner models SDPA's
+- **Megatron's attention**: Megatron 2021/2022 ran unfused softmax attention. The planner models SDPA's
   flash kernel, so its selective-recompute rows come out faster than published (+15% to +38%).
 - **Rank order at one shape**: where layouts differ only in GPU count (MPT-70b on 128/256/512 GPUs:
   published 1058 -> 1007 tokens/s/GPU), the model hides the extra inter-node time behind compute. It

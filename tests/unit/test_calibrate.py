@@ -17,6 +17,7 @@ from scalable_transformer.config.load import load_config
 from scalable_transformer.errors import ConfigError, UsageError
 from scalable_transformer.plan import calibrate as cal
 from scalable_transformer.plan.hardware_profile import (
+    ATTENTION_KERNELS,
     load_profile,
     profile_from_dict,
     profile_mismatch,
@@ -408,3 +409,14 @@ def test_a_gemm_point_reads_operands_that_are_not_in_cache(monkeypatch, m, n, k,
     assert len(set(seen)) == copies and seen[:copies] == seen[copies:]  # every copy, in turn
     pair_bytes = 4 * (m * k + k * n)
     assert copies == min(cal.MAX_COPIES, -(-32 * 2**20 // pair_bytes))
+
+
+def test_every_profile_kernel_names_an_sdpa_backend():
+    """calibrate.BACKENDS maps each kernel it measures (and reads back from torch._fused_sdp_choice)
+    to a member of torch.nn.attention.SDPBackend; a member torch renames fails here, naming it."""
+    from torch.nn.attention import SDPBackend
+
+    for kernel, name in cal.BACKENDS.items():
+        assert hasattr(SDPBackend, name), f"torch {torch.__version__} has no SDPBackend.{name} ({kernel})"
+        assert cal._backend(kernel) == getattr(SDPBackend, name)
+    assert set(cal.KERNELS) <= set(ATTENTION_KERNELS)

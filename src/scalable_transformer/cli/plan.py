@@ -241,7 +241,7 @@ def with_attention_kernel(cluster: Any, kernel: str, probe: bool) -> Any:
             "--attention-kernel changes the time model; on cpu `stx plan` measures the step with the "
             "depth probes instead: add --no-probe"
         )
-    have = sorted({p.kernel for p in cluster.profile.attention}) if cluster.profile is not None else []
+    have = cluster.profile.attention_kernels if cluster.profile is not None else []
     if kernel not in have:
         where = f"hardware profile {cluster.profile.name!r}" if cluster.profile is not None else cluster.name
         raise UsageError(

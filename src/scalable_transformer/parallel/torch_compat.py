@@ -209,27 +209,17 @@ def dump_cuda_memory_snapshot(path: Path) -> None:
     torch.cuda.memory._dump_snapshot(str(path))
 
 
-# SDPBackend names (torch.nn.attention) -> the kernel names of hardware profiles
-_SDPA_KERNELS = {
-    "FLASH_ATTENTION": "flash",
-    "EFFICIENT_ATTENTION": "mem_efficient",
-    "MATH": "math",
-    "CUDNN_ATTENTION": "cudnn",
-}
-
-
 def sdpa_dispatch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool
-) -> str | None:
-    """The kernel (flash, mem_efficient, math, cudnn) scaled_dot_product_attention dispatches to for
-    these inputs, or None when torch does not say (or names a backend profiles have no name for)."""
+) -> Any:
+    """The torch.nn.attention.SDPBackend scaled_dot_product_attention dispatches to for these inputs,
+    or None when torch does not say."""
     from torch.nn.attention import SDPBackend
 
     choice = getattr(torch, "_fused_sdp_choice", None)
     if choice is None:
         return None
     try:
-        backend = SDPBackend(int(choice(q, k, v, None, dropout_p, is_causal)))
+        return SDPBackend(int(choice(q, k, v, None, dropout_p, is_causal)))
     except (RuntimeError, ValueError, TypeError):
         return None
-    return _SDPA_KERNELS.get(backend.name)

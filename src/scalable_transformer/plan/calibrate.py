@@ -262,18 +262,20 @@ def _figure(x: float) -> float:
 
 # ---------------------------------------------------------------------------- attention
 
-KERNELS = ("flash", "mem_efficient", "math", "cudnn")
+# the SDPA kernels by their hardware-profile name -> torch.nn.attention.SDPBackend member
+BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "mem_efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+    "cudnn": "CUDNN_ATTENTION",
+}
+KERNELS = tuple(BACKENDS)
 
 
 def _backend(kernel: str) -> Any:
     from torch.nn.attention import SDPBackend
 
-    return {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-    }[kernel]
+    return getattr(SDPBackend, BACKENDS[kernel])
 
 
 def dispatched_kernel(job: Job, cfg: Config, dtype: str) -> str | None:
@@ -285,7 +287,9 @@ def dispatched_kernel(job: Job, cfg: Config, dtype: str) -> str | None:
     d = model_dims(cfg)
     shape = (d["b"], d["heads"], d["s"], d["d"])
     q = torch.empty(shape, device=job.device, dtype=DTYPES[dtype], requires_grad=True)  # as in training
-    return sdpa_dispatch(q, q, q, cfg.model.attention_dropout, causal_attention(cfg.model))
+    backend = sdpa_dispatch(q, q, q, cfg.model.attention_dropout, causal_attention(cfg.model))
+    kernels = {name: kernel for kernel, name in BACKENDS.items()}
+    return kernels.get(backend.name) if backend is not None else None
 
 
 def available_kernels(job: Job, dtype: str) -> list[str]:

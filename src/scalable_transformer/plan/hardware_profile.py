@@ -158,6 +158,11 @@ class HardwareProfile:
     # on a GPU the time model times the attention core at this kernel's points; None: flash
     attention_kernel: str | None = None
 
+    @property
+    def attention_kernels(self) -> list[str]:
+        """The kernels the profile has attention points of, sorted."""
+        return sorted({p.kernel for p in self.attention})
+
     def correction(self, op_class: str) -> float:
         return float(self.corrections.get(op_class, 1.0))
 

@@ -566,10 +566,9 @@ def attention_kernel(cluster: Cluster) -> str | None:
     if cluster.attention_kernel is not None:
         return cluster.attention_kernel
     profile = cluster.profile
-    if cluster.kind != "gpu" or profile is None or profile.attention_kernel is None:
+    if cluster.kind != "gpu" or profile is None or profile.attention_kernel not in profile.attention_kernels:
         return None
-    measured = any(p.kernel == profile.attention_kernel for p in profile.attention)
-    return profile.attention_kernel if measured else None
+    return profile.attention_kernel
 
 
 def step_time(cfg: Config, cluster: Cluster) -> StepTime:
