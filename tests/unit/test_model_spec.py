@@ -213,3 +213,85 @@ def test_cross_entropy_sum_of_no_labelled_row_is_zero_and_a_second_backward_is_a
     again.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         again.backward()
+
+
+def test_cross_entropy_sum_of_fp32_logits_with_history_reuses_their_buffer_with_torchs_gradients():
+    from torch.nn import functional as F
+
+    from scalable_transformer.models.spec import IGNORE_INDEX, cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 24, 16, generator=gen, requires_grad=True)
+    w = (0.5 * torch.randn(97, 16, generator=gen)).requires_grad_()
+    labels = torch.randint(0, 97, (48,), generator=gen)
+    labels[::7] = IGNORE_INDEX
+
+    logits = F.linear(x, w)
+    buffer = logits.data_ptr()
+    ours = cross_entropy_sum(logits, labels, IGNORE_INDEX)
+    # the log-softmax was written over the logits: the same storage, now log-probabilities
+    assert logits.data_ptr() == buffer
+    torch.testing.assert_close(logits.exp().sum(-1), torch.ones(2, 24))
+    (0.37 * ours).backward()
+    ours_grads = (x.grad, w.grad)
+    x.grad = w.grad = None
+    torchs = F.cross_entropy(
+        F.linear(x, w).reshape(48, 97), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    (0.37 * torchs).backward()
+    torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=0)
+    for mine, theirs in zip(ours_grads, (x.grad, w.grad), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda t: t.detach().requires_grad_(), id="leaf"),
+        pytest.param(lambda t: t.reshape(-1, t.shape[-1]), id="view"),
+        pytest.param(lambda t: t.transpose(0, 1).contiguous().transpose(0, 1), id="non-contiguous"),
+        pytest.param(lambda t: t.detach(), id="no-gradient"),
+    ],
+)
+def test_cross_entropy_sum_leaves_logits_it_may_not_overwrite_as_they_were(make):
+    from torch.nn import functional as F
+
+    from scalable_transformer.models.spec import IGNORE_INDEX, cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
+    logits = make(F.linear(x, torch.randn(11, 8, generator=gen)))
+    before = logits.detach().clone()
+    labels = torch.randint(0, 11, (15,), generator=gen)
+    loss = cross_entropy_sum(logits, labels, IGNORE_INDEX)
+    reference = before.requires_grad_()
+    torchs = F.cross_entropy(reference.reshape(15, 11), labels, reduction="sum")
+    torch.testing.assert_close(loss, torchs)
+    assert torch.equal(logits.detach(), reference.detach())
+    if logits.requires_grad:
+        (mine,) = torch.autograd.grad(loss, logits)
+        torchs.backward()
+        torch.testing.assert_close(mine, reference.grad)
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS)
+def test_a_training_loss_overwrites_the_models_fp32_logits_and_an_evaluation_loss_does_not(family, overrides):
+    """The models hand the loss logits it may overwrite (not a view), and evaluation's accuracy counts
+    are the same as over untouched logits."""
+    cfg = tiny(family, **overrides)
+    spec = spec_for(cfg)
+    data = batch(cfg)
+    model = build_model(cfg)
+    with torch.no_grad():
+        outputs = model(*spec.inputs(data))
+        first = outputs[0] if isinstance(outputs, tuple) else outputs
+        kept = first.clone()
+        _, evaluated = spec.loss(outputs, data, None)
+    assert torch.equal(first, kept)
+    outputs = model(*spec.inputs(data))
+    first = outputs[0] if isinstance(outputs, tuple) else outputs
+    loss, trained = spec.loss(outputs, data, None)
+    torch.testing.assert_close(first.detach(), torch.log_softmax(kept, -1))
+    torch.testing.assert_close(trained["loss"], evaluated["loss"])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

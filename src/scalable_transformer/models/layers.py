@@ -258,12 +258,22 @@ class MLP(nn.Module):
 class Logits(nn.Module):
     """x @ weight^T (+ bias): the output layer's matmul as a parameter-free module (adds no state-dict
     keys), so that parallel/ can hook its inputs: tensor parallelism turns x into a DTensor here and
-    gets vocabulary-sharded logits from the sharded weight. Pass the bias by keyword."""
+    gets vocabulary-sharded logits from the sharded weight. Pass the bias by keyword.
+
+    Fp32 logits with a bias get it added in place rather than by F.linear, whose bias path returns a
+    view of its 2-D result: the loss writes its log-softmax over logits that are not a view
+    (models.spec.cross_entropy_sum), one [b, s, v] buffer instead of two. Other dtypes keep the
+    GEMM's fused bias (and its single rounding)."""
 
     def forward(
         self, x_bsh: torch.Tensor, weight_vh: torch.Tensor, *, bias_v: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x_bsh, weight_vh, bias_v)
+        fp32 = x_bsh.dtype == weight_vh.dtype == torch.float32 and not torch.is_autocast_enabled(
+            x_bsh.device.type
+        )
+        if bias_v is None or not fp32:
+            return F.linear(x_bsh, weight_vh, bias_v)
+        return F.linear(x_bsh, weight_vh).add_(bias_v)
 
 
 class TransformerBlock(nn.Module):

@@ -27,43 +27,67 @@ IGNORE_INDEX = -100
 class _CrossEntropySum(torch.autograd.Function):
     """F.cross_entropy(logits.float(), labels, reduction="sum") with one [n, v] fp32 buffer instead of
     four. torch's composite saves the log-softmax, then its backward allocates the NLL's zero-filled
-    gradient and log-softmax's gradient, both [n, v] fp32, per micro-batch. Here the backward writes
-    softmax - one-hot into the saved log-probabilities in place (nothing else holds them) and returns
-    that buffer (fp32 logits) or its cast (bf16/fp16 logits). On a CPU with a 1 MiB mmap threshold
-    (FSDP2's steps, parallel.init.step_allocation) each fresh [n, v] buffer is zero-filled page by
-    page by the kernel; on a GPU the loss's backward peak loses two [n, v] fp32 buffers.
-    Liger-Kernel's fused linear cross-entropy goes further (no logits at all) but is Triton-only."""
+    gradient and log-softmax's gradient, both [n, v] fp32, per micro-batch. Here the log-softmax is
+    written over the fp32 logits (the logits themselves when they are fp32 and only this loss reads
+    them: `in_place`, marked dirty so that autograd knows), and the backward writes softmax - one-hot
+    over it in turn and returns that buffer (fp32 logits) or its cast (bf16/fp16 logits). On a CPU
+    with an 8 MiB mmap threshold (FSDP2's steps, parallel.init.step_allocation) each fresh [n, v]
+    buffer is mapped and zero-filled page by page by the kernel; on a GPU the loss's peak loses
+    three [n, v] fp32 buffers. Liger-Kernel's fused linear cross-entropy goes further (no logits at
+    all) but is Triton-only."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int
-    ) -> torch.Tensor:
-        logp_nv = torch.log_softmax(logits_nv.float(), dim=-1)
+        ctx: Any, logits: torch.Tensor, labels_n: torch.Tensor, ignore_index: int, in_place: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        ctx.logits_dtype = logits.dtype
+        out = logits.float()
+        if (in_place or out is not logits) and out.is_contiguous():
+            # the logits themselves, or the fresh fp32 copy of bf16/fp16 logits: written over
+            logp_nv = out.view(-1, out.shape[-1])
+            torch.log_softmax(logp_nv, dim=-1, out=logp_nv)
+        else:
+            out = torch.log_softmax(out, dim=-1).contiguous()  # the backward writes over it by rows
+            logp_nv = out.view(-1, out.shape[-1])
         valid_n = labels_n != ignore_index
         rows_n1 = torch.where(valid_n, labels_n, 0).unsqueeze(1)
         picked_n = logp_nv.gather(1, rows_n1).squeeze(1)
         loss = torch.where(valid_n, -picked_n, 0.0).sum()
-        ctx.save_for_backward(logp_nv, rows_n1, valid_n)
-        ctx.logits_dtype = logits_nv.dtype
-        return loss
+        if in_place:
+            ctx.mark_dirty(out)
+        ctx.save_for_backward(out, rows_n1, valid_n)
+        return loss, out
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
-        logp_nv, rows_n1, valid_n = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_loss: torch.Tensor | None, _grad_logp: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None, None, None]:
+        logp, rows_n1, valid_n = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or grad_loss is None:
+            return None, None, None, None
         # d(sum of -log p[label]) / d logits = softmax - one-hot, for the labelled rows only; the
         # version counter makes a second backward through this graph an error, never a wrong value
-        grad_nv = logp_nv.exp_()
+        grad = logp.exp_()
+        grad_nv = grad.view(-1, grad.shape[-1])
         grad_nv.scatter_add_(1, rows_n1, torch.full_like(rows_n1, -1, dtype=grad_nv.dtype))
         grad_nv.mul_((valid_n.to(grad_nv.dtype) * grad_loss.to(grad_nv.dtype)).unsqueeze(1))
-        return grad_nv.to(ctx.logits_dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
-def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Summed fp32 cross-entropy over the rows whose label is not ignore_index (a scalar), as
-    F.cross_entropy(reduction="sum") on the fp32 logits computes it (`_CrossEntropySum`)."""
-    return _CrossEntropySum.apply(logits_nv, labels_n, ignore_index)
+    F.cross_entropy(reduction="sum") on the fp32 logits [..., v] (n rows in all) computes it
+    (`_CrossEntropySum`). Fp32 logits that need a gradient hold the log-probabilities afterwards:
+    read anything else from them (an argmax) before."""
+    in_place = (
+        logits.dtype == torch.float32
+        and torch.is_grad_enabled()
+        and logits.grad_fn is not None  # neither a leaf nor a tensor without history
+        and logits._base is None  # not a view: autograd would re-route its base's gradient
+        and logits.is_contiguous()
+    )
+    return _CrossEntropySum.apply(logits, labels_n, ignore_index, in_place)[0]
 
 
 def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:

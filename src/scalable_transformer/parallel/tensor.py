@@ -392,13 +392,15 @@ def loss_parallel_context(tp: int) -> AbstractContextManager[None]:
 # columns split over the tp ranks); the loss reduces over the vocabulary only through these two.
 
 
-def cross_entropy_sum(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Summed fp32 cross-entropy over the rows whose label is not ignore_index, as a plain scalar.
+def cross_entropy_sum(logits: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed fp32 cross-entropy over the rows of logits [..., v] whose label is not ignore_index, as
+    a plain scalar.
 
     Vocab-sharded DTensor logits must come inside `loss_parallel_context(tp)` (backward too): it
     computes the softmax with all-reduces of [n] maxima and sums instead of gathering the logits; the
     replicated DTensor result is returned as its local (full) value.
     """
+    logits_nv = logits.reshape(labels_n.numel(), logits.shape[-1])
     loss = F.cross_entropy(logits_nv.float(), labels_n, ignore_index=ignore_index, reduction="sum")
     return loss.to_local() if isinstance(loss, DTensor) else loss
 

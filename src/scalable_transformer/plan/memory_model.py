@@ -478,9 +478,10 @@ def logits_bytes(
 
     At the loss's backward: logits [b, s, v/t] in the compute dtype (the trainer still holds the
     model's outputs) and the fp32 log-softmax the cross-entropy saved. Without tensor parallelism the
-    loss's backward writes its gradient into that log-softmax in place and adds only its cast to the
-    logits' dtype under bf16/fp16 (models.spec._CrossEntropySum); loss_parallel's (tp > 1) makes the
-    NLL's gradient and log-softmax's gradient, two more fp32 buffers.
+    log-softmax of fp32 logits is written over them (one buffer for both), the loss's backward writes
+    its gradient into that log-softmax in place and adds only its cast to the logits' dtype under
+    bf16/fp16 (models.spec._CrossEntropySum); loss_parallel's (tp > 1) makes the NLL's gradient and
+    log-softmax's gradient, two more fp32 buffers.
     At the head's backward, next: the log-softmax is gone or has become the logits' gradient, and the
     head's weight gradient [v/t, h] is made, `head_grad_bytes`. With fp32 logits this is the larger
     (measured at the plan_accuracy shape, BERT on one process and GPT on two: 17 MiB above the loss's
@@ -497,9 +498,10 @@ def logits_bytes(
     head = ((3 * e + 4) if lm_head_transform(mc) else (4 + e)) * b * s * h
     # kept per micro-batch until its backward: the logits (the trainer's outputs, or the pipeline
     # stage's cached output) and the saved fp32 log-softmax (the loss's fp32 copy of the logits is
-    # log_softmax's input, which it does not save: freed after the forward); then, for the
-    # micro-batch in backward, the two gradients
-    kept = e + 4
+    # log_softmax's input, which it does not save: freed after the forward), one buffer when the
+    # log-softmax overwrites fp32 logits; then, for the micro-batch in backward, the two gradients
+    own = 0 if (p.tp == 1 and e == 4) else e  # the logits' own buffer beside the log-softmax
+    kept = own + 4
     if p.tp > 1:
         kept += 4  # loss_parallel's cross-entropy keeps one more vocabulary-sharded fp32 buffer (measured)
     # the last stage computes the loss in its forward: GPipe and looped-BFS run every forward first
@@ -514,5 +516,5 @@ def logits_bytes(
     # the backward micro-batch's log-softmax (and loss_parallel's extra buffer) and gradients give way
     # to the logits' gradient: the log-softmax itself with fp32 logits, else its cast
     logits_grad = 4 if (p.tp == 1 and e == 4) else e
-    at_head = at_loss - logits * (kept - e + gradients - logits_grad) + head_grad_bytes
+    at_head = at_loss - logits * (kept - own + gradients - logits_grad) + head_grad_bytes
     return max(at_loss, at_head)

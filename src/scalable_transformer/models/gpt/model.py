@@ -83,7 +83,7 @@ def gpt_loss(
     """
     labels_n = batch["labels"].reshape(-1)
     count = (labels_n != IGNORE_INDEX).sum()
-    loss = ops.cross_entropy_sum(logits_bsv.reshape(labels_n.numel(), -1), labels_n, IGNORE_INDEX)
+    loss = ops.cross_entropy_sum(logits_bsv, labels_n, IGNORE_INDEX)
     # Sum / clamp(count) rather than mean: a fully ignored micro-batch gives 0, not NaN.
     loss = loss / (normalizers["tokens"] if normalizers else count.clamp(min=1))
     return loss, {"lm_loss": loss.detach(), "loss": loss.detach()}
