@@ -470,3 +470,19 @@ def test_a_gpu_profile_times_attention_at_the_kernel_sdpa_dispatched_in_calibrat
     assert hp.load_profile(tmp_path / "p.yaml").attention_kernel == "cudnn"
     with pytest.raises(ConfigError, match=r"gpu.yaml: attention_kernel must be null or one of flash"):
         _gpu_profile(attention_kernel="fastest")
+
+
+def test_a_group_size_with_its_own_points_is_timed_at_them_not_at_another_sizes_scaled():
+    """`stx calibrate` on 4 processes also times 2-rank groups side by side (calibrate.collective_groups):
+    a 2-rank layout group reads those points; without them the 4-rank latency is scaled by hops."""
+
+    def point(ranks: int, size: int, us: float) -> dict:
+        return {"op": "all_reduce", "scope": "intra_node", "ranks": ranks, "size_bytes": size, "time_us": us}
+
+    whole = [point(4, 4096, 6000.0), point(4, 2**20, 9000.0)]
+    only_whole = profile(collectives=whole)
+    both = profile(collectives=[*whole, point(2, 4096, 5500.0), point(2, 2**20, 7000.0)])
+    assert only_whole.collective_seconds("all_reduce", "intra_node", 2, 4096) == pytest.approx(2e-3)
+    assert both.collective_seconds("all_reduce", "intra_node", 2, 4096) == pytest.approx(5.5e-3)
+    assert both.collective_seconds("all_reduce", "intra_node", 2, 2**20) == pytest.approx(7e-3)
+    assert both.collective_seconds("all_reduce", "intra_node", 4, 4096) == pytest.approx(6e-3)

@@ -580,19 +580,42 @@ def _time_collective(job: Job, fn: Callable[[], Any], repeats: int, group: Any) 
 
 def collective_groups(job: Job) -> list[tuple[str, Any, int, int]]:
     """(scope, group, its size, this rank's index in it): the ranks of this node (intra_node, when
-    every node holds two or more) and, when the job spans nodes, all ranks (inter_node). Every rank
-    creates every node's group (new_group is collective), in the same order."""
+    every node holds two or more), the smaller groups inside a node (`_sub_node_groups`) and, when
+    the job spans nodes, all ranks (inter_node). Every rank creates every group (new_group is
+    collective), in the same order."""
     nodes = sorted(set(job.hosts), key=job.hosts.index)
-    if len(nodes) == 1:
-        return [("intra_node", None, job.world, job.rank)] if job.world > 1 else []
-    out: list[tuple[str, Any, int, int]] = []
     per_node = {host: [r for r, h in enumerate(job.hosts) if h == host] for host in nodes}
+    if len(nodes) == 1:
+        whole = [("intra_node", None, job.world, job.rank)] if job.world > 1 else []
+        return whole + _sub_node_groups(job, per_node)
+    out: list[tuple[str, Any, int, int]] = []
     groups = {host: dist.new_group(ranks) for host, ranks in per_node.items()}
     mine = per_node[job.hosts[job.rank]]
     # every rank must run the same sections: intra_node only when every node has two ranks or more
     if min(len(r) for r in per_node.values()) > 1:
         out.append(("intra_node", groups[job.hosts[job.rank]], len(mine), mine.index(job.rank)))
+        out += _sub_node_groups(job, per_node)
     return [*out, ("inter_node", None, job.world, job.rank)]
+
+
+def _sub_node_groups(job: Job, per_node: dict[str, list[int]]) -> list[tuple[str, Any, int, int]]:
+    """intra_node groups of k consecutive ranks, for every power of two 2 <= k < the ranks of a node
+    that divides every node's: each node's ranks split into such groups, all timed at once, as a
+    layout's tensor- or data-parallel groups run side by side. A collective of 2 of a node's 8 GPUs
+    (NVLink pairs under NVSwitch) or of 2 of 4 processes sharing 2 CPU cores is not the full node's
+    curve scaled by its ring factor: where processes share cores, each one waits for its peer to be
+    scheduled."""
+    out: list[tuple[str, Any, int, int]] = []
+    smallest = min(len(ranks) for ranks in per_node.values())
+    k = 2
+    while k < smallest:
+        if all(len(ranks) % k == 0 for ranks in per_node.values()):
+            blocks = [ranks[i : i + k] for ranks in per_node.values() for i in range(0, len(ranks), k)]
+            groups = [dist.new_group(block) for block in blocks]  # every rank creates every group
+            (index,) = [i for i, block in enumerate(blocks) if job.rank in block]
+            out.append(("intra_node", groups[index], k, blocks[index].index(job.rank)))
+        k *= 2
+    return out
 
 
 def measure_collectives(job: Job, say=print) -> list[dict]:
