@@ -47,9 +47,13 @@ def test_two_ranks_measure_collectives_and_rank0_writes_a_profile_that_loads(tmp
     assert profile.memory_bound.unit_overhead_us >= 0
     assert "ms per unit collective beyond its bytes" in proc.stdout
     # the tensor-parallel layer point, without and with sequence parallelism
-    assert "calibrate: tp_layer: 2 ranks, per layer beyond its local GEMMs: tp " in proc.stdout
+    assert "calibrate: tp_layer: per layer beyond its local GEMMs: 2 ranks tp " in proc.stdout
+    assert "calibrate: tp_layer: 2 ranks: " in proc.stdout
     assert "micro-batch beyond its GEMMs and collectives" in proc.stdout
     assert profile.memory_bound.tp_layer_overhead_us >= 0
+    # the group sizes a node holds: 2 processes, one size, the memory_bound figure's own
+    assert [p.ranks for p in profile.tp_layers] == [2]
+    assert profile.tp_layers[0].tp_layer_overhead_us == profile.memory_bound.tp_layer_overhead_us
     assert not list(out.parent.glob(".*.tmp"))
 
 

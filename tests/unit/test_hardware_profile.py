@@ -486,3 +486,39 @@ def test_a_group_size_with_its_own_points_is_timed_at_them_not_at_another_sizes_
     assert both.collective_seconds("all_reduce", "intra_node", 2, 4096) == pytest.approx(5.5e-3)
     assert both.collective_seconds("all_reduce", "intra_node", 2, 2**20) == pytest.approx(7e-3)
     assert both.collective_seconds("all_reduce", "intra_node", 4, 4096) == pytest.approx(6e-3)
+
+
+def test_a_layout_reads_the_tp_layer_cost_of_its_own_group_size_and_the_list_round_trips(tmp_path):
+    """`stx calibrate` on 4 processes times the tensor-parallel layer at 2 and 4 ranks (`tp_layers`)."""
+    import dataclasses
+
+    from scalable_transformer.plan.cluster import table_cluster
+    from scalable_transformer.plan.search import prepare
+    from scalable_transformer.plan.speed import step_time
+
+    points = [{"ranks": 2, "tp_layer_overhead_us": 900.0, "sp_layer_overhead_us": 1500.0},
+              {"ranks": 8, "tp_layer_overhead_us": 300.0}]  # fmt: skip
+    prof = profile(tp_layers=points)
+    assert prof.tp_layer_seconds(2, False) == pytest.approx(900e-6)
+    assert prof.tp_layer_seconds(2, True) == pytest.approx(1500e-6)
+    assert prof.tp_layer_seconds(8, True) == pytest.approx(300e-6)  # no SP figure: the TP one
+    assert prof.tp_layer_seconds(4, False) == pytest.approx(300e-6)  # a tie in log: the larger size
+    assert prof.tp_layer_seconds(16, False) == pytest.approx(300e-6)
+    hp.save_profile(prof, tmp_path / "p.yaml")
+    assert hp.load_profile(tmp_path / "p.yaml").tp_layers == prof.tp_layers
+    with pytest.raises(ConfigError, match=r"tp_layers\[1\].ranks must be a tensor-parallel group size of 2"):
+        profile(tp_layers=[points[0], {"ranks": 1, "tp_layer_overhead_us": 5.0}])
+
+    cluster = table_cluster("a100-80gb", 2, 8)
+    assert cluster.profile is not None
+    per_layer = {}
+    for tp in (2, 8):
+        cfg = prepare(_gpt(tp=tp), cluster.world_size)
+        base = step_time(cfg, cluster)
+        with_points = dataclasses.replace(
+            cluster, profile=dataclasses.replace(cluster.profile, tp_layers=prof.tp_layers)
+        )
+        st = step_time(cfg, with_points)
+        layers = cfg.model.num_layers * cfg.train.gradient_accumulation_steps
+        per_layer[tp] = (st.total - base.total) / layers
+    assert per_layer == {2: pytest.approx(900e-6), 8: pytest.approx(300e-6)}

@@ -786,19 +786,26 @@ class TpLayerTiming:
     scope: str = "intra_node"
 
 
-def _tp_mesh(job: Job) -> Any:
-    """A 1-D mesh over the ranks of each node (the tensor-parallel group a layout puts in a node), or
-    None when the nodes hold different numbers of ranks, ranks are not numbered node by node, or a
-    node holds one rank."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def tp_group_sizes(job: Job) -> list[int]:
+    """The tensor-parallel group sizes a layout can put inside a node: the powers of two from 2 to
+    the ranks of a node, and that number itself. Empty when the nodes hold different numbers of
+    ranks, ranks are not numbered node by node, or a node holds one rank."""
     nodes = sorted(set(job.hosts), key=job.hosts.index)
     per = job.world // len(nodes)
     if per < 2 or job.hosts != [h for h in nodes for _ in range(per)]:
-        return None
-    if len(nodes) == 1:
-        return init_device_mesh(job.device.type, (per,))
-    return init_device_mesh(job.device.type, (len(nodes), per), mesh_dim_names=("node", "tp"))["tp"]
+        return []
+    sizes = [2**i for i in range(1, per.bit_length()) if per % 2**i == 0]
+    return sorted({*sizes, per})
+
+
+def _tp_mesh(job: Job, t: int) -> Any:
+    """A 1-D mesh over each block of `t` consecutive ranks (inside a node: `tp_group_sizes`); every
+    rank builds every block's group, so the blocks run side by side as a layout's do."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if t == job.world:
+        return init_device_mesh(job.device.type, (t,))
+    return init_device_mesh(job.device.type, (job.world // t, t), mesh_dim_names=("rest", "tp"))["tp"]
 
 
 class _Pair(torch.nn.Module):
@@ -849,26 +856,48 @@ def _tp_plan(sp: bool) -> dict[str, Any]:
     return plan
 
 
-def measure_tp_layer(job: Job, cfg: Config, say=print) -> TpLayerTiming | None:
-    """Time FSDP_UNITS layers (`_Layer`, the FSDP unit point's widths) forward and backward under
-    torch's tensor-parallel styles as parallel/tensor.py applies them, without and with sequence
-    parallelism, each against the same layers unsharded at one rank's widths, alternating. The
-    collectives' bytes as the planner counts them are taken out in `tp_layer_overhead_us`; the rest
-    is DTensor's cost per layer. None with one process or ranks that do not form per-node groups."""
+def measure_tp_layer(job: Job, cfg: Config, say=print) -> list[TpLayerTiming]:
+    """At each tensor-parallel group size of a node (`tp_group_sizes`, the node's groups of that size
+    side by side), time FSDP_UNITS layers (`_Layer`, the FSDP unit point's widths) forward and
+    backward under torch's tensor-parallel styles as parallel/tensor.py applies them, without and
+    with sequence parallelism, each against the same layers unsharded at one rank's widths,
+    alternating. The collectives' bytes as the planner counts them are taken out in
+    `tp_layer_overhead_us`; the rest is DTensor's cost per layer, and where processes share cores,
+    the wait for a peer to be scheduled at each collective. Empty with one process or ranks that do
+    not form per-node groups."""
     if job.world == 1:
-        return None
-    mesh = _tp_mesh(job)
-    if mesh is None:
+        return []
+    sizes = tp_group_sizes(job)
+    if not sizes:
         say("calibrate: tp_layer: skipped: the nodes do not hold 2 or more ranks each, numbered by node")
-        return None
+        return []
+    section = Section(job, "tp_layer", 2 * len(sizes), say)
+    out: list[TpLayerTiming] = []
+    for t in sizes:
+        extra = _tp_layer_extra(job, cfg, t, section)
+        if not extra:
+            break
+        d, (_, h, _) = model_dims(cfg), _unit_dims(cfg)
+        b, s, h = d["b"], max(t, d["s"] // t * t), -(-h // t) * t
+        scope = "inter_node" if len(set(job.hosts)) > 1 and t == job.world else "intra_node"
+        out.append(TpLayerTiming(extra, t, b * s * h * 4, scope))
+    figures = [
+        f"{timing.ranks} ranks " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timing.extra_seconds.items())
+        for timing in out
+    ]
+    section.finish("per layer beyond its local GEMMs: " + "; ".join(figures))
+    return out
+
+
+def _tp_layer_extra(job: Job, cfg: Config, t: int, section: Section) -> dict[str, float]:
+    """{"tp", "sp"} -> the extra seconds per layer at group size `t` (those the budget allowed)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    t = mesh.size()
+    mesh = _tp_mesh(job, t)
     d = model_dims(cfg)
     _, h, f = _unit_dims(cfg)
     h, f = -(-h // t) * t, -(-f // t) * t  # the sharded widths divide evenly
     b, s = d["b"], max(t, d["s"] // t * t)
-    section = Section(job, "tp_layer", 2, say)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     extra: dict[str, float] = {}
@@ -884,12 +913,7 @@ def measure_tp_layer(job: Job, cfg: Config, say=print) -> TpLayerTiming | None:
         seconds = _paired_extra(job, _train_call(local, x), _train_call(sharded, xs), section.per_point())
         extra[kind] = seconds / FSDP_UNITS
         section.done += 1
-    section.finish(
-        f"{t} ranks, per layer beyond its local GEMMs: "
-        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in extra.items())
-    )
-    scope = "inter_node" if len(set(job.hosts)) > 1 and t == job.world else "intra_node"
-    return TpLayerTiming(extra, t, b * s * h * 4, scope)
+    return extra
 
 
 def tp_layer_overhead_us(profile: Any, timing: TpLayerTiming) -> dict[str, float]:
@@ -937,11 +961,13 @@ def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict
             unit_us = unit_overhead_us(profile, fsdp, job.world)
             mapping["memory_bound"]["unit_overhead_us"] = _figure(unit_us)
             say(f"calibrate: fsdp_unit: {unit_us / 1e3:.2f} ms per unit collective beyond its bytes")
-        if tp is not None:
-            for key, us in tp_layer_overhead_us(profile, tp).items():
-                mapping["memory_bound"][key] = _figure(us)
-                say(f"calibrate: {key.removesuffix('_overhead_us')}: {us / 1e3:.2f} ms per layer and "
-                    "micro-batch beyond its GEMMs and collectives")  # fmt: skip
+        for timing in tp:
+            overheads = {key: _figure(us) for key, us in tp_layer_overhead_us(profile, timing).items()}
+            mapping.setdefault("tp_layers", []).append({"ranks": timing.ranks, **overheads})
+            mapping["memory_bound"].update(overheads)  # the largest group size's, last
+            for key, us in overheads.items():
+                say(f"calibrate: {key.removesuffix('_overhead_us')}: {timing.ranks} ranks: {us / 1e3:.2f} ms "
+                    "per layer and micro-batch beyond its GEMMs and collectives")  # fmt: skip
     say(f"calibrate: all sections in {time.perf_counter() - start:.1f} s")
     return mapping
 

@@ -24,7 +24,10 @@ per machine (format 1). Written by `stx calibrate` for this machine, shipped for
 Optional keys beyond these (GPU profiles use them): `topology: {devices_per_node, nics_per_node,
 nic_gbps}` (inter-node links), `memory_bound.unit_overhead_us` (fixed cost of one FSDP unit's
 collectives), `memory_bound.tp_layer_overhead_us` / `sp_layer_overhead_us` (fixed cost of a
-tensor-parallel layer, without / with sequence parallelism, per micro-batch), and a `source`
+tensor-parallel layer, without / with sequence parallelism, per micro-batch; the tensor-parallel group
+size `stx calibrate` measured it at is the largest of `tp_layers`), `tp_layers: [{ranks,
+tp_layer_overhead_us, sp_layer_overhead_us}]` (the same cost per tensor-parallel group size, each
+measured with the node's groups of that size side by side), and a `source`
 string on any gemm/attention/collectives entry. A CPU calibration adds `memory_bound.activation_gbps`:
 the rate of a layer's elementwise ops as the step runs them.
 
@@ -80,6 +83,7 @@ _TOP_KEYS = (
     "attention_kernel",
     "memory_bound",
     "collectives",
+    "tp_layers",
     "corrections",
     "corrections_source",
     "topology",
@@ -139,6 +143,16 @@ class MemoryBound:
 
 
 @dataclass(frozen=True)
+class TpLayerPoint:
+    """`MemoryBound.tp_layer_overhead_us` / `sp_layer_overhead_us` measured at one tensor-parallel
+    group size, the node's groups of that size running side by side."""
+
+    ranks: int
+    tp_layer_overhead_us: float
+    sp_layer_overhead_us: float = 0.0
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     kind: str
@@ -157,6 +171,17 @@ class HardwareProfile:
     # the kernel scaled_dot_product_attention dispatched in calibration (stx calibrate records it):
     # on a GPU the time model times the attention core at this kernel's points; None: flash
     attention_kernel: str | None = None
+    tp_layers: tuple[TpLayerPoint, ...] = ()
+
+    def tp_layer_seconds(self, ranks: int, sp: bool) -> float:
+        """Fixed cost (s) of one tensor-parallel layer per micro-batch at group size `ranks`: the
+        `tp_layers` point of the nearest size (in log; the larger on a tie), else memory_bound's;
+        without a sequence-parallel figure, at least the tensor-parallel one."""
+        point: Any = self.memory_bound
+        if self.tp_layers:
+            point = min(self.tp_layers, key=lambda p: (abs(math.log(p.ranks / ranks)), -p.ranks))
+        us = (point.sp_layer_overhead_us or point.tp_layer_overhead_us) if sp else point.tp_layer_overhead_us
+        return us * 1e-6
 
     @property
     def attention_kernels(self) -> list[str]:
@@ -398,6 +423,16 @@ def _collective(path: str, i: int, item: Any) -> CollectivePoint:
     return CollectivePoint(op, r.choice("scope", SCOPES), ranks, size, time_us, busbw, r.text("source", None))
 
 
+def _tp_layer(path: str, i: int, item: Any) -> TpLayerPoint:
+    r = _Reader(path, f"tp_layers[{i}]", item, ("ranks", "tp_layer_overhead_us", "sp_layer_overhead_us"))
+    ranks = r.integer("ranks")
+    if ranks < 2:
+        raise r.fail("ranks", "a tensor-parallel group size of 2 or more", ranks)
+    return TpLayerPoint(
+        ranks, r.number("tp_layer_overhead_us", zero=True), r.number("sp_layer_overhead_us", 0.0, zero=True)
+    )
+
+
 def _number_map(path: str, key: str, value: Any, allowed: Sequence[str] | None = None) -> dict[str, float]:
     if not isinstance(value, dict) or not value:
         raise ConfigError(f"{path}: {key} must be a mapping like {{fp32: 0.1, bf16: 0.05}}, got {value!r}")
@@ -463,6 +498,9 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
         ),
         collectives=tuple(
             _collective(path, i, x) for i, x in enumerate(_entries(path, data, "collectives", False))
+        ),
+        tp_layers=tuple(
+            _tp_layer(path, i, x) for i, x in enumerate(_entries(path, data, "tp_layers", False))
         ),
         corrections=corrections,
         corrections_source=cs,
@@ -541,6 +579,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
     for key in ("tp_layer_overhead_us", "sp_layer_overhead_us"):
         if getattr(profile.memory_bound, key):
             out["memory_bound"][key] = getattr(profile.memory_bound, key)
+    if profile.tp_layers:
+        out["tp_layers"] = [vars(p).copy() for p in profile.tp_layers]
     if profile.topology:
         out["topology"] = dict(profile.topology)
     return out

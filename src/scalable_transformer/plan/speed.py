@@ -82,11 +82,6 @@ class _ProfileRates:
         self.activation_bandwidth = (mb.activation_gbps or mb.bandwidth_gbps) * 1e9
         self.op_seconds = self.profile.memory_bound.op_overhead_us * 1e-6
         self.unit_seconds = self.profile.memory_bound.unit_overhead_us * 1e-6
-        self.tp_layer_seconds = self.profile.memory_bound.tp_layer_overhead_us * 1e-6
-        # a profile without the sequence-parallel point: at least the tensor-parallel layer's cost
-        self.sp_layer_seconds = (
-            self.profile.memory_bound.sp_layer_overhead_us or self.profile.memory_bound.tp_layer_overhead_us
-        ) * 1e-6
         self.host_link = self.profile.host_link_gbps * 1e9
         self._gemm: dict[tuple, float] = {}
         self._coll: dict[tuple, float] = {}
@@ -100,6 +95,11 @@ class _ProfileRates:
     def linear(self, m: int, n: int, k: int, dtype: str) -> tuple[float, float, float]:
         """FLOP/s of a linear layer's forward (M, N, K), grad-input (M, K, N) and grad-weight (N, K, M)."""
         return self.gemm(m, n, k, dtype), self.gemm(m, k, n, dtype), self.gemm(n, k, m, dtype)
+
+    def tp_layer(self, tp: int, sp: bool) -> float:
+        """Seconds of a tensor-parallel layer's fixed cost per micro-batch (the profile's, at the
+        nearest measured group size)."""
+        return self.profile.tp_layer_seconds(tp, sp)
 
     def attention(self, kernel: str, dtype: str, s: int, d: int, causal: bool, pass_: str) -> float | None:
         if not self.profile.attention:
@@ -146,10 +146,13 @@ class _TableRates(_ProfileRates):
         self.cluster = cluster
         self.bandwidth = self.activation_bandwidth = cluster.device.memory_bandwidth
         self.op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS
-        self.unit_seconds = self.tp_layer_seconds = self.sp_layer_seconds = 0.0
+        self.unit_seconds = 0.0
         self.host_link = cluster.device.host_link_bandwidth
         self._gemm = {}
         self._coll = {}
+
+    def tp_layer(self, tp: int, sp: bool) -> float:
+        return 0.0  # no measured point: the table rates have no tensor-parallel layer cost
 
     def gemm(self, m: int, n: int, k: int, dtype: str) -> float:
         key = (m, n, k, dtype)
@@ -363,7 +366,7 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     mem = _layer_bytes(sh) / rates.activation_bandwidth
     # a tensor-parallel layer's DTensor dispatch (the profile's measured cost per layer and
     # micro-batch), shared between the passes as their op counts
-    tp_layer = (rates.sp_layer_seconds if sh.sp else rates.tp_layer_seconds) if sh.tp > 1 else 0.0
+    tp_layer = rates.tp_layer(sh.tp, sh.sp) if sh.tp > 1 else 0.0
     share = OPS_FORWARD_PER_LAYER / (OPS_FORWARD_PER_LAYER + OPS_BACKWARD_PER_LAYER)
     fwd = {
         "gemm": g_f,
