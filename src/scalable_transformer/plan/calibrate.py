@@ -606,16 +606,19 @@ def _sub_node_groups(job: Job, per_node: dict[str, list[int]]) -> list[tuple[str
     curve scaled by its ring factor (measured on 4 processes on 2 cores: 0.3-0.5 ms for a 2-rank
     all-reduce of 4-256 KiB, where the scaled 4-rank curve said 1.6 ms)."""
     out: list[tuple[str, Any, int, int]] = []
-    smallest = min(len(ranks) for ranks in per_node.values())
-    k = 2
-    while k < smallest:
-        if all(len(ranks) % k == 0 for ranks in per_node.values()):
-            blocks = [ranks[i : i + k] for ranks in per_node.values() for i in range(0, len(ranks), k)]
-            groups = [dist.new_group(block) for block in blocks]  # every rank creates every group
-            (index,) = [i for i, block in enumerate(blocks) if job.rank in block]
-            out.append(("intra_node", groups[index], k, blocks[index].index(job.rank)))
-        k *= 2
+    for k in _smaller_group_sizes([len(ranks) for ranks in per_node.values()]):
+        blocks = [ranks[i : i + k] for ranks in per_node.values() for i in range(0, len(ranks), k)]
+        groups = [dist.new_group(block) for block in blocks]  # every rank creates every group
+        (index,) = [i for i, block in enumerate(blocks) if job.rank in block]
+        out.append(("intra_node", groups[index], k, blocks[index].index(job.rank)))
     return out
+
+
+def _smaller_group_sizes(counts: list[int]) -> list[int]:
+    """The powers of two 2 <= k < min(counts) that divide every count (ranks per node): the group
+    sizes a node's ranks split into evenly, short of the whole node."""
+    sizes = (2**i for i in range(1, min(counts).bit_length()))
+    return [k for k in sizes if k < min(counts) and all(c % k == 0 for c in counts)]
 
 
 def measure_collectives(job: Job, say=print) -> list[dict]:
@@ -794,8 +797,7 @@ def tp_group_sizes(job: Job) -> list[int]:
     per = job.world // len(nodes)
     if per < 2 or job.hosts != [h for h in nodes for _ in range(per)]:
         return []
-    sizes = [2**i for i in range(1, per.bit_length()) if per % 2**i == 0]
-    return sorted({*sizes, per})
+    return [*_smaller_group_sizes([per]), per]
 
 
 def _tp_mesh(job: Job, t: int) -> Any:
@@ -874,13 +876,10 @@ def measure_tp_layer(job: Job, cfg: Config, say=print) -> list[TpLayerTiming]:
     section = Section(job, "tp_layer", 2 * len(sizes), say)
     out: list[TpLayerTiming] = []
     for t in sizes:
-        extra = _tp_layer_extra(job, cfg, t, section)
-        if not extra:
+        timing = _tp_layer_timing(job, cfg, t, section)
+        if timing is None:
             break
-        d, (_, h, _) = model_dims(cfg), _unit_dims(cfg)
-        b, s, h = d["b"], max(t, d["s"] // t * t), -(-h // t) * t
-        scope = "inter_node" if len(set(job.hosts)) > 1 and t == job.world else "intra_node"
-        out.append(TpLayerTiming(extra, t, b * s * h * 4, scope))
+        out.append(timing)
     figures = [
         f"{timing.ranks} ranks " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timing.extra_seconds.items())
         for timing in out
@@ -889,8 +888,9 @@ def measure_tp_layer(job: Job, cfg: Config, say=print) -> list[TpLayerTiming]:
     return out
 
 
-def _tp_layer_extra(job: Job, cfg: Config, t: int, section: Section) -> dict[str, float]:
-    """{"tp", "sp"} -> the extra seconds per layer at group size `t` (those the budget allowed)."""
+def _tp_layer_timing(job: Job, cfg: Config, t: int, section: Section) -> TpLayerTiming | None:
+    """The extra seconds per layer at group size `t`, "tp" and "sp" (those the budget allowed; None
+    when it allowed neither)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = _tp_mesh(job, t)
@@ -913,7 +913,10 @@ def _tp_layer_extra(job: Job, cfg: Config, t: int, section: Section) -> dict[str
         seconds = _paired_extra(job, _train_call(local, x), _train_call(sharded, xs), section.per_point())
         extra[kind] = seconds / FSDP_UNITS
         section.done += 1
-    return extra
+    if not extra:
+        return None
+    scope = "inter_node" if len(set(job.hosts)) > 1 and t == job.world else "intra_node"
+    return TpLayerTiming(extra, t, b * s * h * 4, scope)
 
 
 def tp_layer_overhead_us(profile: Any, timing: TpLayerTiming) -> dict[str, float]:
