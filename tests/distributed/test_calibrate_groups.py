@@ -39,3 +39,25 @@ def test_four_ranks_time_every_group_size_a_node_holds_and_agree(tmp_path, hosts
     for scope, ranks in expected:  # every size at every group size, each a positive time
         assert sorted(s for sc, r, s, _ in points if (sc, r) == (scope, ranks)) == sorted(sizes)
     assert all(us > 0 for *_, us in points)
+
+
+def _pairs(rank: int, world_size: int) -> int:
+    from scalable_transformer.plan import calibrate as cal
+
+    job = cal.Job(torch.device("cpu"), rank, world_size, quick=True, hosts=["a"] * world_size)
+    calls: list[int] = []
+
+    def test() -> None:  # a layer whose forward meets its peers in a collective, as a sharded one does
+        calls.append(1)
+        torch.distributed.all_reduce(torch.ones(4))
+
+    # the ranks' time is up at different calls, as when their clocks cross a deadline apart
+    cal._paired_extra(job, lambda: None, test, seconds=0.0 if rank else 3.0)
+    return len(calls)
+
+
+def test_paired_timing_runs_the_same_calls_on_every_rank_whatever_their_clocks(tmp_path):
+    """`_paired_extra` (the FSDP unit and tensor-parallel layer points): a rank whose time is up
+    stops every rank, or its peers' collectives go unmatched (a hang until gloo's timeout)."""
+    counts = run_distributed(_pairs, 2, tmp_dir=tmp_path, timeout=120)
+    assert counts == [1 + 3, 1 + 3]  # the untimed call, then the 3 pairs every point times

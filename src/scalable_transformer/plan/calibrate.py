@@ -748,13 +748,16 @@ def _train_call(model: Any, x: torch.Tensor) -> Callable[[], None]:
 def _paired_extra(job: Job, baseline: Callable[[], Any], test: Callable[[], Any], seconds: float) -> float:
     """Seconds `test` takes beyond `baseline`: each called once untimed, then alternately (the ranks
     starting each call together, as a step's collectives meet them) until `seconds` have passed, at
-    least 3 and at most MAX_REPEATS pairs; the difference of the medians, averaged over the ranks."""
+    least 3 and at most MAX_REPEATS pairs; the difference of the medians, averaged over the ranks.
+    The ranks decide together whether to run another pair (`Job.agree`): their clocks cross the
+    deadline at different calls, and a rank that stopped alone would leave its peers' collectives
+    in `test` unmatched (4 ranks on 2 cores hung there for 10 minutes until gloo timed out)."""
     baseline()
     test()
     job.sync()
     times: tuple[list[float], list[float]] = ([], [])
     deadline = time.perf_counter() + seconds
-    while len(times[0]) < 3 or (time.perf_counter() < deadline and len(times[0]) < MAX_REPEATS):
+    while job.agree(len(times[0]) < 3 or (time.perf_counter() < deadline and len(times[0]) < MAX_REPEATS)):
         for fn, out in zip((baseline, test), times, strict=True):
             job.reduce([0.0])
             t0 = time.perf_counter()
