@@ -42,6 +42,9 @@ def test_two_ranks_measure_collectives_and_rank0_writes_a_profile_that_loads(tmp
     assert {(c.scope, c.ranks) for c in profile.collectives} == {("intra_node", 2)}
     assert all(c.time_us > 0 and c.busbw_gbps > 0 for c in profile.collectives)
     assert profile.gemm and profile.attention
+    # the model's own layer against its kernels' sum, every rank at once (the head too, budget allowing)
+    assert "calibrate: model_layer: the model's own layer " in proc.stdout
+    assert profile.layer_factors["layer"] > 0
     # the FSDP unit point: 4 units gathered in forward, again in backward, reduce-scattered
     assert "calibrate: fsdp_unit: 4 units of " in proc.stdout and " 12 collectives, " in proc.stdout
     assert profile.memory_bound.unit_overhead_us >= 0

@@ -100,10 +100,12 @@ def test_a_quick_calibration_gives_every_section_in_the_contract_shape(measured)
     assert {p["causal"] for p in measured["attention"]} == {True, False}
     assert measured["memory_bound"]["bandwidth_gbps"] > 0 and measured["memory_bound"]["op_overhead_us"] > 0
     assert measured["memory_bound"]["activation_gbps"] > 0  # a CPU: the model's own elementwise ops
+    assert set(measured["layer_factors"]) == {"layer", "head"}  # and its own layer and head
+    assert all(x > 0 for x in measured["layer_factors"].values())
     assert measured["collectives"] == []  # one process: nothing to measure
     assert set(measured["corrections"].values()) == {1.0} and measured["corrections_source"] is None
     lines = measured["_lines"]
-    for section in ("gemm", "attention", "memory_bound", "collectives"):
+    for section in ("gemm", "attention", "memory_bound", "model_layer", "collectives"):
         assert any(line.startswith(f"calibrate: {section}: ") for line in lines), lines
     assert lines[-1].startswith("calibrate: all sections in ") and lines[-1].endswith(" s")
 
@@ -142,6 +144,9 @@ def test_a_profile_from_another_machine_or_torch_names_each_difference(measured)
             r"memory_bound\.activation_gbps must be a positive number, got 0",
         ),
         (lambda d: d["gemm"][1].update(tflops=-1), r"gemm\[1\]\.tflops must be a positive number, got -1"),
+        (lambda d: d["layer_factors"].update(layer=0), r"layer_factors\.layer must be a positive number"),
+        (lambda d: d["layer_factors"].update(mlp=1.0), r"unknown key layer_factors\.mlp; valid: layer, head"),
+        (lambda d: d.update(layer_factors=1.2), r"layer_factors must be a mapping like \{layer: 1\.2"),
         (lambda d: d["attention"][0].update(causal="yes"), r"attention\[0\]\.causal must be true or false"),
         (lambda d: d.update(device_memory_gb="lots"), r"device_memory_gb must be a positive number"),
         (lambda d: d.pop("gemm"), r"gemm must be a non-empty list"),
@@ -239,6 +244,27 @@ def test_the_elementwise_point_measures_the_model_whatever_layout_the_config_nam
     the model on one rank at tp 1 and does not fail on the config's own world size."""
     cfg = load_config("tiny-gpt", [*TINY, *layout])
     assert cal._activation_gbps(cal.Job(torch.device("cpu"), quick=True, hosts=["h"]), cfg, 0.2) > 0
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        ("tiny-gpt", ["parallel.tp=2", "parallel.dp=2", "parallel.activation_checkpointing=full"]),
+        ("tiny-bert", []),  # bidirectional, with its padding mask
+        ("llama-tiny", []),  # rotary tables, a gated MLP, grouped-query attention
+    ],
+)
+def test_the_model_layer_point_times_the_model_s_own_blocks_whatever_layout_the_config_names(
+    measured, model, layout, monkeypatch
+):
+    monkeypatch.setattr(cal, "QUICK_BUDGET_SECONDS", dict.fromkeys(cal.SECTIONS, 600.0))  # both points
+    cfg = load_config(model, [*TINY, *layout])
+    data = {k: v for k, v in measured.items() if not k.startswith("_")}
+    lines: list[str] = []
+    job = cal.Job(torch.device("cpu"), quick=True, hosts=["h"])
+    factors = cal.measure_model_layer(job, cfg, data, lines.append)
+    assert set(factors) == {"layer", "head"} and all(x > 0 for x in factors.values())
+    assert lines[-1].startswith("calibrate: model_layer: the model's own layer ")
 
 
 def test_the_layers_elementwise_ops_are_planned_at_their_own_rate_and_the_optimizer_at_the_bandwidth(
@@ -420,3 +446,33 @@ def test_every_profile_kernel_names_an_sdpa_backend():
         assert hasattr(SDPBackend, name), f"torch {torch.__version__} has no SDPBackend.{name} ({kernel})"
         assert cal._backend(kernel) == getattr(SDPBackend, name)
     assert set(cal.KERNELS) <= set(ATTENTION_KERNELS)
+
+
+def test_the_layer_factors_scale_the_model_s_own_layers_and_head_and_nothing_else(measured):
+    """`layer_factors` multiply what the time model predicts for each layer and for the logits GEMM
+    with its loss (`speed.model_layer_seconds`, what calibrate measured them against); the rest of the
+    step (embedding, optimizer) stays; a profile without them plans as with factors of 1."""
+    from scalable_transformer.config.validate import resolve
+    from scalable_transformer.plan import speed
+    from scalable_transformer.plan.cluster import profile_cluster
+
+    overrides = [*TINY, "model.num_layers=3", "train.global_batch_size=4"]  # 3 layers, 2 micro-batches
+    cfg = resolve(load_config("tiny-gpt", overrides), 1)
+    data = {k: v for k, v in measured.items() if not k.startswith("_") and k != "layer_factors"}
+
+    def cluster(**factors: float):
+        return profile_cluster(profile_from_dict({**data, "layer_factors": factors} if factors else data), 1)
+
+    def step(**factors: float):
+        return speed.step_time(cfg, cluster(**factors))
+
+    shape = cal._one_rank(load_config("tiny-gpt", overrides))[1]
+    layer_s, head_s = speed.model_layer_seconds(cluster(), shape)
+    assert layer_s > 0 and head_s > 0
+    base = step(layer=1.0, head=1.0)
+    assert step().total == pytest.approx(base.total)
+    layers, head = step(layer=2.5, head=1.0), step(layer=1.0, head=2.5)
+    assert layers.total - base.total == pytest.approx(1.5 * 3 * 2 * layer_s)
+    assert head.total - base.total == pytest.approx(1.5 * 2 * head_s)
+    for changed in (layers, head):
+        assert changed.breakdown["optimizer"] == base.breakdown["optimizer"]

@@ -56,15 +56,15 @@ from ..config.rules import padded_vocab_size, physical_memory_bytes
 from ..config.schema import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SECTIONS = ("gemm", "attention", "memory_bound", "collectives", "fsdp_unit", "tp_layer")
+SECTIONS = ("gemm", "attention", "memory_bound", "model_layer", "collectives", "fsdp_unit", "tp_layer")
 # seconds per section: the whole run stays under 3 minutes on 2 busy CPU cores with process startup
 BUDGET_SECONDS = {
-    "gemm": 40.0, "attention": 30.0, "memory_bound": 10.0, "collectives": 40.0, "fsdp_unit": 15.0,
-    "tp_layer": 15.0,
+    "gemm": 40.0, "attention": 30.0, "memory_bound": 8.0, "model_layer": 8.0, "collectives": 40.0,
+    "fsdp_unit": 15.0, "tp_layer": 15.0,
 }  # fmt: skip
 QUICK_BUDGET_SECONDS = {
-    "gemm": 4.0, "attention": 3.0, "memory_bound": 1.5, "collectives": 4.0, "fsdp_unit": 2.0,
-    "tp_layer": 4.0,
+    "gemm": 4.0, "attention": 3.0, "memory_bound": 1.5, "model_layer": 1.5, "collectives": 4.0,
+    "fsdp_unit": 2.0, "tp_layer": 4.0,
 }  # fmt: skip
 # the FSDP unit point: this many blocks, each at most this many parameters (a GPU model's blocks are
 # scaled down: the fixed cost per unit is what it measures, and plain + sharded copies must fit)
@@ -422,22 +422,12 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     (models.spec.cross_entropy_sum) with its backward. The rate is the planner's byte count over
     the measured time, the layers weighted by their number, so that the planner, reading it back,
     predicts the measured time."""
-    import dataclasses
-
     import torch.nn.functional as F
 
-    from ..config.validate import resolve
     from ..models.spec import IGNORE_INDEX, cross_entropy_sum
-    from .speed import _layer_bytes, _loss_bytes, _shape
+    from .speed import _layer_bytes, _loss_bytes
 
-    one_rank = copy.deepcopy(cfg)  # the model and micro-batch alone, whatever layout the config names
-    one_rank.parallel.tp = one_rank.parallel.pp = 1
-    one_rank.parallel.dp = -1
-    one_rank.parallel.sequence_parallel = False
-    one_rank.parallel.zero_stage = 0
-    one_rank.train.global_batch_size = None
-    one_rank.train.gradient_accumulation_steps = None
-    sh = dataclasses.replace(_shape(resolve(one_rank, 1), "cpu"), tp=1, sp=False)
+    _, sh = _one_rank(cfg)
     dtype = DTYPES[sh.dtype]
     gen = torch.Generator().manual_seed(0)
 
@@ -482,6 +472,100 @@ def _activation_gbps(job: Job, cfg: Config, seconds: float) -> float:
     layer_bytes = 3 * _layer_bytes(sh)  # forward, and backward counted as twice the forward
     loss_bytes = sum(_loss_bytes(sh))
     return (layers * layer_bytes + loss_bytes) / (layers * layer_s + loss_s) / 1e9
+
+
+# the model layer point's depth: the second block's input is the first one's output, as in a model
+LAYER_BLOCKS = 2
+
+
+def measure_model_layer(job: Job, cfg: Config, measured: dict[str, Any], say=print) -> dict[str, float]:
+    """CPU: `layer_factors`, the model's own code at its shapes on one rank (tp 1) timed forward and
+    backward over what the time model predicts for it from the points just measured (`measured`,
+    the profile so far): "layer", LAYER_BLOCKS of the config's TransformerBlock (models/layers.py,
+    with its dropouts and its padding mask or rotary tables), per block; "head", its logits GEMM
+    with the fp32 cross-entropy over the vocabulary (models.spec.cross_entropy_sum, in place as
+    training runs it). What a real layer adds to its kernels timed one by one (operands arriving
+    cold from the op before, the dropout masks' RNG, the mask and rotary work, autograd's
+    bookkeeping) is in the factor: on this project's CPU tiny-bert's 12 layers ran fwd+bwd in
+    196-205 ms per micro-batch of 4 x 128 where the kernels' sum said 162 ms, at micro-batches of
+    2, 4 and 8 alike (x1.24-1.26), a cost that grows with the work, not a fixed one per layer.
+    Averaged over the ranks, which run it together as a layout's ranks run their layers. Empty on
+    a GPU (not measured there yet) or when the budget allowed no point."""
+    if job.cuda:
+        return {}
+    import torch.nn.functional as F
+
+    from ..models.layers import TransformerBlock, rotary_for
+    from ..models.spec import IGNORE_INDEX, cross_entropy_sum
+    from .cluster import profile_cluster
+    from .hardware_profile import profile_from_dict
+    from .speed import model_layer_seconds
+
+    resolved, sh = _one_rank(cfg)
+    dtype = DTYPES[sh.dtype]
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(TransformerBlock(resolved.model, sh.causal) for _ in range(LAYER_BLOCKS))
+    blocks.to(dtype)
+    x0 = torch.randn(sh.b, sh.s, sh.h, generator=gen).to(dtype)
+    mask = None if sh.causal else torch.ones(sh.b, 1, 1, sh.s, dtype=torch.bool)  # BERT's padding mask
+    tables = rotary_for(resolved.model)
+    rotary = None if tables is None else tables(sh.s)
+
+    def layers() -> None:
+        x = x0.detach().requires_grad_()
+        y = x
+        for block in blocks:
+            y = block(y, mask, rotary)
+        y.sum().backward()
+        for p in blocks.parameters():
+            p.grad = None
+
+    hidden0 = torch.randn(sh.tokens, sh.h, generator=gen).to(dtype)
+    weight = (torch.randn(sh.v, sh.h, generator=gen) / sh.h**0.5).to(dtype).requires_grad_()
+    labels0 = torch.randint(0, sh.v, (sh.tokens,), generator=gen)
+
+    def head() -> None:
+        hidden = hidden0.detach().requires_grad_()
+        cross_entropy_sum(F.linear(hidden, weight), labels0, IGNORE_INDEX).backward()
+        weight.grad = None
+
+    section = Section(job, "model_layer", 2, say)
+    timed: list[float] = []
+    for fn, per in ((layers, LAYER_BLOCKS), (head, 1)):
+        if not section.go():
+            break
+        timed.append(median_seconds(job, fn, section.per_point()) / per)
+        section.done += 1
+    timed = job.mean(timed)
+    predicted = model_layer_seconds(profile_cluster(profile_from_dict(measured, "<this calibration>"), 1), sh)
+    factors = {
+        key: _figure(t / p) for key, t, p in zip(("layer", "head"), timed, predicted, strict=False) if p > 0
+    }
+    parts = [f"{k} {timed[i] * 1e3:.2f} ms measured / {predicted[i] * 1e3:.2f} ms from the kernels"
+             for i, k in enumerate(factors)]  # fmt: skip
+    section.finish("the model's own " + "; ".join(parts) if parts else "no point")
+    return factors
+
+
+def _one_rank(cfg: Config) -> tuple[Any, Any]:
+    """(the config resolved for one rank at tp 1 without recomputation, its time-model shape): the
+    model and micro-batch alone, whatever layout the config names."""
+    import dataclasses
+
+    from ..config.validate import resolve
+    from .speed import _shape
+
+    one_rank = copy.deepcopy(cfg)
+    one_rank.parallel.tp = one_rank.parallel.pp = 1
+    one_rank.parallel.dp = -1
+    one_rank.parallel.sequence_parallel = False
+    one_rank.parallel.zero_stage = 0
+    one_rank.parallel.activation_checkpointing = "none"
+    one_rank.train.global_batch_size = None
+    one_rank.train.gradient_accumulation_steps = None
+    resolved = resolve(one_rank, 1)
+    return resolved, dataclasses.replace(_shape(resolved, "cpu"), tp=1, sp=False)
 
 
 def _bandwidths(job: Job, section: Section) -> list[float]:
@@ -949,10 +1033,13 @@ def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict
     gemm = measure_gemm(job, gemm_shapes(cfg, job.quick), dtype, say)
     attention = measure_attention(job, attention_cases(cfg, job.quick), dtype, say)
     memory = measure_memory_bound(job, cfg, say)
+    factors = measure_model_layer(job, cfg, profile_mapping(job, dtype, gemm, attention, memory, []), say)
     collectives = measure_collectives(job, say)
     fsdp = measure_fsdp_unit(job, cfg, say)
     tp = measure_tp_layer(job, cfg, say)
     mapping = profile_mapping(job, dtype, gemm, attention, memory, collectives)
+    if factors:
+        mapping["layer_factors"] = factors
     dispatched = dispatched_kernel(job, cfg, dtype)
     if dispatched is not None:
         mapping["attention_kernel"] = dispatched

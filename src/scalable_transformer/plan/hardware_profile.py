@@ -29,7 +29,9 @@ size `stx calibrate` measured it at is the largest of `tp_layers`), `tp_layers: 
 tp_layer_overhead_us, sp_layer_overhead_us}]` (the same cost per tensor-parallel group size, each
 measured with the node's groups of that size side by side), and a `source`
 string on any gemm/attention/collectives entry. A CPU calibration adds `memory_bound.activation_gbps`:
-the rate of a layer's elementwise ops as the step runs them.
+the rate of a layer's elementwise ops as the step runs them, and `layer_factors: {layer, head}`: the
+model's own transformer layer, and its logits GEMM with the loss, timed forward and backward, over
+what the rest of the profile predicts for them.
 
 Units: TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s, GiB for memory, microseconds for times.
 """
@@ -55,6 +57,7 @@ ATTENTION_KERNELS = ("flash", "mem_efficient", "math", "cudnn", "triton")
 PASSES = ("fwd", "bwd")
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 SCOPES = ("intra_node", "inter_node")
+LAYER_FACTORS = ("layer", "head")
 CORRECTION_CLASSES = ("gemm", "attention", "memory_bound", "overhead", "communication")
 FINGERPRINT_KEYS = (
     "hostname",
@@ -71,6 +74,7 @@ FINGERPRINT_KEYS = (
 _COMPARED = ("device_name", "device_count", "cpu_model", "torch", "cuda", "processes", "threads_per_process")
 _TOP_KEYS = (
     "format",
+    "layer_factors",
     "name",
     "kind",
     "source",
@@ -172,6 +176,10 @@ class HardwareProfile:
     # on a GPU the time model times the attention core at this kernel's points; None: flash
     attention_kernel: str | None = None
     tp_layers: tuple[TpLayerPoint, ...] = ()
+    # the model's own layer ("layer") and logits GEMM with its loss ("head"), forward and backward,
+    # measured over their kernels' sum at this profile's rates (a CPU calibration measures them;
+    # the time model multiplies that work by them); absent: 1
+    layer_factors: dict[str, float] = field(default_factory=dict)
 
     def tp_layer_seconds(self, ranks: int, sp: bool) -> float:
         """Fixed cost (s) of one tensor-parallel layer per micro-batch at group size `ranks`: the
@@ -433,9 +441,15 @@ def _tp_layer(path: str, i: int, item: Any) -> TpLayerPoint:
     )
 
 
-def _number_map(path: str, key: str, value: Any, allowed: Sequence[str] | None = None) -> dict[str, float]:
+def _number_map(
+    path: str,
+    key: str,
+    value: Any,
+    allowed: Sequence[str] | None = None,
+    like: str = "{fp32: 0.1, bf16: 0.05}",
+) -> dict[str, float]:
     if not isinstance(value, dict) or not value:
-        raise ConfigError(f"{path}: {key} must be a mapping like {{fp32: 0.1, bf16: 0.05}}, got {value!r}")
+        raise ConfigError(f"{path}: {key} must be a mapping like {like}, got {value!r}")
     out = {}
     for name, v in value.items():
         if allowed is not None and name not in allowed:
@@ -444,6 +458,12 @@ def _number_map(path: str, key: str, value: Any, allowed: Sequence[str] | None =
             raise ConfigError(f"{path}: {key}.{name} must be a positive number, got {v!r}")
         out[str(name)] = float(v)
     return out
+
+
+def _layer_factors(path: str, value: Any) -> dict[str, float]:
+    if value is None:
+        return {}
+    return _number_map(path, "layer_factors", value, LAYER_FACTORS, "{layer: 1.2, head: 1.1}")
 
 
 def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
@@ -505,6 +525,7 @@ def profile_from_dict(data: Any, path: str = "<profile>") -> HardwareProfile:
         corrections=corrections,
         corrections_source=cs,
         topology=topology,
+        layer_factors=_layer_factors(path, data.get("layer_factors")),
         attention_kernel=top.get(
             "attention_kernel",
             lambda v: v is None or v in ATTENTION_KERNELS,
@@ -583,6 +604,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
         out["tp_layers"] = [vars(p).copy() for p in profile.tp_layers]
     if profile.topology:
         out["topology"] = dict(profile.topology)
+    if profile.layer_factors:
+        out["layer_factors"] = dict(profile.layer_factors)
     return out
 
 

@@ -83,6 +83,8 @@ class _ProfileRates:
         self.op_seconds = self.profile.memory_bound.op_overhead_us * 1e-6
         self.unit_seconds = self.profile.memory_bound.unit_overhead_us * 1e-6
         self.host_link = self.profile.host_link_gbps * 1e9
+        self.layer_factor = self.profile.layer_factors.get("layer", 1.0)
+        self.head_factor = self.profile.layer_factors.get("head", 1.0)
         self._gemm: dict[tuple, float] = {}
         self._coll: dict[tuple, float] = {}
 
@@ -147,6 +149,7 @@ class _TableRates(_ProfileRates):
         self.bandwidth = self.activation_bandwidth = cluster.device.memory_bandwidth
         self.op_seconds = cluster.op_seconds if cluster.kind == "cpu" else GPU_OP_SECONDS
         self.unit_seconds = 0.0
+        self.layer_factor = self.head_factor = 1.0
         self.host_link = cluster.device.host_link_bandwidth
         self._gemm = {}
         self._coll = {}
@@ -360,7 +363,9 @@ def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shap
 
 def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str, dict[str, float]]:
     """Seconds of one layer on one rank for one micro-batch: {"forward"|"backward": {class: s}}; the
-    recomputed forward (full: the whole layer; selective: the attention core) counts in backward."""
+    recomputed forward (full: the whole layer; selective: the attention core) counts in backward.
+    The layer's own work is scaled by the profile's measured layer factor (`layer_factors.layer`:
+    the model's real layer over the sum of its kernels), the tensor-parallel layer's fixed cost not."""
     g_f, g_b = _gemm_seconds(rates, _layer_gemms(sh), sh.dtype)
     a_f, a_b = _attention_seconds(rates, sh)
     mem = _layer_bytes(sh) / rates.activation_bandwidth
@@ -368,41 +373,65 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     # micro-batch), shared between the passes as their op counts
     tp_layer = rates.tp_layer(sh.tp, sh.sp) if sh.tp > 1 else 0.0
     share = OPS_FORWARD_PER_LAYER / (OPS_FORWARD_PER_LAYER + OPS_BACKWARD_PER_LAYER)
+    x = rates.layer_factor
     fwd = {
-        "gemm": g_f,
-        "attention": a_f,
-        "memory_bound": mem,
-        "overhead": OPS_FORWARD_PER_LAYER * rates.op_seconds + share * tp_layer,
+        "gemm": x * g_f,
+        "attention": x * a_f,
+        "memory_bound": x * mem,
+        "overhead": x * OPS_FORWARD_PER_LAYER * rates.op_seconds + share * tp_layer,
     }
     bwd = {
-        "gemm": g_b,
-        "attention": a_b,
-        "memory_bound": 2 * mem,
-        "overhead": OPS_BACKWARD_PER_LAYER * rates.op_seconds + (1 - share) * tp_layer,
+        "gemm": x * g_b,
+        "attention": x * a_b,
+        "memory_bound": x * 2 * mem,
+        "overhead": x * OPS_BACKWARD_PER_LAYER * rates.op_seconds + (1 - share) * tp_layer,
     }
     if recompute == "full":
         for k, v in fwd.items():
             bwd[k] += v
     elif recompute == "selective":
-        bwd["attention"] += a_f
+        bwd["attention"] += x * a_f
     return {"forward": fwd, "backward": bwd}
+
+
+def _head_seconds(rates: _ProfileRates, sh: _Shape) -> dict[str, dict[str, float]]:
+    """The logits GEMM and the fp32 cross-entropy over the vocabulary on one rank per micro-batch,
+    {"forward"|"backward": {class: s}}, scaled by the profile's measured `layer_factors.head`."""
+    g_f, g_b = _gemm_seconds(rates, [(sh.tokens, sh.v // sh.tp, sh.h)], sh.dtype)
+    loss_f, loss_b = (b / rates.activation_bandwidth for b in _loss_bytes(sh))
+    x = rates.head_factor
+    return {
+        "forward": {"gemm": x * g_f, "memory_bound": x * loss_f},
+        "backward": {"gemm": x * g_b, "memory_bound": x * loss_b},
+    }
+
+
+def model_layer_seconds(cluster: Cluster, sh: _Shape) -> tuple[float, float]:
+    """(one layer, the logits GEMM with the loss): forward + backward seconds per micro-batch on one
+    rank without recomputation, as the time model predicts them: what `stx calibrate` measures the
+    model's own layer and head against (plan/calibrate.py `measure_model_layer`)."""
+    rates = _rates(cluster)
+    layer = _layer_compute(rates, sh, "none")
+    head = _head_seconds(rates, sh)
+    return (
+        sum(s for by_class in layer.values() for s in by_class.values()),
+        sum(s for by_class in head.values() for s in by_class.values()),
+    )
 
 
 def _ends_compute(rates: _ProfileRates, sh: _Shape, first: bool, last: bool) -> dict[str, dict[str, float]]:
     """The embedding (first stage: a gather, memory-bound) and the logits GEMM with the fp32
-    log-softmax over the vocabulary (last stage), per micro-batch."""
+    log-softmax over the vocabulary (last stage, `_head_seconds`), per micro-batch."""
     fwd = dict.fromkeys(OP_CLASSES[:4], 0.0)
     bwd = dict.fromkeys(OP_CLASSES[:4], 0.0)
     if first:
         fwd["memory_bound"] += sh.tokens * sh.h * sh.e * 2 / rates.activation_bandwidth
         bwd["memory_bound"] += sh.tokens * sh.h * (sh.e + 4) / rates.activation_bandwidth
     if last:
-        g_f, g_b = _gemm_seconds(rates, [(sh.tokens, sh.v // sh.tp, sh.h)], sh.dtype)
-        fwd["gemm"] += g_f
-        bwd["gemm"] += g_b
-        loss_fwd, loss_bwd = _loss_bytes(sh)
-        fwd["memory_bound"] += loss_fwd / rates.activation_bandwidth
-        bwd["memory_bound"] += loss_bwd / rates.activation_bandwidth
+        head = _head_seconds(rates, sh)
+        for c in ("gemm", "memory_bound"):
+            fwd[c] += head["forward"][c]
+            bwd[c] += head["backward"][c]
     fwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
     bwd["overhead"] += OPS_ENDS / 2 * rates.op_seconds
     return {"forward": fwd, "backward": bwd}
