@@ -1,6 +1,7 @@
 """Resume as a user does it: `stx train` killed with SIGKILL mid-run (or during a save), then run again
 with checkpoint.load=auto, must continue exactly as the run that was never interrupted: the same
-losses and learning rates, bit for bit (one process, CPU fp32, dropout on: the RNG states are
+learning rates and samples, the same losses to within the float32 ulp that two processes of the
+same run occasionally differ by (LOSS_ULPS) (one process, CPU fp32, dropout on: the RNG states are
 restored too)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -62,13 +64,20 @@ def uninterrupted(tmp_path_factory):
     return records(tmp / "runs" / "full")
 
 
+# A CPU run's fp32 loss can differ by one float32 ulp from the same run's in another process, about
+# once in 20 test runs, at one iteration (iteration 12: 9.008994102478027 vs 9.008993148803711), in
+# the uninterrupted run as well as in a resumed one: never in 184 plain runs and 45 kill-and-resume
+# cycles outside pytest (idle and loaded machine). Anything resume gets wrong (RNG, optimizer state,
+# schedule, data position) moves the losses by far more, and lr and samples must match exactly.
+LOSS_ULPS = 2
+
+
 def assert_same_steps(got: dict[int, dict], want: dict[int, dict]) -> None:
     for it, r in got.items():
-        assert (r["loss"], r["lr"], r["consumed_samples"]) == (
-            want[it]["loss"],
-            want[it]["lr"],
-            want[it]["consumed_samples"],
-        ), f"iteration {it}"
+        w = want[it]
+        assert (r["lr"], r["consumed_samples"]) == (w["lr"], w["consumed_samples"]), f"iteration {it}"
+        ulps = abs(r["loss"] - w["loss"]) / float(np.spacing(np.float32(w["loss"])))
+        assert ulps <= LOSS_ULPS, f"iteration {it}: loss {r['loss']!r} vs {w['loss']!r} ({ulps:.0f} ulps)"
 
 
 def test_sigkill_mid_run_then_resume_is_bitwise(tmp_path, uninterrupted):
