@@ -486,11 +486,12 @@ def measure_model_layer(job: Job, cfg: Config, measured: dict[str, Any], say=pri
     with the fp32 cross-entropy over the vocabulary (models.spec.cross_entropy_sum, in place as
     training runs it). What a real layer adds to its kernels timed one by one (operands arriving
     cold from the op before, the dropout masks' RNG, the mask and rotary work, autograd's
-    bookkeeping) is in the factor: on this project's CPU tiny-bert's 12 layers ran fwd+bwd in
-    196-205 ms per micro-batch of 4 x 128 where the kernels' sum said 162 ms, at micro-batches of
-    2, 4 and 8 alike (x1.24-1.26), a cost that grows with the work, not a fixed one per layer.
-    Averaged over the ranks, which run it together as a layout's ranks run their layers. Empty on
-    a GPU (not measured there yet) or when the budget allowed no point."""
+    bookkeeping, and on shared cores the other ranks) is in the factor. Its ratio held at
+    micro-batches of 2, 4 and 8 alike (x1.24-1.26 on this project's CPU against a profile three
+    hours old), so it is a factor and not a fixed cost per layer; a fresh calibration put it at
+    x1.05 for one process and x1.57 for each of 4 processes sharing 2 cores. Averaged over the
+    ranks, which run it together as a layout's ranks run their layers. Empty on a GPU (not
+    measured there yet) or when the budget allowed no point."""
     if job.cuda:
         return {}
     import torch.nn.functional as F
