@@ -1,11 +1,12 @@
 """`stx calibrate`: measure the constants of the planner's op-class time model on this machine.
 
-Every rank of the job measures at once (as training runs them), in six sections, each with a time
+Every rank of the job measures at once (as training runs them), in seven sections, each with a time
 budget: GEMMs at the config's layer shapes, attention forward and backward for every SDPA kernel
-this device offers, memory-bound kernels (bandwidth, fixed cost per op), the collectives between
-the ranks (world > 1), the fixed cost of an FSDP unit's collective beyond its bytes (world > 1:
-`measure_fsdp_unit`, `unit_overhead_us`) and of a tensor-parallel layer (world > 1:
-`measure_tp_layer`, `tp_layer_overhead_us`). Rank 0 gathers the results into a hardware profile
+this device offers, memory-bound kernels (bandwidth, fixed cost per op), on a CPU the model's own
+layer and head against the sum of their kernels (`measure_model_layer`, `layer_factors`), the
+collectives between the ranks (world > 1), the fixed cost of an FSDP unit's collective beyond its
+bytes (world > 1: `measure_fsdp_unit`, `unit_overhead_us`) and of a tensor-parallel layer (world >
+1: `measure_tp_layer`, `tp_layer_overhead_us`). Rank 0 gathers the results into a hardware profile
 (plan/hardware_profile.py's format 1) that `stx plan --hardware` reads.
 
 Timing: CUDA events around each call on a GPU, `time.perf_counter` on a CPU; each point keeps the
