@@ -469,6 +469,11 @@ def test_the_layer_factors_scale_the_model_s_own_layers_and_head_and_nothing_els
     shape = cal._one_rank(load_config("tiny-gpt", overrides))[1]
     layer_s, head_s = speed.model_layer_seconds(cluster(), shape)
     assert layer_s > 0 and head_s > 0
+    from scalable_transformer.cli.plan import corrections_line
+
+    said = corrections_line(cluster(layer=2.5, head=1))
+    assert "; layer factors: layer 2.5, head 1 (the model's own layer" in said
+    assert "layer factors" not in corrections_line(cluster())
     base = step(layer=1.0, head=1.0)
     assert step().total == pytest.approx(base.total)
     layers, head = step(layer=2.5, head=1.0), step(layer=1.0, head=2.5)

@@ -310,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def corrections_line(cluster: Any) -> str:
-    """The op-class corrections the time model multiplies by, and where they came from."""
+    """The op-class corrections the time model multiplies by, and where they came from; the measured
+    layer factors when the profile has them."""
     profile = getattr(cluster, "profile", None)
     if profile is None:
         return "corrections: none (no hardware profile)"
@@ -318,7 +319,11 @@ def corrections_line(cluster: Any) -> str:
     source = profile.corrections_source
     if isinstance(source, dict):
         source = f"refit from {source.get('runs')} run(s) in {source.get('store')} on {source.get('date')}"
-    return f"corrections in use: {text} ({source or 'as measured, not refitted'})"
+    line = f"corrections in use: {text} ({source or 'as measured, not refitted'})"
+    if profile.layer_factors:
+        factors = ", ".join(f"{k} {v:.3g}" for k, v in profile.layer_factors.items())
+        line += f"; layer factors: {factors} (the model's own layer and head over their kernels, measured)"
+    return line
 
 
 def _gib(n: float) -> str:
