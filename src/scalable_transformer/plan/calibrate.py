@@ -1035,11 +1035,12 @@ def calibrate(cfg: Config, job: Job, say: Callable[[str], None] = print) -> dict
     gemm = measure_gemm(job, gemm_shapes(cfg, job.quick), dtype, say)
     attention = measure_attention(job, attention_cases(cfg, job.quick), dtype, say)
     memory = measure_memory_bound(job, cfg, say)
-    factors = measure_model_layer(job, cfg, profile_mapping(job, dtype, gemm, attention, memory, []), say)
+    mapping = profile_mapping(job, dtype, gemm, attention, memory, [])  # what model_layer plans with
+    factors = measure_model_layer(job, cfg, mapping, say)
     collectives = measure_collectives(job, say)
     fsdp = measure_fsdp_unit(job, cfg, say)
     tp = measure_tp_layer(job, cfg, say)
-    mapping = profile_mapping(job, dtype, gemm, attention, memory, collectives)
+    mapping["collectives"] = collectives
     if factors:
         mapping["layer_factors"] = factors
     dispatched = dispatched_kernel(job, cfg, dtype)

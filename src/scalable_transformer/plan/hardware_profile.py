@@ -74,7 +74,6 @@ FINGERPRINT_KEYS = (
 _COMPARED = ("device_name", "device_count", "cpu_model", "torch", "cuda", "processes", "threads_per_process")
 _TOP_KEYS = (
     "format",
-    "layer_factors",
     "name",
     "kind",
     "source",
@@ -91,6 +90,7 @@ _TOP_KEYS = (
     "corrections",
     "corrections_source",
     "topology",
+    "layer_factors",
 )
 _TOPOLOGY_KEYS = ("devices_per_node", "nics_per_node", "nic_gbps")
 

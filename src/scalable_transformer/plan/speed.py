@@ -373,24 +373,26 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     # micro-batch), shared between the passes as their op counts
     tp_layer = rates.tp_layer(sh.tp, sh.sp) if sh.tp > 1 else 0.0
     share = OPS_FORWARD_PER_LAYER / (OPS_FORWARD_PER_LAYER + OPS_BACKWARD_PER_LAYER)
-    x = rates.layer_factor
     fwd = {
-        "gemm": x * g_f,
-        "attention": x * a_f,
-        "memory_bound": x * mem,
-        "overhead": x * OPS_FORWARD_PER_LAYER * rates.op_seconds + share * tp_layer,
+        "gemm": g_f,
+        "attention": a_f,
+        "memory_bound": mem,
+        "overhead": OPS_FORWARD_PER_LAYER * rates.op_seconds,
     }
     bwd = {
-        "gemm": x * g_b,
-        "attention": x * a_b,
-        "memory_bound": x * 2 * mem,
-        "overhead": x * OPS_BACKWARD_PER_LAYER * rates.op_seconds + (1 - share) * tp_layer,
+        "gemm": g_b,
+        "attention": a_b,
+        "memory_bound": 2 * mem,
+        "overhead": OPS_BACKWARD_PER_LAYER * rates.op_seconds,
     }
+    fwd, bwd = ({c: rates.layer_factor * s for c, s in pass_.items()} for pass_ in (fwd, bwd))
+    fwd["overhead"] += share * tp_layer
+    bwd["overhead"] += (1 - share) * tp_layer
     if recompute == "full":
         for k, v in fwd.items():
             bwd[k] += v
     elif recompute == "selective":
-        bwd["attention"] += x * a_f
+        bwd["attention"] += fwd["attention"]
     return {"forward": fwd, "backward": bwd}
 
 
