@@ -452,6 +452,7 @@ def test_the_layer_factors_scale_the_model_s_own_layers_and_head_and_nothing_els
     """`layer_factors` multiply what the time model predicts for each layer and for the logits GEMM
     with its loss (`speed.model_layer_seconds`, what calibrate measured them against); the rest of the
     step (embedding, optimizer) stays; a profile without them plans as with factors of 1."""
+    from scalable_transformer.cli.plan import corrections_line
     from scalable_transformer.config.validate import resolve
     from scalable_transformer.plan import speed
     from scalable_transformer.plan.cluster import profile_cluster
@@ -469,8 +470,6 @@ def test_the_layer_factors_scale_the_model_s_own_layers_and_head_and_nothing_els
     shape = cal._one_rank(load_config("tiny-gpt", overrides))[1]
     layer_s, head_s = speed.model_layer_seconds(cluster(), shape)
     assert layer_s > 0 and head_s > 0
-    from scalable_transformer.cli.plan import corrections_line
-
     said = corrections_line(cluster(layer=2.5, head=1))
     assert "; layer factors: layer 2.5, head 1 (the model's own layer" in said
     assert "layer factors" not in corrections_line(cluster())
