@@ -27,11 +27,12 @@ from ..errors import LaunchError
 from ..launch.batch import SchedulerLauncher
 from ..launch.launcher import BatchLauncher, JobState
 from .results import ResultsStore
-from .sweep import Member, SweepOptions, SweepOutcome, expand, suspect_members, to_run
 from .sweep_execute import _OOM_RE, member_job, runs_directory, tail
+from .sweep_expand import expand, suspect_members, to_run
 from .sweep_present import SweepConsole
 from .sweep_record import base_record, invalid_record, now, result_record
 from .sweep_spec import SweepSpec
+from .sweep_types import Member, SweepOptions, SweepOutcome
 
 JOBS_SCHEMA = """CREATE TABLE IF NOT EXISTS sweep_jobs (
     id INTEGER PRIMARY KEY,
@@ -124,6 +125,8 @@ def run_batch_sweep(
     members, filtered = expand(spec)
     store_path = options.store or spec.store
     present.plan(spec, members, filtered, store_path)
+    # Here, not at the top: metrics.environment imports torch (5 s measured cold), which `stx sweep
+    # --dry-run` (it imports this module through sweep.py) never needs.
     from ..metrics.environment import environment
 
     env_json = json.dumps(environment())

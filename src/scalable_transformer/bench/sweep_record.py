@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config.load import to_yaml
 from ..config.schema import Config
-
-if TYPE_CHECKING:  # sweep.py imports this module
-    from .sweep import Member
-    from .sweep_spec import SweepSpec
+from .sweep_spec import SweepSpec
+from .sweep_types import Member
 
 
 def now() -> str:
@@ -177,8 +176,6 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
             "dry_run_peak_memory_bytes": (plan.dry_run or {}).get("peak_memory_bytes"),
         }
     except Exception as e:  # a prediction is an aid: report it, never fail the sweep for it
-        import warnings
-
         warnings.warn(f"stx plan could not predict this member: {e}", RuntimeWarning, stacklevel=2)
         columns = {}
     _PREDICTIONS[key] = columns
