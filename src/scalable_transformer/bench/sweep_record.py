@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config.load import to_yaml
 from ..config.schema import Config
+from ..metrics.device_specs import detect_device_name
 from .sweep_spec import SweepSpec
 from .sweep_types import Member
 
@@ -153,11 +154,11 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
 
         cluster = None
         if cfg.train.device != "cpu":
+            # Here, not at the top: torch costs 5 s to import (measured) and `stx sweep --dry-run` and
+            # CPU members never need it.
             import torch
 
             if torch.cuda.is_available():
-                from ..metrics.device_specs import detect_device_name
-
                 name = cfg.logging.device_name or detect_device_name()
                 cluster = table_cluster(name, 1, nproc) if name else None
         if cluster is None:

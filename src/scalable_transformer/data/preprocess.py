@@ -44,6 +44,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from tokenizers import Tokenizer as HFTokenizer
 
 from scalable_transformer.data.corpus import split_sentences as _split_sentences
 from scalable_transformer.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
@@ -151,8 +161,6 @@ _WORKER: _Encoder | None = None
 
 
 def _init_worker(tokenizer_json: str, name: str, settings: _Settings) -> None:
-    from tokenizers import Tokenizer as HFTokenizer
-
     global _WORKER
     # The parent stops the workers on Ctrl-C; their own KeyboardInterrupt tracebacks would be noise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -291,16 +299,6 @@ class _Progress:
         self._bar: Any = None
         if not self.enabled:
             return
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
         self._bar = Progress(
             TextColumn("preprocess"),
             BarColumn(bar_width=20),

@@ -121,7 +121,7 @@ def _open_stream(path: Path, compression: str | None) -> Iterator[tuple[Any, IO[
             with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
                 yield gz, raw
         elif compression == "zstd":
-            try:
+            try:  # optional at run time: only .zst inputs need it, and say so when it is missing
                 import zstandard
             except ImportError as e:
                 raise PreprocessError(
@@ -185,7 +185,7 @@ class _ZstdFrames(io.RawIOBase):
 
 def _read_errors() -> tuple[type[BaseException], ...]:
     errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(ImportError):  # optional at run time (see _open_stream)
         import zstandard
 
         errors += (zstandard.ZstdError,)
