@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scalable_transformer.bench.sweep import SweepOptions
+from scalable_transformer.bench.sweep_types import SweepOptions
 from scalable_transformer.cli import build_parser
 from scalable_transformer.cli.config import ConfigOptions
 from scalable_transformer.cli.flops import flops_options

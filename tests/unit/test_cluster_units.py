@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scalable_transformer.bench.sweep import Member
 from scalable_transformer.bench.sweep_batch import Submitted, outcome_of
 from scalable_transformer.bench.sweep_spec import load_sweep
+from scalable_transformer.bench.sweep_types import Member
 from scalable_transformer.cli import main
 from scalable_transformer.errors import LaunchError, SweepError, UsageError
 from scalable_transformer.launch.batch import (
@@ -397,8 +397,8 @@ class Interrupting(FakeScheduler):
 
 def test_a_restarted_batch_sweep_reattaches_instead_of_resubmitting(tmp_path):
     from scalable_transformer.bench.results import ResultsStore
-    from scalable_transformer.bench.sweep import SweepOptions
     from scalable_transformer.bench.sweep_batch import run_batch_sweep, sweep_status
+    from scalable_transformer.bench.sweep_types import SweepOptions
 
     spec = load_sweep(
         _sweep(

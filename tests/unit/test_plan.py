@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scalable_transformer.bench.sweep import expand
+from scalable_transformer.bench.sweep_expand import expand
 from scalable_transformer.bench.sweep_spec import load_sweep
 from scalable_transformer.cli import main
 from scalable_transformer.config.load import load_config

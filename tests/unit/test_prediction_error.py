@@ -18,7 +18,8 @@ from scalable_transformer.bench.prediction_error import (
 )
 from scalable_transformer.bench.report import build_report, parse_markdown_table
 from scalable_transformer.bench.results import COLUMNS, SCHEMA_VERSION, ResultsStore
-from scalable_transformer.bench.sweep import expand, load_sweep, suspect_members, to_run
+from scalable_transformer.bench.sweep import load_sweep
+from scalable_transformer.bench.sweep_expand import expand, suspect_members, to_run
 
 
 def row(config_hash: str, label: str, nproc: int, step: float, predicted: float, **kw):
@@ -260,8 +261,9 @@ def test_sweep_retry_suspect_runs_the_slow_repeat_again(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from scalable_transformer.bench.sweep import SweepOptions, run_sweep
+    from scalable_transformer.bench.sweep import run_sweep
     from scalable_transformer.bench.sweep_present import SweepConsole
+    from scalable_transformer.bench.sweep_types import SweepOptions
 
     sweep = tmp_path / "s.yaml"
     sweep.write_text("base: tiny-gpt\naxes: {nproc: [1]}\nrepeats: 2\nsteps: 2\ndry_run: false\n")

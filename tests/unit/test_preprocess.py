@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from scalable_transformer.cli import preprocess as cli_pp
+from scalable_transformer.data import text_readers
 from scalable_transformer.data.corpus import split_sentences
 from scalable_transformer.data.indexed import IndexedDataset
-from scalable_transformer.data.preprocess import PreprocessError, expand_inputs, preprocess
+from scalable_transformer.data.preprocess import PreprocessError, preprocess
+from scalable_transformer.data.text_readers import expand_inputs
 from scalable_transformer.data.tokenizers import Tokenizer, train_wordpiece
 
 # The module, not the function `scalable_transformer.data.preprocess` that the package re-exports.
@@ -97,7 +99,7 @@ def _sequences(prefix: Path) -> list[list[int]]:
 def test_every_input_kind_and_worker_count_give_identical_files(tmp_path, monkeypatch, tok, docs):
     inputs = _write_corpus(tmp_path, docs)
     # Small blocks: many blocks per file, lines longer than a block, several blocks in flight.
-    monkeypatch.setattr(pp, "BLOCK_BYTES", 700)
+    monkeypatch.setattr(text_readers, "BLOCK_BYTES", 700)
     one = preprocess(inputs, str(tmp_path / "out" / "w1"), tok, workers=1, progress=False)
     two = preprocess(inputs, str(tmp_path / "out" / "w2"), tok, workers=2, progress=False)
     for suffix in (".bin", ".idx"):
@@ -290,7 +292,7 @@ def test_corrupt_compressed_input(tmp_path, tok):
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_interrupted_preprocess_leaves_no_files(tmp_path, monkeypatch, tok, docs, error, workers):
     (tmp_path / "in.jsonl").write_text(_jsonl(docs))
-    monkeypatch.setattr(pp, "BLOCK_BYTES", 2000)
+    monkeypatch.setattr(text_readers, "BLOCK_BYTES", 2000)
     calls = []
     original = pp.IndexedDatasetBuilder._add_documents
 
@@ -308,7 +310,7 @@ def test_interrupted_preprocess_leaves_no_files(tmp_path, monkeypatch, tok, docs
 
 def test_failure_inside_a_worker(tmp_path, monkeypatch, tok, docs):
     (tmp_path / "in.jsonl").write_text(_jsonl(docs))
-    monkeypatch.setattr(pp, "BLOCK_BYTES", 2000)
+    monkeypatch.setattr(text_readers, "BLOCK_BYTES", 2000)
     original = pp._Encoder.encode
 
     def fails_late(self, block):  # runs in the forked workers, which inherit the patch

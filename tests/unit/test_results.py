@@ -15,7 +15,8 @@ import pytest
 
 from scalable_transformer.bench import report
 from scalable_transformer.bench.results import SCHEMA_VERSION, ResultsStore, StoreError, export
-from scalable_transformer.bench.sweep import SweepError, classify, config_hash, expand, load_sweep, to_run
+from scalable_transformer.bench.sweep import SweepError, classify, load_sweep
+from scalable_transformer.bench.sweep_expand import config_hash, expand, to_run
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 

@@ -13,9 +13,11 @@ import pytest
 from rich.console import Console
 
 from scalable_transformer.bench.results import ResultsStore
-from scalable_transformer.bench.sweep import SweepOptions, expand, load_sweep, run_sweep
+from scalable_transformer.bench.sweep import load_sweep, run_sweep
 from scalable_transformer.bench.sweep_execute import member_job
+from scalable_transformer.bench.sweep_expand import expand
 from scalable_transformer.bench.sweep_present import SweepConsole
+from scalable_transformer.bench.sweep_types import SweepOptions
 from scalable_transformer.launch.launcher import JobSpec, LaunchResult
 
 SWEEP = """\

@@ -24,7 +24,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..config.model_shapes import ModelShape, sized_model
 from ..errors import LogFormatError
+from ..metrics.flops import flops_per_iteration
+from .results import ResultsStore
 
 _ARG_RE = re.compile(r"^\s+([a-z_0-9]+) \.{3,} (.*)$")
 _NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
@@ -65,8 +68,37 @@ def _post_warmup(values: list) -> list:
     return values[1:] if len(values) > 1 else values
 
 
-def parse_megatron(text: str) -> dict[str, Any]:
-    """Summary of a Megatron-LM log: median post-warm-up figures, timers, the parsed arguments."""
+def _iteration_fields(line: str) -> dict[str, float]:
+    """The figures of a Megatron iteration line (' iteration N/ M | key: value | ...'), keys lower-cased."""
+    fields: dict[str, float] = {}
+    head, *rest = line.split("|")
+    m = re.search(r"iteration\s+(\d+)\s*/\s*(\d+)", head)
+    assert m is not None
+    fields["iteration"], fields["train_iters"] = float(m.group(1)), float(m.group(2))
+    for part in rest:
+        if ":" not in part:
+            continue
+        key, _, value = part.rpartition(":")
+        number = _float(value)
+        if number is not None:
+            fields[key.strip().lower()] = number
+    return fields
+
+
+def _timer_fields(line: str) -> dict[str, float]:
+    """The timers of a Megatron 'time (ms) | forward-compute: ... | ...' line, by Megatron's names."""
+    timer = {}
+    for part in line.split("|")[1:]:
+        if ":" in part:
+            key, _, value = part.partition(":")
+            number = _float(value)
+            if number is not None:
+                timer[key.strip()] = number
+    return timer
+
+
+def _megatron_lines(text: str) -> tuple[dict[str, str], list[dict[str, float]], list[dict[str, float]]]:
+    """The arguments Megatron printed, its iteration lines and its timer lines, in log order."""
     args: dict[str, str] = {}
     iterations: list[dict[str, float]] = []
     timers: list[dict[str, float]] = []
@@ -77,28 +109,26 @@ def parse_megatron(text: str) -> dict[str, Any]:
             continue
         stripped = line.strip()
         if re.match(r"^(\[.*?\]\s*)?iteration\s+\d+\s*/\s*\d+\s*\|", stripped):
-            fields: dict[str, float] = {}
-            head, *rest = stripped.split("|")
-            m = re.search(r"iteration\s+(\d+)\s*/\s*(\d+)", head)
-            assert m is not None
-            fields["iteration"], fields["train_iters"] = float(m.group(1)), float(m.group(2))
-            for part in rest:
-                if ":" not in part:
-                    continue
-                key, _, value = part.rpartition(":")
-                number = _float(value)
-                if number is not None:
-                    fields[key.strip().lower()] = number
-            iterations.append(fields)
+            iterations.append(_iteration_fields(stripped))
         elif stripped.startswith("time (ms)"):
-            timer = {}
-            for part in stripped.split("|")[1:]:
-                if ":" in part:
-                    key, _, value = part.partition(":")
-                    number = _float(value)
-                    if number is not None:
-                        timer[key.strip()] = number
-            timers.append(timer)
+            timers.append(_timer_fields(stripped))
+    return args, iterations, timers
+
+
+def _megatron_phases(timers: list[dict[str, float]]) -> tuple[dict[str, float], dict[str, str]]:
+    """Median post-warm-up time (ms) of each timer under our phase names, and the names mapped."""
+    phases: dict[str, float] = {}
+    timer_window = _post_warmup(timers)
+    for key in dict.fromkeys(k for t in timer_window for k in t):
+        name = MEGATRON_TIMER_NAMES.get(key, key)
+        phases[name] = statistics.median(t[key] for t in timer_window if key in t)
+    renamed = {old: new for old, new in MEGATRON_TIMER_NAMES.items() if any(old in t for t in timer_window)}
+    return phases, renamed
+
+
+def parse_megatron(text: str) -> dict[str, Any]:
+    """Summary of a Megatron-LM log: median post-warm-up figures, timers, the parsed arguments."""
+    args, iterations, timers = _megatron_lines(text)
     if not iterations and not timers:
         raise LogFormatError(
             "no Megatron-LM lines found (' iteration N/ M | ... elapsed time per iteration (ms): ...' "
@@ -125,12 +155,7 @@ def parse_megatron(text: str) -> dict[str, Any]:
     # " > padded vocab (size: 28996) with 124 dummy tokens (new size: 29120)", or the argument
     padded = re.search(r"padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)", text)
     vocab = int(padded.group(1)) if padded else arg_int("padded_vocab_size")
-    phases: dict[str, float] = {}
-    timer_window = _post_warmup(timers)
-    for key in dict.fromkeys(k for t in timer_window for k in t):
-        name = MEGATRON_TIMER_NAMES.get(key, key)
-        phases[name] = statistics.median(t[key] for t in timer_window if key in t)
-    renamed = {old: new for old, new in MEGATRON_TIMER_NAMES.items() if any(old in t for t in timer_window)}
+    phases, renamed = _megatron_phases(timers)
     world = arg_int("world_size")
     return {
         "source": "megatron",
@@ -268,9 +293,6 @@ def cross_check_tflops(summary: dict[str, Any], world: int | None) -> dict[str, 
     None when the log lacks something the formula needs (named in the note). DeepSpeed's FLOPs
     profiler figure is a measurement (3 x the profiled forward), not a formula, so it is not checked.
     """
-    from ..config.model_shapes import ModelShape, sized_model
-    from ..metrics.flops import flops_per_iteration
-
     logged, sps = summary.get("tflops_per_device"), summary.get("samples_per_second")
     if logged is None or sps is None:
         return {
@@ -337,8 +359,6 @@ def import_log(
 ) -> dict[str, Any]:
     """Parse `path` and store it as one result tagged source=fmt; importing the same file and label
     again replaces its row (the identity is a hash of the file's content and the label)."""
-    from .results import ResultsStore
-
     if fmt not in PARSERS:
         raise ValueError(f"--format must be one of {', '.join(PARSERS)}, got {fmt!r}")
     text = path.read_text(encoding="utf-8", errors="replace")

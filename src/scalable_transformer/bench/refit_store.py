@@ -4,9 +4,17 @@ profile refitted from them (the fit itself is plan/refit.py's; reading the store
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import json
 from typing import Any
 
+from ..config.load import apply, assignments_from_mapping, parse_yaml
+from ..config.schema import Config
+from ..config.validate import resolve
+from ..errors import UsageError
 from ..plan.refit import BOUNDS, CLASSES, MIN_RUNS, RunSample, median_error, refit_corrections
+from .prediction_error import measured_seconds, measurement_in_doubt, suspects
+from .results import ResultsStore
 
 
 def samples_from_store(
@@ -21,11 +29,6 @@ def samples_from_store(
     The stored ones came from the profile as it was when the run ended; refitted against those, an
     H200 refit learned the overhead class x2.97 on a 4 us op cost and applied it to the 12 us that
     replaced it: +29% on held-out runs instead of -10%."""
-    import json
-
-    from .prediction_error import measured_seconds, measurement_in_doubt, suspects
-    from .results import ResultsStore
-
     with ResultsStore(store_path, create=False) as store:
         rows = [r for r in store.rows("status = 'ok'") if r.get("prediction_json")]
     flagged = suspects(rows)
@@ -61,9 +64,6 @@ def samples_from_store(
 def _predicted_again(row: dict[str, Any], cluster: Any) -> dict[str, Any] | None:
     """The run's prediction on `cluster` (its nodes and processes), from its stored config; None when
     that cannot be made (no config stored, or it no longer loads)."""
-    from ..config.load import apply, assignments_from_mapping, parse_yaml
-    from ..config.schema import Config
-    from ..config.validate import resolve
     from ..plan.cluster import with_nodes
     from ..plan.refit import prediction_record
 
@@ -81,9 +81,6 @@ def refit_cluster(cluster: Any, store_path: Any, output: Any = None) -> tuple[An
     """`stx plan --calibrate-from STORE [--output PROFILE]`: the cluster with its profile's corrections
     refitted from the store's runs on this hardware, and the lines to print; with `output` the refitted
     profile is written there (atomically) for `--hardware`."""
-    import datetime as dt
-
-    from ..errors import UsageError
     from ..plan.hardware_profile import save_profile
 
     profile = cluster.profile

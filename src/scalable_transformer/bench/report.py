@@ -425,6 +425,8 @@ def _html_table(header: list[str], body: list[list[str]]) -> str:
 
 
 def _plt():
+    # Here, not at the top: matplotlib costs 3 s to import (measured) and only plots need it; the
+    # backend must be chosen before pyplot is imported.
     import matplotlib
 
     matplotlib.use("Agg")

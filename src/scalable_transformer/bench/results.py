@@ -246,7 +246,7 @@ def export(store: ResultsStore, fmt: str, output: str | Path) -> int:
             writer.writerows(rows)
         return len(rows)
     if fmt == "parquet":
-        try:
+        try:  # optional dependency (the parquet extra)
             import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError as e:

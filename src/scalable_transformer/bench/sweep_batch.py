@@ -27,11 +27,12 @@ from ..errors import LaunchError
 from ..launch.batch import SchedulerLauncher
 from ..launch.launcher import BatchLauncher, JobState
 from .results import ResultsStore
-from .sweep import Member, SweepOptions, SweepOutcome, expand, suspect_members, to_run
 from .sweep_execute import _OOM_RE, member_job, runs_directory, tail
+from .sweep_expand import expand, suspect_members, to_run
 from .sweep_present import SweepConsole
 from .sweep_record import base_record, invalid_record, now, result_record
 from .sweep_spec import SweepSpec
+from .sweep_types import Member, SweepOptions, SweepOutcome
 
 JOBS_SCHEMA = """CREATE TABLE IF NOT EXISTS sweep_jobs (
     id INTEGER PRIMARY KEY,
@@ -124,6 +125,8 @@ def run_batch_sweep(
     members, filtered = expand(spec)
     store_path = options.store or spec.store
     present.plan(spec, members, filtered, store_path)
+    # Here, not at the top: metrics.environment imports torch (5 s measured cold), which `stx sweep
+    # --dry-run` (it imports this module through sweep.py) never needs.
     from ..metrics.environment import environment
 
     env_json = json.dumps(environment())
@@ -146,69 +149,10 @@ def run_batch_sweep(
             for m in todo:
                 prev = latest_job(store.conn, m.config_hash, m.repeat)
                 if prev is not None and (m.config_hash, m.repeat) not in stored:
-                    job = Submitted(
-                        m,
-                        prev["job_id"],
-                        Path(prev["run_dir"]),
-                        Path(prev["log_path"]),
-                        prev["submitted_at"],
-                        time.monotonic(),
-                    )
-                    present.note(
-                        f"re-attached to {launcher.scheduler} job {job.job_id}: {m.label} ({_shape(m)})"
-                    )
-                    active.append(job)
-                    continue
-                run_dir = runs / m.run_name
-                if run_dir.exists():  # a rerun starts clean
-                    shutil.rmtree(run_dir)
-                log_path = runs / f"{m.run_name}.log"
-                job_id = launcher.submit(member_job(spec, m), run_dir, log_path, m.timeout_seconds)
-                job = Submitted(m, job_id, run_dir, log_path, now(), time.monotonic())
-                with store.conn:
-                    store.conn.execute(
-                        "INSERT INTO sweep_jobs (sweep, config_hash, repeat, label, scheduler, job_id,"
-                        " run_dir, log_path, submitted_at, state)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'SUBMITTED')",
-                        (
-                            spec.name,
-                            m.config_hash,
-                            m.repeat,
-                            m.label,
-                            launcher.scheduler,
-                            job_id,
-                            str(run_dir),
-                            str(log_path),
-                            job.submitted_at,
-                        ),
-                    )
-                present.note(
-                    f"submitted {launcher.scheduler} job {job_id}: {m.label} ({_shape(m)}, time limit "
-                    f"{m.timeout_seconds:g} s)"
-                )
-                active.append(job)
-            while active:
-                for job in list(active):
-                    state = launcher.state(job.job_id)
-                    with store.conn:
-                        store.conn.execute(
-                            "UPDATE sweep_jobs SET state=? WHERE job_id=? AND scheduler=?",
-                            (state.state, job.job_id, launcher.scheduler),
-                        )
-                    if not state.finished:
-                        continue
-                    record = result_record(outcome_of(state, launcher.scheduler, job), job.member)
-                    record.setdefault("env_json", env_json)
-                    record |= {"scheduler": launcher.scheduler, "job_id": job.job_id}
-                    store.put(base_record(spec, job.member) | record)
-                    outcome.counts[record["status"]] = outcome.counts.get(record["status"], 0) + 1
-                    present.note(
-                        f"job {job.job_id} ({job.member.label}, {_shape(job.member)}) ended {state.state}"
-                    )
-                    present.finished(record)
-                    active.remove(job)
-                if active:
-                    time.sleep(poll)
+                    active.append(_reattach(prev, m, launcher, present))
+                else:
+                    active.append(_submit(spec, m, runs, launcher, store, present))
+            _watch(spec, active, launcher, store, env_json, outcome, present, poll)
         except KeyboardInterrupt:
             present.note(
                 f"sweep stopped; {len(active)} job(s) stay queued or running "
@@ -218,6 +162,93 @@ def run_batch_sweep(
             return outcome
         present.summary(len(todo), time.perf_counter() - t_start, outcome.counts, store_path)
     return outcome
+
+
+def _reattach(prev: sqlite3.Row, m: Member, launcher: BatchLauncher, present: SweepConsole) -> Submitted:
+    """The job an earlier call of this sweep submitted for `m` and did not see end."""
+    job = Submitted(
+        m,
+        prev["job_id"],
+        Path(prev["run_dir"]),
+        Path(prev["log_path"]),
+        prev["submitted_at"],
+        time.monotonic(),
+    )
+    present.note(f"re-attached to {launcher.scheduler} job {job.job_id}: {m.label} ({_shape(m)})")
+    return job
+
+
+def _submit(
+    spec: SweepSpec,
+    m: Member,
+    runs: Path,
+    launcher: BatchLauncher,
+    store: ResultsStore,
+    present: SweepConsole,
+) -> Submitted:
+    """Submit `m` as a batch job in a clean run directory and note its id in sweep_jobs at once."""
+    run_dir = runs / m.run_name
+    if run_dir.exists():  # a rerun starts clean
+        shutil.rmtree(run_dir)
+    log_path = runs / f"{m.run_name}.log"
+    job_id = launcher.submit(member_job(spec, m), run_dir, log_path, m.timeout_seconds)
+    job = Submitted(m, job_id, run_dir, log_path, now(), time.monotonic())
+    with store.conn:
+        store.conn.execute(
+            "INSERT INTO sweep_jobs (sweep, config_hash, repeat, label, scheduler, job_id,"
+            " run_dir, log_path, submitted_at, state)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'SUBMITTED')",
+            (
+                spec.name,
+                m.config_hash,
+                m.repeat,
+                m.label,
+                launcher.scheduler,
+                job_id,
+                str(run_dir),
+                str(log_path),
+                job.submitted_at,
+            ),
+        )
+    present.note(
+        f"submitted {launcher.scheduler} job {job_id}: {m.label} ({_shape(m)}, time limit "
+        f"{m.timeout_seconds:g} s)"
+    )
+    return job
+
+
+def _watch(
+    spec: SweepSpec,
+    active: list[Submitted],
+    launcher: BatchLauncher,
+    store: ResultsStore,
+    env_json: str,
+    outcome: SweepOutcome,
+    present: SweepConsole,
+    poll: float,
+) -> None:
+    """Poll the active jobs every `poll` seconds, storing each one's row as it ends and removing it
+    from `active` (which then holds the jobs still queued or running, should the watch be stopped)."""
+    while active:
+        for job in list(active):
+            state = launcher.state(job.job_id)
+            with store.conn:
+                store.conn.execute(
+                    "UPDATE sweep_jobs SET state=? WHERE job_id=? AND scheduler=?",
+                    (state.state, job.job_id, launcher.scheduler),
+                )
+            if not state.finished:
+                continue
+            record = result_record(outcome_of(state, launcher.scheduler, job), job.member)
+            record.setdefault("env_json", env_json)
+            record |= {"scheduler": launcher.scheduler, "job_id": job.job_id}
+            store.put(base_record(spec, job.member) | record)
+            outcome.counts[record["status"]] = outcome.counts.get(record["status"], 0) + 1
+            present.note(f"job {job.job_id} ({job.member.label}, {_shape(job.member)}) ended {state.state}")
+            present.finished(record)
+            active.remove(job)
+        if active:
+            time.sleep(poll)
 
 
 def _shape(m: Member) -> str:

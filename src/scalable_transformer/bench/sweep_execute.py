@@ -9,14 +9,12 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..launch.launcher import JobSpec, Launcher
 from .sweep_record import now
 from .sweep_spec import SweepSpec, common_overrides
-
-if TYPE_CHECKING:  # sweep.py imports this module
-    from .sweep import Member
+from .sweep_types import Member
 
 OOM_PATTERNS = [
     r"CUDA out of memory",

@@ -6,13 +6,14 @@ Only formatting: `run_sweep` decides what happens and calls one method per event
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress
 
-if TYPE_CHECKING:  # sweep.py imports this module
-    from .sweep import Member
-    from .sweep_spec import SweepSpec
+from ..metrics.sinks import progress_columns
+from .sweep_spec import SweepSpec
+from .sweep_types import Member
 
 
 def hms(seconds: float) -> str:
@@ -54,10 +55,6 @@ class SweepConsole:
     def to_run(self, todo: int, skipped: int) -> None:
         self.console.print(f"to run: {todo}; already in the store: {skipped}")
         if self.console.is_terminal and todo:  # a live bar under the lines; plain lines only otherwise
-            from rich.progress import Progress
-
-            from ..metrics.sinks import progress_columns
-
             self.progress = Progress(*progress_columns("members"), console=self.console, transient=True)
             self.task = self.progress.add_task("sweep", total=todo, status="")
             self.progress.start()

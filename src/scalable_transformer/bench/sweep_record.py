@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config.load import to_yaml
 from ..config.schema import Config
-
-if TYPE_CHECKING:  # sweep.py imports this module
-    from .sweep import Member
-    from .sweep_spec import SweepSpec
+from ..metrics.device_specs import detect_device_name
+from .sweep_spec import SweepSpec
+from .sweep_types import Member
 
 
 def now() -> str:
@@ -154,11 +154,11 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
 
         cluster = None
         if cfg.train.device != "cpu":
+            # Here, not at the top: torch costs 5 s to import (measured) and `stx sweep --dry-run` and
+            # CPU members never need it.
             import torch
 
             if torch.cuda.is_available():
-                from ..metrics.device_specs import detect_device_name
-
                 name = cfg.logging.device_name or detect_device_name()
                 cluster = table_cluster(name, 1, nproc) if name else None
         if cluster is None:
@@ -177,8 +177,6 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
             "dry_run_peak_memory_bytes": (plan.dry_run or {}).get("peak_memory_bytes"),
         }
     except Exception as e:  # a prediction is an aid: report it, never fail the sweep for it
-        import warnings
-
         warnings.warn(f"stx plan could not predict this member: {e}", RuntimeWarning, stacklevel=2)
         columns = {}
     _PREDICTIONS[key] = columns

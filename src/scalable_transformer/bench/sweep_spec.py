@@ -126,9 +126,8 @@ def _flag(path: Path, data: dict, key: str, default: bool) -> bool:
     return value
 
 
-def load_sweep(path: str | Path) -> SweepSpec:
-    """Read and check a sweep file; every error names the file and the key."""
-    path = Path(path)
+def _read(path: Path) -> dict[str, Any]:
+    """The sweep file's mapping, its keys known."""
     if not path.is_file():
         raise SweepError(f"{path}: no such sweep file")
     try:
@@ -140,6 +139,11 @@ def load_sweep(path: str | Path) -> SweepSpec:
     for key in data:
         if key not in KEYS:
             raise _err(path, key, f"unknown key; valid keys: {', '.join(KEYS)}")
+    return data
+
+
+def _base(path: Path, data: dict[str, Any]) -> str:
+    """A preset name, or the config file's absolute path (given relative to the sweep file)."""
     base = data.get("base", "tiny-bert")
     if not isinstance(base, str):
         raise _err(path, "base", f"must be a preset name ({', '.join(preset_names())}) or a config path")
@@ -150,22 +154,30 @@ def load_sweep(path: str | Path) -> SweepSpec:
                 path, "base", f"{base!r} is neither a preset ({', '.join(preset_names())}) nor a config file"
             )
         base = str(candidate.resolve())
-    overrides = data.get("overrides") or []
-    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-        raise _err(path, "overrides", f"must be {KEYS['overrides']}, got {overrides!r}")
+    return base
+
+
+def _members(path: Path, data: dict[str, Any]) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """The explicit members (none when the file gives axes), and the data with the axes they span."""
     members_raw = data.get("members")
     members: list[dict[str, str]] = []
-    if members_raw is not None:
-        if not isinstance(members_raw, list) or not members_raw:
-            raise _err(path, "members", f"must be a non-empty {KEYS['members']}, got {members_raw!r}")
-        for i, member in enumerate(members_raw):
-            if not isinstance(member, dict) or not member:
-                raise _err(path, f"members[{i}]", f"must be a mapping of config key to value, got {member!r}")
-            members.append({str(k): fmt_value(v) for k, v in member.items()})
-        if "axes" in data:
-            raise _err(path, "members", "give either axes (a grid) or members (a list), not both")
-        # the members' keys act as the axes: filters, limits and the report's columns see them
-        data = {**data, "axes": {k: sorted({m[k] for m in members if k in m}) for m in members for k in m}}
+    if members_raw is None:
+        return members, data
+    if not isinstance(members_raw, list) or not members_raw:
+        raise _err(path, "members", f"must be a non-empty {KEYS['members']}, got {members_raw!r}")
+    for i, member in enumerate(members_raw):
+        if not isinstance(member, dict) or not member:
+            raise _err(path, f"members[{i}]", f"must be a mapping of config key to value, got {member!r}")
+        members.append({str(k): fmt_value(v) for k, v in member.items()})
+    if "axes" in data:
+        raise _err(path, "members", "give either axes (a grid) or members (a list), not both")
+    # the members' keys act as the axes: filters, limits and the report's columns see them
+    data = {**data, "axes": {k: sorted({m[k] for m in members if k in m}) for m in members for k in m}}
+    return members, data
+
+
+def _axes(path: Path, data: dict[str, Any]) -> dict[str, list[str]]:
+    """Axis key -> its values as overrides write them; process and node counts are integers >= 1."""
     axes_raw = data.get("axes")
     if not isinstance(axes_raw, dict) or not axes_raw:
         # a sweep without axes has nothing to compare (use stx train for one run)
@@ -182,6 +194,11 @@ def load_sweep(path: str | Path) -> SweepSpec:
             if not n.isdigit() or int(n) < 1:
                 what = "process" if axis == "nproc" else "node"
                 raise _err(path, f"axes.{axis}", f"{what} counts are integers >= 1, got {n!r}")
+    return axes
+
+
+def _executor(path: Path, data: dict[str, Any], axes: dict[str, list[str]]) -> tuple[str, dict[str, Any]]:
+    """The executor and its options (env_file made absolute, relative to the sweep file)."""
     executor = data.get("executor", "local")
     if executor not in EXECUTORS:
         raise _err(path, "executor", f"must be one of {', '.join(EXECUTORS)}, got {executor!r}")
@@ -203,17 +220,21 @@ def load_sweep(path: str | Path) -> SweepSpec:
         if not resolved_env_file.is_file():
             raise _err(path, "executor_options.env_file", f"{env_file}: no such file")
         executor_options = {**executor_options, "env_file": str(resolved_env_file)}
-    # Unknown config keys fail here, before anything runs (load_config names the nearest valid key).
+    return executor, executor_options
+
+
+def _check_axis_keys(path: Path, base: str, overrides: list[str], axes: dict[str, list[str]]) -> None:
+    """Unknown config keys fail here, before anything runs (load_config names the nearest valid key)."""
     for k, vs in axes.items():
         if k not in JOB_AXES:
             try:
                 load_config(base, [*overrides, f"{k}={vs[0]}"])
             except ConfigError as e:
                 raise _err(path, f"axes.{k}", str(e)) from e
-    keys = list(axes)
-    filters = data.get("filters") or []
-    if not isinstance(filters, list):
-        raise _err(path, "filters", f"must be {KEYS['filters']}")
+
+
+def _limits(path: Path, data: dict[str, Any], keys: list[str]) -> list[Limit]:
+    """The per-member limit rules, in the file's order (the first matching rule wins)."""
     limits_raw = data.get("limits") or []
     if not isinstance(limits_raw, list):
         raise _err(path, "limits", f"must be {KEYS['limits']}")
@@ -234,6 +255,26 @@ def load_sweep(path: str | Path) -> SweepSpec:
                 _number(path, rule, "memory_limit_mb", None, int, 0) if "memory_limit_mb" in rule else None,
             )
         )
+    return limits
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    """Read and check a sweep file; every error names the file and the key."""
+    path = Path(path)
+    data = _read(path)
+    base = _base(path, data)
+    overrides = data.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        raise _err(path, "overrides", f"must be {KEYS['overrides']}, got {overrides!r}")
+    members, data = _members(path, data)
+    axes = _axes(path, data)
+    executor, executor_options = _executor(path, data, axes)
+    _check_axis_keys(path, base, overrides, axes)
+    keys = list(axes)
+    filters = data.get("filters") or []
+    if not isinstance(filters, list):
+        raise _err(path, "filters", f"must be {KEYS['filters']}")
+    limits = _limits(path, data, keys)
     store = data.get("store", "results.sqlite")
     if not isinstance(store, str):
         raise _err(path, "store", f"must be {KEYS['store']}")

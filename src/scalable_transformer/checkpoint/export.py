@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+import yaml
 
 from ..config.schema import ModelConfig
+from ..data.tokenizers import load_tokenizer
 from ..models import build_model, spec_for
 from ..models.bert.hf import bert_unsupported, to_bert
 from ..models.gpt.hf import gpt2_unsupported, to_gpt2
@@ -39,8 +42,6 @@ __all__ = [
 
 def load_model(checkpoint: str) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
     """The plain model of a checkpoint (any layout it was written with), in this process."""
-    import torch.distributed.checkpoint as dcp
-
     path = find_checkpoint(checkpoint, None, label=f"'{checkpoint}'")
     if path is None:
         raise CheckpointError(f"{checkpoint}: no checkpoint")
@@ -78,10 +79,7 @@ def export_hf(checkpoint: str, output: str) -> Path:
 
 def _save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     """The training tokenizer as a PreTrainedTokenizerFast, when it can be rebuilt here."""
-    import yaml
-    from transformers import PreTrainedTokenizerFast
-
-    from ..data.tokenizers import load_tokenizer
+    from transformers import PreTrainedTokenizerFast  # optional dependency (the bench extra)
 
     try:
         d = yaml.safe_load(meta["config_yaml"])["data"]

@@ -19,22 +19,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ..config.schema import ModelConfig
 from ..errors import CheckpointError
+from ..models import build_model
+from ..models.registry import hf_mapping_for_type, hf_mappings
+from ..parallel.init import canonical_name, copy_full_into
+from .export import hf_mapping
 
 _SHIFT = float(2**40)
 
 
 def _hf_classes() -> dict[str, str]:
     """Hugging Face config.model_type -> transformers class, for every family with a mapping."""
-    from ..models.registry import hf_mappings
-
     return {m.model_type: m.hf_class for m in hf_mappings()}
 
 
 def _hf_config(hf_dir: Path) -> Any:
-    try:
+    try:  # optional dependency (the bench extra)
         from transformers import AutoConfig
     except ImportError as e:
         raise CheckpointError(
@@ -56,8 +59,6 @@ def _hf_config(hf_dir: Path) -> Any:
 
 def model_overrides_from_hf(hf_dir: str | Path) -> dict[str, Any]:
     """The model.* settings (as `key: value`) that describe the Hugging Face model in `hf_dir`."""
-    from ..models.registry import hf_mapping_for_type
-
     hf = _hf_config(Path(hf_dir))
     mapping = hf_mapping_for_type(hf.model_type)
     assert mapping is not None  # _hf_config accepted only mapped types
@@ -105,9 +106,6 @@ def _proxy_config(cfg: ModelConfig) -> ModelConfig:
 def _sources(cfg: ModelConfig) -> dict[str, _Source]:
     """Hugging Face key -> `_Source`, found by running the family's export mapping on an index-valued
     float64 proxy model (see the module docstring)."""
-    from ..models import build_model
-    from .export import hf_mapping
-
     mapping = hf_mapping(cfg)
     proxy = _proxy_config(cfg)
     previous = torch.get_default_dtype()
@@ -179,7 +177,7 @@ class _HFTensors:
         self.where: dict[str, Any] = {}
         files = sorted(hf_dir.glob("*.safetensors"))
         if files:
-            from safetensors import safe_open
+            from safetensors import safe_open  # optional: comes with transformers (the bench extra)
 
             for file in files:
                 handle = safe_open(str(file), framework="pt")
@@ -210,10 +208,6 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path
     from the files, its full value is assembled, and only this rank's shard is kept
     (`parallel.init.copy_full_into`). A vocabulary padded beyond Hugging Face's keeps its padding rows.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ..parallel.init import canonical_name, copy_full_into
-
     if isinstance(model, DistributedDataParallel):
         model = model.module
     path = Path(hf_dir)
@@ -228,7 +222,7 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path
             ours = source.ours if i is None else source.ours.replace("layers.0.", f"layers.{i}.", 1)
             hf_name = hf_key if i is None else _layer_key(hf_key, i, layer_part)
             by_ours.setdefault(ours, []).append((hf_name, source))
-    import transformers
+    import transformers  # optional dependency (the bench extra); _hf_config said so if missing
 
     prefix = getattr(transformers, _hf_classes()[hf_cfg.model_type]).base_model_prefix + "."
     files = _HFTensors(path, prefix)
@@ -279,7 +273,5 @@ def _layer_part(sources: dict[str, _Source]) -> str:
 
 def _only_padding_rows(key: str, done: torch.Tensor, cfg: ModelConfig) -> bool:
     """True when the unassigned elements of `key` are exactly the vocabulary padding rows."""
-    from .export import hf_mapping
-
     assert cfg.vocab_size is not None
     return key in hf_mapping(cfg).vocab_keys and bool(done[: cfg.vocab_size].all())

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import CheckpointError
 from ..files import write_atomic
@@ -195,8 +197,6 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
 
 def saved_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Global shape of every tensor in the checkpoint, by DCP key ('model.layers.0.mlp.up.weight')."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a corrupt .metadata fails inside pickle with any error type
@@ -299,8 +299,6 @@ class TrainState:
 
 
 def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..bench.sweep import SweepOptions
+    from ..bench.sweep_types import SweepOptions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def sweep_options(args: argparse.Namespace) -> SweepOptions:
-    from ..bench.sweep import SweepOptions
+    from ..bench.sweep_types import SweepOptions
 
     return SweepOptions(
         sweep_file=Path(args.sweep),

@@ -118,6 +118,17 @@ def continuation_ids(tokenizer: Tokenizer) -> np.ndarray:
     return flags
 
 
+def _check_options(seq_length: int, mask_prob: float, short_seq_prob: float, binary_head_task: str) -> None:
+    if binary_head_task not in ("nsp", "sop"):
+        raise ValueError(f"binary_head_task must be 'nsp' or 'sop', got {binary_head_task!r}")
+    if not 0.0 < mask_prob <= 1.0:
+        raise ValueError(f"mask_prob must be in (0, 1], got {mask_prob}")
+    if not 0.0 <= short_seq_prob <= 1.0:
+        raise ValueError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
+    if seq_length < 8:
+        raise ValueError(f"seq_length must be at least 8 for BERT samples, got {seq_length}")
+
+
 class BertDataset(CachedIndexMixin, Dataset):
     """Map-style BERT dataset over documents [begin, end) of a sentence-split indexed dataset.
 
@@ -144,14 +155,7 @@ class BertDataset(CachedIndexMixin, Dataset):
         binary_head_task: str = "nsp",
         whole_word_masking: bool = False,
     ) -> None:
-        if binary_head_task not in ("nsp", "sop"):
-            raise ValueError(f"binary_head_task must be 'nsp' or 'sop', got {binary_head_task!r}")
-        if not 0.0 < mask_prob <= 1.0:
-            raise ValueError(f"mask_prob must be in (0, 1], got {mask_prob}")
-        if not 0.0 <= short_seq_prob <= 1.0:
-            raise ValueError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
-        if seq_length < 8:
-            raise ValueError(f"seq_length must be at least 8 for BERT samples, got {seq_length}")
+        _check_options(seq_length, mask_prob, short_seq_prob, binary_head_task)
         self.indexed = indexed
         self.seq_length = seq_length
         self.seed = seed
@@ -162,8 +166,11 @@ class BertDataset(CachedIndexMixin, Dataset):
         self.whole_word_masking = whole_word_masking
         self.max_num_tokens = seq_length - (3 if binary_head else 2)
         self.documents = document_range(indexed, documents)
-        begin, end = self.documents
+        self._tokens(tokenizer, whole_word_masking)
+        self._samples_mapping(short_seq_prob, num_samples)
 
+    def _tokens(self, tokenizer: Tokenizer, whole_word_masking: bool) -> None:
+        """The special ids, the pool random replacements are drawn from, and the word continuations."""
         self.cls_id, self.sep_id = tokenizer.cls_id, tokenizer.sep_id
         self.mask_id, self.pad_id = tokenizer.mask_id, tokenizer.pad_id
         special = tokenizer.special_ids | {self.cls_id, self.sep_id, self.mask_id, self.pad_id}
@@ -180,17 +187,21 @@ class BertDataset(CachedIndexMixin, Dataset):
                     f"{tokenizer.name or 'the tokenizer'} has none"
                 )
 
+    def _samples_mapping(self, short_seq_prob: float, num_samples: int | None) -> None:
+        """The rows (first sentence, end sentence, target length, document), from the cache or built."""
+        indexed, seed = self.indexed, self.seed
+        begin, end = self.documents
         self.description = {
             **data_identity(indexed),
             "documents": [begin, end],
-            "seq_length": seq_length,
+            "seq_length": self.seq_length,
             "seed": seed,
             "num_samples": num_samples,
             "short_seq_prob": short_seq_prob,
-            "binary_head": binary_head,
+            "binary_head": self.binary_head,
         }
         bounds = np.asarray(indexed.document_indices[begin : end + 1], dtype=np.int64)
-        min_sentences = 2 if binary_head else 1
+        min_sentences = 2 if self.binary_head else 1
         arrays, self.cache_path, self.cache_hit = load_or_build_index(
             indexed.path_prefix,
             "bert",

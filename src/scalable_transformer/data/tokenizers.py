@@ -23,6 +23,8 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from scalable_transformer.cache import cache_dir
 from scalable_transformer.data.corpus import _atomic_write, corpus_fingerprint, embedded_documents
+from scalable_transformer.data.text_readers import iter_texts
+from scalable_transformer.errors import PreprocessError
 
 # Bump when the embedded tokenizer's recipe changes, so stale caches are not reused.
 TOKENIZER_VERSION = 1
@@ -383,8 +385,6 @@ def train_tokenizer(
     no normalizer: with `lowercase`, only tokenizer.json lower-cases the input). Each file is
     written atomically. Returns the path of tokenizer.json.
     """
-    from scalable_transformer.data.preprocess import PreprocessError, iter_texts
-
     if kind not in ("wordpiece", "bpe"):
         raise ValueError(f"tokenizer kind must be 'wordpiece' or 'bpe', got {kind!r}")
     minimum = len(SPECIAL_TOKENS) + 1 if kind == "wordpiece" else 257

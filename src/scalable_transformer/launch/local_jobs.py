@@ -8,6 +8,7 @@ neither a timeout nor the caller's death leaves ranks behind. It imports no torc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import signal
@@ -16,6 +17,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+import psutil
 
 from .launcher import JobSpec, LaunchResult
 
@@ -95,8 +98,6 @@ def _child_setup(mb: int | None) -> Callable[[], None]:
             limit = mb * 2**20
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         if sys.platform.startswith("linux"):
-            import ctypes
-
             pr_set_pdeathsig = 1
             ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
@@ -106,8 +107,6 @@ def _child_setup(mb: int | None) -> Callable[[], None]:
 def _kill_tree(proc: subprocess.Popen) -> None:
     """Stop the launcher and every rank: torchrun starts the ranks in their own sessions, so the
     process group of the launcher does not reach them; the process tree does."""
-    import psutil
-
     try:
         procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:

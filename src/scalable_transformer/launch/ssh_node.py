@@ -16,10 +16,10 @@ import subprocess
 import sys
 import threading
 
+import psutil
+
 
 def _stop(proc: subprocess.Popen) -> None:
-    import psutil
-
     try:
         procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:

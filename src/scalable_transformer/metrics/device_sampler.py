@@ -73,7 +73,7 @@ class NvmlDevice:
     name = "nvml"
 
     def __init__(self, index: int) -> None:
-        import pynvml
+        import pynvml  # optional dependency (the gpu extra); the sampler falls back without it
 
         pynvml.nvmlInit()
         self.nvml = pynvml
@@ -105,7 +105,7 @@ class AmdDevice:
     name = "amdsmi"
 
     def __init__(self, index: int) -> None:
-        import amdsmi
+        import amdsmi  # optional: ships with ROCm only
 
         amdsmi.amdsmi_init()
         self.smi = amdsmi

@@ -24,6 +24,7 @@ import logging
 from typing import Any, NamedTuple
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from ..parallel.torch_compat import profiler_allocation_tag
 
@@ -44,8 +45,6 @@ class TensorBytesTracker:
 
     def start(self) -> None:
         try:
-            from torch.profiler import ProfilerActivity, profile
-
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profiler.start()
         except Exception as e:  # a measuring problem is reported, never fatal

@@ -26,6 +26,10 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+import torch.distributed as dist
+
+from ..parallel.distributed import all_reduce_floats
+
 
 class _Timer:
     def __init__(self, name: str, sync_fn: Callable[[], None] | None, clock: Callable[[], float]) -> None:
@@ -155,8 +159,6 @@ def minmax_over_ranks(
     option): a straggler or an unbalanced pipeline stage shows as a wide spread. `names` is the same
     list on every rank (a rank that did not run a phase sends nothing for it). One all-reduce; every
     rank of the group must call it."""
-    from ..parallel.distributed import all_reduce_floats
-
     names = list(names)
     absent = -math.inf
     # max(x) and max(-x) = -min(x) in one MAX all-reduce; absent phases contribute -inf to both
@@ -173,8 +175,6 @@ def minmax_over_ranks(
 
 
 def _max_op() -> Any:
-    import torch.distributed as dist
-
     return dist.ReduceOp.MAX
 
 

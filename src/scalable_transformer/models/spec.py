@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models.stage import make_stage
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
@@ -268,8 +269,6 @@ class ModelSpec:
         nn.ModuleDict keyed by global index), the embedding if `first`, the head if `last` (plus the
         tied word-embedding copy when tied and not first). Parameter names stay the full model's.
         Shares `model`'s submodules; see models/stage.py."""
-        from scalable_transformer.models.stage import make_stage
-
         return make_stage(
             model,
             layer_ids,

@@ -52,20 +52,15 @@ def to_megatron_bert(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     return _to_hf(model, cfg, pre_ln=True)
 
 
-def _to_hf(model: torch.nn.Module, cfg: ModelConfig, pre_ln: bool) -> Any:
-    import transformers
-
-    refuse(megatron_bert_unsupported(cfg) if pre_ln else bert_unsupported(cfg))
+def _hf_config(config_class: Any, cfg: ModelConfig) -> Any:
+    """The Hugging Face (Megatron)BertConfig of our model config; the vocabulary padded, as trained."""
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
-    h, n = cfg.hidden_size, cfg.num_attention_heads
-    d = h // n
-    prefix = "MegatronBert" if pre_ln else "Bert"
-    config_class = getattr(transformers, f"{prefix}Config")
-    hf_cfg = config_class(
+    h = cfg.hidden_size
+    return config_class(
         vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by),
         hidden_size=h,
         num_hidden_layers=cfg.num_layers,
-        num_attention_heads=n,
+        num_attention_heads=cfg.num_attention_heads,
         intermediate_size=cfg.ffn_hidden_size or 4 * h,
         hidden_act="gelu" if cfg.activation == "gelu" else "gelu_new",
         max_position_embeddings=cfg.max_position_embeddings,
@@ -74,21 +69,24 @@ def _to_hf(model: torch.nn.Module, cfg: ModelConfig, pre_ln: bool) -> Any:
         hidden_dropout_prob=cfg.hidden_dropout,
         attention_probs_dropout_prob=cfg.attention_dropout,
     )
-    hf = getattr(transformers, f"{prefix}ForPreTraining")(hf_cfg)
-    ours = model.state_dict()
-    sd = dict(hf.state_dict())  # keeps HF's own tensors where we have none (pooler without binary head)
+
+
+def _outer_weights(ours: dict[str, torch.Tensor], sd: dict[str, Any], pre_ln: bool) -> dict[str, Any]:
+    """HF's embeddings, final or embedding norm, MLM head, pooler and binary head from ours (`sd`: HF's
+    own state dict, for the tensors we have no counterpart of)."""
     e = "bert.embeddings."
+    out: dict[str, Any] = {}
     if pre_ln:  # the norm after the last layer; no norm after the embeddings
-        sd |= {
+        out |= {
             "bert.encoder.ln.weight": ours["final_norm.weight"],
             "bert.encoder.ln.bias": ours["final_norm.bias"],
         }
     else:
-        sd |= {
+        out |= {
             e + "LayerNorm.weight": ours["embedding.norm.weight"],
             e + "LayerNorm.bias": ours["embedding.norm.bias"],
         }
-    sd |= {
+    out |= {
         e + "word_embeddings.weight": ours["embedding.word.weight"],
         e + "position_embeddings.weight": ours["embedding.position.weight"],
         "cls.predictions.transform.dense.weight": ours["lm_head.dense.weight"],
@@ -99,44 +97,63 @@ def _to_hf(model: torch.nn.Module, cfg: ModelConfig, pre_ln: bool) -> Any:
         "cls.predictions.bias": ours["lm_head.bias"],
     }
     if "cls.predictions.decoder.bias" in sd:
-        sd["cls.predictions.decoder.bias"] = ours["lm_head.bias"]
+        out["cls.predictions.decoder.bias"] = ours["lm_head.bias"]
     if "embedding.tokentype.weight" in ours:
-        sd[e + "token_type_embeddings.weight"] = ours["embedding.tokentype.weight"]
+        out[e + "token_type_embeddings.weight"] = ours["embedding.tokentype.weight"]
     else:
-        sd[e + "token_type_embeddings.weight"] = torch.zeros_like(sd[e + "token_type_embeddings.weight"])
+        out[e + "token_type_embeddings.weight"] = torch.zeros_like(sd[e + "token_type_embeddings.weight"])
     if "pooler.weight" in ours:
-        sd |= {
+        out |= {
             "bert.pooler.dense.weight": ours["pooler.weight"],
             "bert.pooler.dense.bias": ours["pooler.bias"],
             "cls.seq_relationship.weight": ours["binary_head.weight"],
             "cls.seq_relationship.bias": ours["binary_head.bias"],
         }
-    for i in range(cfg.num_layers):
-        o, t = f"layers.{i}.", f"bert.encoder.layer.{i}."
-        q_w, k_w, v_w = ours[o + "attention.qkv.weight"].view(n, 3, d, h).unbind(1)
-        q_b, k_b, v_b = ours[o + "attention.qkv.bias"].view(n, 3, d).unbind(1)
-        sd |= {
-            t + "attention.self.query.weight": q_w.reshape(h, h),
-            t + "attention.self.query.bias": q_b.reshape(h),
-            t + "attention.self.key.weight": k_w.reshape(h, h),
-            t + "attention.self.key.bias": k_b.reshape(h),
-            t + "attention.self.value.weight": v_w.reshape(h, h),
-            t + "attention.self.value.bias": v_b.reshape(h),
-            t + "attention.output.dense.weight": ours[o + "attention.proj.weight"],
-            t + "attention.output.dense.bias": ours[o + "attention.proj.bias"],
-            t + "intermediate.dense.weight": ours[o + "mlp.up.weight"],
-            t + "intermediate.dense.bias": ours[o + "mlp.up.bias"],
-            t + "output.dense.weight": ours[o + "mlp.down.weight"],
-            t + "output.dense.bias": ours[o + "mlp.down.bias"],
+    return out
+
+
+def _layer_weights(ours: dict[str, torch.Tensor], i: int, cfg: ModelConfig, pre_ln: bool) -> dict[str, Any]:
+    """HF's tensors of layer i: our fused QKV split per head into query/key/value, the rest renamed."""
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    d = h // n
+    o, t = f"layers.{i}.", f"bert.encoder.layer.{i}."
+    q_w, k_w, v_w = ours[o + "attention.qkv.weight"].view(n, 3, d, h).unbind(1)
+    q_b, k_b, v_b = ours[o + "attention.qkv.bias"].view(n, 3, d).unbind(1)
+    out = {
+        t + "attention.self.query.weight": q_w.reshape(h, h),
+        t + "attention.self.query.bias": q_b.reshape(h),
+        t + "attention.self.key.weight": k_w.reshape(h, h),
+        t + "attention.self.key.bias": k_b.reshape(h),
+        t + "attention.self.value.weight": v_w.reshape(h, h),
+        t + "attention.self.value.bias": v_b.reshape(h),
+        t + "attention.output.dense.weight": ours[o + "attention.proj.weight"],
+        t + "attention.output.dense.bias": ours[o + "attention.proj.bias"],
+        t + "intermediate.dense.weight": ours[o + "mlp.up.weight"],
+        t + "intermediate.dense.bias": ours[o + "mlp.up.bias"],
+        t + "output.dense.weight": ours[o + "mlp.down.weight"],
+        t + "output.dense.bias": ours[o + "mlp.down.bias"],
+    }
+    norm1, norm2 = ("attention.ln", "ln") if pre_ln else ("attention.output.LayerNorm", "output.LayerNorm")
+    for ours_name, hf_name in (("norm1", norm1), ("norm2", norm2)):
+        out |= {
+            t + f"{hf_name}.weight": ours[o + f"{ours_name}.weight"],
+            t + f"{hf_name}.bias": ours[o + f"{ours_name}.bias"],
         }
-        norm1, norm2 = (
-            ("attention.ln", "ln") if pre_ln else ("attention.output.LayerNorm", "output.LayerNorm")
-        )
-        for ours_name, hf_name in (("norm1", norm1), ("norm2", norm2)):
-            sd |= {
-                t + f"{hf_name}.weight": ours[o + f"{ours_name}.weight"],
-                t + f"{hf_name}.bias": ours[o + f"{ours_name}.bias"],
-            }
+    return out
+
+
+def _to_hf(model: torch.nn.Module, cfg: ModelConfig, pre_ln: bool) -> Any:
+    import transformers  # optional (the bench extra): only an export needs it
+
+    refuse(megatron_bert_unsupported(cfg) if pre_ln else bert_unsupported(cfg))
+    prefix = "MegatronBert" if pre_ln else "Bert"
+    hf_cfg = _hf_config(getattr(transformers, f"{prefix}Config"), cfg)
+    hf = getattr(transformers, f"{prefix}ForPreTraining")(hf_cfg)
+    ours = model.state_dict()
+    sd = dict(hf.state_dict())  # keeps HF's own tensors where we have none (pooler without binary head)
+    sd |= _outer_weights(ours, sd, pre_ln)
+    for i in range(cfg.num_layers):
+        sd |= _layer_weights(ours, i, cfg, pre_ln)
     hf.load_state_dict({k: v.contiguous() for k, v in sd.items()})
     return hf.eval()
 

@@ -16,6 +16,11 @@ from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
 from scalable_transformer.models.hf_shape import GPT, Needs, classic_block, mismatches, pre_ln, refuse
+from scalable_transformer.models.layers import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_POSITIONS,
+)
 
 
 def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
@@ -26,7 +31,7 @@ def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
 
 def to_gpt2(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers GPT2LMHeadModel holding `model`'s weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # optional dependency (the bench extra)
 
     refuse(gpt2_unsupported(cfg))
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
@@ -122,12 +127,6 @@ def llama_unsupported(cfg: ModelConfig) -> list[str]:
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    from scalable_transformer.models.layers import (
-        LLAMA3_HIGH_FREQ_FACTOR,
-        LLAMA3_LOW_FREQ_FACTOR,
-        LLAMA3_ORIGINAL_POSITIONS,
-    )
-
     if not cfg.rope_scaling:
         return {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     return {
@@ -142,7 +141,7 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers LlamaForCausalLM holding `model`'s weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency (the bench extra)
 
     refuse(llama_unsupported(cfg), "LlamaForCausalLM")
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
@@ -213,12 +212,6 @@ def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
 def overrides_from_llama(hf: Any) -> dict[str, Any]:
     """The model.* settings (as `key: value`) describing a Hugging Face LlamaConfig; CheckpointError
     naming the setting when it has no equivalent here."""
-    from scalable_transformer.models.layers import (
-        LLAMA3_HIGH_FREQ_FACTOR,
-        LLAMA3_LOW_FREQ_FACTOR,
-        LLAMA3_ORIGINAL_POSITIONS,
-    )
-
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     problems = []
@@ -284,7 +277,7 @@ def neox_unsupported(cfg: ModelConfig) -> list[str]:
 
 def to_neox(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     """A transformers GPTNeoXForCausalLM holding `model`'s weights."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # optional dependency (the bench extra)
 
     refuse(neox_unsupported(cfg), "GPTNeoXForCausalLM")
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
