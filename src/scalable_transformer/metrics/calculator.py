@@ -12,7 +12,8 @@ import warnings
 from typing import Any
 
 from ..config.model_shapes import ModelShape, sized_model, total_params
-from .device_specs import normalize_dtype, resolve_peak
+from .device_specs import resolve_peak
+from .device_table import normalize_dtype
 from .flops import CONVENTIONS, flops_per_iteration, throughput_metrics
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "seq_length", "vocab_size", "ffn_hidden_size")

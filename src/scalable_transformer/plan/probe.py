@@ -124,7 +124,7 @@ def _cache_key(cfg: Config, world_size: int, num_layers: int, iters: int, warmup
     import platform
 
     from ..config.load import to_yaml
-    from ..metrics.device_specs import _cpu_model
+    from ..metrics.device_table import cpu_model
 
     body = to_yaml(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=num_layers)))
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -135,7 +135,7 @@ def _cache_key(cfg: Config, world_size: int, num_layers: int, iters: int, warmup
     except Exception:  # a part of the key only
         torch_version = "?"
     return (
-        f"{METHOD} | {digest} | world={world_size} | iters={iters}/{warmup} | {_cpu_model()} | "
+        f"{METHOD} | {digest} | world={world_size} | iters={iters}/{warmup} | {cpu_model()} | "
         f"cores={os.cpu_count()} | torch={torch_version} | python={platform.python_version()}"
     )
 

@@ -1,5 +1,6 @@
 """Predictions that learn: the planner's step time stored beside every run's measurement
-(`run_prediction`), and the op-class corrections of a hardware profile refitted from stored runs
+(`prediction_record`; calibrate/this_machine.py `run_prediction` builds the cluster), and the
+op-class corrections of a hardware profile refitted from stored runs
 (`refit_corrections`, `stx plan --calibrate-from`).
 
 The refit matches each run's measured phase timers against the prediction's seconds per phase and op
@@ -10,45 +11,9 @@ docs/PLANNER.md ("Prediction error and refits") states the bounds and the minimu
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from ..config.schema import Config
-
-
-def _gpu_cluster(world: int) -> Any:
-    """The table device matching torch.cuda's device name, as nodes x LOCAL_WORLD_SIZE devices."""
-    import torch
-
-    from ..metrics.device_specs import detect_device_name
-    from .cluster import table_cluster
-
-    if not torch.cuda.is_available():
-        raise ValueError("the run was on CUDA, but there is no CUDA device now; no prediction")
-    name = detect_device_name()
-    if name is None:
-        raise ValueError(
-            f"the GPU {torch.cuda.get_device_name()!r} is not in the device table "
-            "(metrics/device_specs.py); no prediction"
-        )
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return table_cluster(name, max(1, world // max(1, per_node)), min(per_node, world))
-
-
-def _cpu_cluster_after_run(world: int, dtype: str) -> Any:
-    """This CPU as `world` processes. The 1-minute load average read at the end of a run counts the
-    run's own threads; they are taken out again so the share is what other work left the job."""
-    import dataclasses
-
-    from .cluster import cpu_cluster
-
-    cluster = cpu_cluster(world, dtype)
-    if cluster.load_average is None:
-        return cluster
-    cores = os.cpu_count() or 1
-    own = world * cluster.threads
-    others = max(0.0, cluster.load_average - own)
-    return dataclasses.replace(cluster, cpu_share=min(1.0, cores / (others + own)))
 
 
 def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
@@ -75,46 +40,6 @@ def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
 
 
 PROFILE_ENV = "STX_HARDWARE_PROFILE"
-
-
-def _profile_cluster(path: str, world: int) -> Any:
-    """The hardware profile (or cluster file) at `path` as `world` devices, the way `stx plan
-    --hardware PATH --world-size WORLD` builds it."""
-    from .cluster import load_hardware, with_nodes
-
-    cluster = load_hardware(path)
-    per = cluster.devices_per_node
-    return with_nodes(cluster, -(-world // per), min(per, world))
-
-
-def run_prediction(cfg: Config, world: int, device_type: str) -> dict[str, Any]:
-    """{"prediction": {...}} for a finished run's resolved config on the hardware it ran on, or
-    {"prediction_error": "..."} saying why there is none. Never raises: a prediction is an aid. The
-    hardware: the profile named by $STX_HARDWARE_PROFILE (what `stx plan --hardware` would use, so
-    `stx plan --calibrate-from` refits that profile from these runs), else this CPU as `world`
-    processes (only rates an earlier plan measured and cached: nothing is measured here) or the table
-    GPU matching torch.cuda's device name."""
-    from ..metrics.cpu_rates import NotMeasured, cached_only
-
-    try:
-        if os.environ.get(PROFILE_ENV):
-            cluster = _profile_cluster(os.environ[PROFILE_ENV], world)
-        elif device_type == "cuda":
-            cluster = _gpu_cluster(world)
-        else:
-            # this CPU's rates as earlier plans measured them: nothing is measured at a run's end
-            with cached_only():
-                cluster = _cpu_cluster_after_run(world, cfg.train.precision)
-                return {"prediction": prediction_record(cfg, cluster)}
-        return {"prediction": prediction_record(cfg, cluster)}
-    except NotMeasured as e:
-        return {
-            "prediction_error": f"this CPU's rates are not measured yet ({e}): `stx plan CONFIG --device cpu "
-            f"--world-size {world} --no-probe` measures them once (cached), or set {PROFILE_ENV} to a "
-            "`stx calibrate` profile"
-        }
-    except Exception as e:  # reported in summary.json, never fatal
-        return {"prediction_error": f"{type(e).__name__}: {e}"}
 
 
 # --- refitting the op-class corrections from stored runs -------------------------------------------

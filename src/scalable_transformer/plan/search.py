@@ -36,7 +36,7 @@ class Prediction:
     dtype: str
     # how the step time was obtained: the rate model, or measured (plan/probe.py) on a CPU
     time_method: str = RATE_MODEL
-    # `--dry-run`: the engine on fake tensors at this world size (plan/dry_run.py), or {"error": ...}
+    # `--dry-run`: the engine on fake tensors at this world size (dryrun/dry_run.py), or {"error": ...}
     dry_run: dict[str, Any] | None = None
 
     @property
