@@ -36,6 +36,25 @@ def test_layout_rules_import_neither_torch_nor_models():
     assert out.stdout.strip().startswith("dp=2 tp=8 pp=4 zero")
 
 
+def test_the_planner_predicts_a_table_gpu_without_torch():
+    """plan/ is torch-free (its import contract in pyproject.toml): a search on a table device's
+    cluster loads neither torch nor the measuring side (calibrate/, dryrun/)."""
+    code = (
+        "import sys\n"
+        "from scalable_transformer.config.load import load_config\n"
+        "from scalable_transformer.plan.cluster import table_cluster\n"
+        "from scalable_transformer.plan.search import search_layouts\n"
+        "results = search_layouts(load_config('gpt-1b', []), table_cluster('h100-sxm', 2, 8))\n"
+        "print(sum(r.fits for r in results))\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('scalable_transformer.calibrate', "
+        "'scalable_transformer.dryrun'))]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) > 0
+
+
 @pytest.mark.parametrize(
     "schedule, pp, virtual, want",
     [
