@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..cache import (
     cache_dir,
@@ -95,7 +97,6 @@ def measure_cpu_kernels(
     torch's intra-op threads for the measurement (restored afterwards).
     """
     import torch
-    import torch.nn.functional as F
 
     dt = normalize_dtype(dtype)
     if dt not in _CPU_DTYPES:
@@ -109,21 +110,6 @@ def measure_cpu_kernels(
     gen = torch.Generator().manual_seed(0)
     autocast = torch.autocast("cpu", dtype=low) if dt != "fp32" else torch.autocast("cpu", enabled=False)
 
-    def operands(kernel: str, n: int):
-        a = torch.randn(n, n, generator=gen)
-        b = torch.randn(n, n, generator=gen)
-        if kernel == "forward":
-            return a, b.requires_grad_()  # fp32 in; autocast casts, as in training
-        return a.to(low), b.to(low)
-
-    def call(kernel: str, a, b) -> None:
-        if kernel == "forward":
-            F.linear(a, b)
-        elif kernel == "grad_input":
-            torch.mm(a, b)
-        else:
-            torch.mm(a.t(), b)
-
     best = {"forward": 0.0, "grad_input": 0.0, "grad_weight": 0.0}
     try:
         with torch.no_grad(), autocast:
@@ -131,28 +117,12 @@ def measure_cpu_kernels(
 
             def timed(kernel: str, n: int, a, b) -> float:
                 start = time.perf_counter()
-                call(kernel, a, b)
+                _linear_gemm(kernel, a, b)
                 seconds = time.perf_counter() - start
                 best[kernel] = max(best[kernel], 2 * n**3 / seconds)
                 return seconds
 
-            sized = {}
-            for kernel in best:
-                n = 256
-                a, b = operands(kernel, n)
-                seconds = timed(kernel, n, a, b)
-                # grow until a run is long enough to scale (or the budget is spent: a loaded machine)
-                while seconds < 0.01 and n < 4096 and time.perf_counter() < deadline:
-                    n *= 2
-                    a, b = operands(kernel, n)
-                    seconds = timed(kernel, n, a, b)
-                # scale to ~0.05 s per run, in multiples of 256 (a slow kernel stays small)
-                target = int(min(4096, max(256, round(n * (0.05 / seconds) ** (1 / 3) / 256) * 256)))
-                if target != n and time.perf_counter() < deadline:
-                    n = target
-                    a, b = operands(kernel, n)
-                call(kernel, a, b)  # warm-up: the first call at a size pays for packing/dispatch
-                sized[kernel] = (n, a, b)
+            sized = {kernel: _sized_operands(kernel, timed, low, gen, deadline) for kernel in best}
             for _ in range(20):
                 for kernel, (n, a, b) in sized.items():
                     if time.perf_counter() >= deadline:
@@ -161,6 +131,53 @@ def measure_cpu_kernels(
         return best
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _gemm_operands(kernel: str, n: int, low: Any, gen: Any) -> tuple[Any, Any]:
+    """Two n x n operands of one of a linear layer's GEMMs (measure_cpu_kernels): fp32 with W a leaf
+    that requires grad for the forward (autocast casts it, as in training), else in the low dtype."""
+    import torch
+
+    a = torch.randn(n, n, generator=gen)
+    b = torch.randn(n, n, generator=gen)
+    if kernel == "forward":
+        return a, b.requires_grad_()  # fp32 in; autocast casts, as in training
+    return a.to(low), b.to(low)
+
+
+def _linear_gemm(kernel: str, a: Any, b: Any) -> None:
+    """One call of a linear layer's GEMM: the forward F.linear, or a backward matmul."""
+    import torch
+    import torch.nn.functional as F
+
+    if kernel == "forward":
+        F.linear(a, b)
+    elif kernel == "grad_input":
+        torch.mm(a, b)
+    else:
+        torch.mm(a.t(), b)
+
+
+def _sized_operands(
+    kernel: str, timed: Callable[[str, int, Any, Any], float], low: Any, gen: Any, deadline: float
+) -> tuple[int, Any, Any]:
+    """The size a GEMM is timed at and its operands: grown from 256 until one run takes ~10 ms, then
+    scaled to ~0.05 s per run (within the budget's deadline), warmed up once at that size."""
+    n = 256
+    a, b = _gemm_operands(kernel, n, low, gen)
+    seconds = timed(kernel, n, a, b)
+    # grow until a run is long enough to scale (or the budget is spent: a loaded machine)
+    while seconds < 0.01 and n < 4096 and time.perf_counter() < deadline:
+        n *= 2
+        a, b = _gemm_operands(kernel, n, low, gen)
+        seconds = timed(kernel, n, a, b)
+    # scale to ~0.05 s per run, in multiples of 256 (a slow kernel stays small)
+    target = int(min(4096, max(256, round(n * (0.05 / seconds) ** (1 / 3) / 256) * 256)))
+    if target != n and time.perf_counter() < deadline:
+        n = target
+        a, b = _gemm_operands(kernel, n, low, gen)
+    _linear_gemm(kernel, a, b)  # warm-up: the first call at a size pays for packing/dispatch
+    return n, a, b
 
 
 def measure_cpu_peak(dtype: str, threads: int | None = None, *, budget_seconds: float = 2.0) -> float:

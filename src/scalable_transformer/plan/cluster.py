@@ -19,14 +19,15 @@ A cluster YAML file (every size in the units its key names):
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StxWarning
 from ..metrics.device_table import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
-from .hardware_profile import HardwareProfile
+from .hardware_profile import HardwareProfile, is_profile_file, load_profile, profile_mismatch, read_yaml
 
 GIB = 2**30
 # What the CUDA context, NCCL communicators and the caching allocator's fragmentation take of a GPU
@@ -117,8 +118,6 @@ def builtin_profile(device_key: str) -> HardwareProfile | None:
     """The shipped hardware profile of a table device (plan/profiles/<key>.yaml, built from public
     kernel data by benchmarks/build_gpu_profiles.py), or None for a device without one."""
     if device_key not in _BUILTIN:
-        from .hardware_profile import load_profile
-
         path = PROFILES_DIR / f"{device_key}.yaml"
         _BUILTIN[device_key] = load_profile(path) if path.exists() else None
     return _BUILTIN[device_key]
@@ -142,7 +141,6 @@ _YAML_KEYS = {
 
 def load_cluster(path: str | Path, nodes: int | None = None) -> Cluster:
     """A cluster from a YAML file (module docstring); `nodes` overrides the file's node count."""
-    from .hardware_profile import read_yaml
 
     path = Path(path)
     data = read_yaml(path, "hardware file")
@@ -281,10 +279,6 @@ def load_hardware(
     a warning naming each way a CPU profile's fingerprint differs from this machine's (`here()`, from the
     measuring side: calibrate/this_machine.py `fingerprint_here`; None: not compared), or a cluster
     YAML file."""
-    import warnings
-
-    from ..errors import StxWarning
-    from .hardware_profile import is_profile_file, load_profile, profile_mismatch
 
     if not is_profile_file(path):
         return load_cluster(path, nodes=nodes)

@@ -45,7 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..errors import ConfigError
+from ..files import write_atomic
 
 FORMAT = 1
 KINDS = ("cpu", "gpu")
@@ -539,7 +542,6 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 def read_yaml(path: str | Path, what: str) -> Any:
     """A hardware YAML file's contents; an unreadable or invalid file is a ConfigError naming it as `what`."""
-    import yaml
 
     path = Path(path)
     try:
@@ -552,7 +554,6 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 def is_profile_file(path: str | Path) -> bool:
     """Whether a hardware YAML file is a profile (it has `format:`) rather than a cluster file."""
-    import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -608,9 +609,6 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
     """Write a profile as YAML, atomically (a reader sees the old file or the new one)."""
-    import yaml
-
-    from ..files import write_atomic
 
     path = Path(path)
     text = yaml.safe_dump(profile_to_dict(profile), sort_keys=False, default_flow_style=None, width=110)

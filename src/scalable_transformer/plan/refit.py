@@ -11,16 +11,19 @@ docs/PLANNER.md ("Prediction error and refits") states the bounds and the minimu
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
+import numpy as np
+
 from ..config.schema import Config
+from .speed import step_time
 
 
 def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
     """{step_seconds, breakdown, classes, hardware, cluster} of `plan.speed.step_time` for a resolved
     config on a cluster (seconds per optimizer step; classes: phase -> op class -> seconds, empty when
     the time model does not split by op class)."""
-    from .speed import step_time
 
     st = step_time(cfg, cluster)
     profile = getattr(cluster, "profile", None)
@@ -123,7 +126,6 @@ def equations(prediction: dict[str, Any], phases_ms: dict[str, float]) -> list[t
 def _bounded_least_squares(a: Any, b: Any, x0: Any, free: Any) -> Any:
     """min |A x - b|^2 with BOUNDS on the free entries of x (the others stay at x0): projected
     coordinate descent, exact on each coordinate and convergent for this convex problem."""
-    import numpy as np
 
     x = np.array(x0, dtype=float)
     norms = (a * a).sum(axis=0)
@@ -141,7 +143,6 @@ def _bounded_least_squares(a: Any, b: Any, x0: Any, free: Any) -> Any:
 def _system(samples: list[RunSample]) -> tuple[Any, Any]:
     """Rows (seconds per class) and right-hand sides (measured seconds) of every run's timer groups
     and of its whole step, each divided by the run's measured step so every run counts alike."""
-    import numpy as np
 
     rows, rhs = [], []
     for sample in samples:
@@ -168,7 +169,6 @@ def refit_corrections(
     least absolute deviations (iteratively reweighted bounded least squares) of the runs' timer
     groups and whole steps, relative to each run's step, so one disturbed phase moves the fit less
     than it would squared; classes under MIN_CLASS_SHARE keep `current`."""
-    import numpy as np
 
     if len(samples) < MIN_RUNS:
         raise ValueError(
@@ -195,7 +195,6 @@ def refit_corrections(
 
 def median_error(samples: list[RunSample], corrections: dict[str, float] | None = None) -> float:
     """Median |predicted / measured - 1| of the runs' steps (with `corrections`: as refitted)."""
-    import statistics
 
     return statistics.median(
         abs(
