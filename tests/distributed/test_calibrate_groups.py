@@ -1,5 +1,5 @@
 """`stx calibrate`'s collectives on 4 gloo processes: besides the whole node, each node's ranks split
-into smaller groups timed side by side (plan/calibrate.py `collective_groups`), so that a layout's
+into smaller groups timed side by side (calibrate/collective_rates.py `collective_groups`), so that a layout's
 2-rank tensor- or data-parallel groups are planned at a 2-rank measurement, not at the 4-rank curve
 scaled by its ring factor. Two "nodes" of 2 ranks each have no smaller groups, and their cross-node
 groups span all ranks."""

@@ -42,7 +42,8 @@ import torch
 
 from ..config.rules import physical_memory_bytes
 from ..config.schema import Config
-from ..metrics.device_specs import PEAK_TFLOPS, detect_device_name, lookup_peak
+from ..metrics.device_specs import detect_device_name
+from ..metrics.device_table import PEAK_TFLOPS, lookup_peak
 from ..plan.hardware_profile import CORRECTION_CLASSES, FORMAT, profile_from_dict
 from .collective_rates import host_link_gbps, measure_collectives
 from .kernels import (
