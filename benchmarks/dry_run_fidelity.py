@@ -1,6 +1,6 @@
 """The dry run against the real run, on every layout of benchmarks/plan_accuracy.py (issue 20).
 
-For each layout: `plan.dry_run.dry_run_isolated` (the engine on fake tensors over a fake process group
+For each layout: `dryrun.dry_run.dry_run_isolated` (the engine on fake tensors over a fake process group
 of the layout's size, device cpu) and one real `stx launch -n N train ...` of the same config with
 `logging.track_tensor_bytes=true`, whose summary.json gives `peak_tensor_bytes_per_rank`. Each
 simulated rank is compared with the same rank of the real run (target: within 3%), and the ranks the
@@ -55,7 +55,7 @@ def main() -> int:
 
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
-    from scalable_transformer.plan.dry_run import DryRunError, dry_run_isolated
+    from scalable_transformer.dryrun.dry_run import DryRunError, dry_run_isolated
 
     stx = str(Path(sys.executable).with_name("stx"))
     names = args.only or list(plan_accuracy.LAYOUTS)
@@ -104,7 +104,7 @@ def main() -> int:
         f"{time.perf_counter() - started:.0f} s.",
         f"Model: {' '.join(plan_accuracy.COMMON)} {' '.join(EXTRA)}. Real: `logging.track_tensor_bytes` "
         "(torch.profiler allocation events, metrics/live_tensor_bytes.py). Dry: `stx plan --dry-run`'s "
-        "engine on fake tensors, device cpu (plan/dry_run.py); a rank not simulated is compared with the "
+        "engine on fake tensors, device cpu (dryrun/dry_run.py); a rank not simulated is compared with the "
         "simulated rank of its pipeline stage ('class').",
         "",
         f"Within {TARGET:.0%}: {within} of {compared} ranks.",

@@ -4,7 +4,7 @@ gpt-7b and bert-175b across ZeRO-0/1/2/3, offload, tensor/sequence/pipeline para
 pipeline schedule, recompute modes and micro-batch sizes.
 
 For every layout: `plan.search.plan_config` on `plan.cluster.table_cluster(device, nodes, 8)`, then
-`plan.dry_run.verify` (the dry run in a child process, `dry_run_isolated`: one simulated rank per
+`dryrun.dry_run.verify` (the dry run in a child process, `dry_run_isolated`: one simulated rank per
 pipeline rank, plus ZeRO-1's heaviest optimizer shard). Per simulated rank the record has the dry
 run's peak live tensor bytes against the analytic stage total less its reserve, and where the peak
 is; per layout the dry run's seconds, host syncs in a non-logging step, the child's peak RSS, and
@@ -124,8 +124,8 @@ LAYOUTS: dict[str, tuple[str, str, int, list[str]]] = {
 def run_layout(name: str) -> dict:
     """Plan and dry-run one layout; every failure becomes the row's `error`."""
     from scalable_transformer.config.load import load_config
+    from scalable_transformer.dryrun.dry_run import verify
     from scalable_transformer.plan.cluster import table_cluster
-    from scalable_transformer.plan.dry_run import verify
     from scalable_transformer.plan.search import plan_config
 
     preset, device, nodes, overrides = LAYOUTS[name]
@@ -190,7 +190,7 @@ def render(rows: list[dict], args: argparse.Namespace, env: dict, total_seconds:
         f"Command: `{cmd}` (total {total_seconds / 60:.1f} min, one dry run at a time).",
         "",
         "Every layout: `stx plan` for the preset with the overrides listed below on "
-        f"`table_cluster(device, nodes, {GPUS_PER_NODE})`, then `plan.dry_run.verify`: the engine "
+        f"`table_cluster(device, nodes, {GPUS_PER_NODE})`, then `dryrun.dry_run.verify`: the engine "
         "(`Trainer.fit`, two steps, the second a logging step) on fake tensors over a fake process group "
         "of the target world size, one simulated rank per pipeline rank (dp = tp = 0; under ZeRO-1 also "
         "the dp rank with the largest optimizer shard), in a child process. *Dry run GiB* = that rank's "

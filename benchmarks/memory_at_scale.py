@@ -11,7 +11,7 @@ Four parts, each a section of the record:
   sp      gpt-13b / gpt-7b with tp 2-8 and sequence parallelism, bf16, seq 2048: the peak by dry run
           before (DTensor's gathered qkv/up inputs saved whole: the engine run with `SavedShards`
           switched off in the dry run's process) and after.
-  layers  bytes one layer keeps per micro-batch by dry run (plan/dry_run.py `saved_bytes_per_layer`)
+  layers  bytes one layer keeps per micro-batch by dry run (dryrun/dry_run.py `saved_bytes_per_layer`)
           at gpt-13b shapes (tp 8, seq 2048, bf16, micro-batch 1, 2, 4) beside Korthikanti et al.
           2022 (the paper's 16-bit formula) and the paper adapted to our attention and dtypes
           (plan/memory_model.py `layer_activation_bytes`).
@@ -39,9 +39,9 @@ from typing import Any
 from scalable_transformer.config.load import load_config, to_yaml
 from scalable_transformer.config.schema import Config
 from scalable_transformer.config.validate import resolve
+from scalable_transformer.dryrun.dry_run import saved_bytes_per_layer
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.plan.cluster import table_cluster
-from scalable_transformer.plan.dry_run import saved_bytes_per_layer
 from scalable_transformer.plan.memory_model import (
     activation_model,
     kept_input_fraction,
@@ -118,14 +118,14 @@ CPU_PAIRS = {  # option: (baseline overrides, option overrides)
 
 
 def dry_run(cfg: Config, world: int, device: str, prelude: str = "") -> dict[str, Any]:
-    """plan/dry_run.py's `dry_run_isolated`, with `prelude` run first in the child (to measure the
+    """dryrun/dry_run.py's `dry_run_isolated`, with `prelude` run first in the child (to measure the
     engine without one of its parts)."""
     with tempfile.TemporaryDirectory(prefix="stx-memory-at-scale-") as tmp:
         config_path, result_path = Path(tmp) / "config.yaml", Path(tmp) / "result.json"
         config_path.write_text(to_yaml(cfg), encoding="utf-8")
         argv = [str(config_path), str(world), device, str(PER_NODE), str(result_path)]
         code = (
-            f"{prelude}\nfrom scalable_transformer.plan.dry_run import _worker_main; _worker_main({argv!r})"
+            f"{prelude}\nfrom scalable_transformer.dryrun.dry_run import _worker_main; _worker_main({argv!r})"
         )
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
         if not result_path.exists():

@@ -1,7 +1,7 @@
 """The planner against measurements on this machine: predicted vs measured peak live tensor bytes per
 rank and step time, for layouts on 1-4 CPU processes (issue 13's "must show").
 
-For every layout: the prediction (`plan.search.plan_config` on `plan.cluster.cpu_cluster(nproc)`:
+For every layout: the prediction (`plan.search.plan_config` on `calibrate.this_machine.cpu_cluster(nproc)`:
 this CPU's measured GEMM, memory-bandwidth, op-overhead and gloo rates) and one run of
 `stx launch -n N train BASE ... logging.track_tensor_bytes=true`, whose summary.json gives the
 measured `peak_tensor_bytes_per_rank` (torch.profiler allocation events, steps 1-3, the largest rank)
@@ -86,13 +86,18 @@ def predict(
     """The planner's prediction: memory and the probed step time on this CPU; the time model's step
     (`--no-probe`) on `cpu_cluster` or, where `profiles` has one for `nproc` processes (`--hardware`),
     on that hardware profile (`stx calibrate`'s)."""
+    from scalable_transformer.calibrate.this_machine import cpu_cluster, fingerprint_here
     from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.cluster import cpu_cluster, load_hardware, with_nodes
+    from scalable_transformer.plan.cluster import load_hardware, with_nodes
     from scalable_transformer.plan.search import plan_config
 
     cfg = load_config(base, overrides)
     cluster = cpu_cluster(nproc, cfg.train.precision)
-    timed = with_nodes(load_hardware(profiles[nproc]), 1, nproc) if nproc in profiles else cluster
+    timed = (
+        with_nodes(load_hardware(profiles[nproc], here=fingerprint_here), 1, nproc)
+        if nproc in profiles
+        else cluster
+    )
     rate = plan_config(cfg, timed).to_dict()
     probed = plan_config(cfg, cluster, probe=True, remeasure=True).to_dict() if probe else rate
     return {

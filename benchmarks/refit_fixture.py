@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def repredict(config_yaml: str, nproc: int, share: float | None) -> dict:
+    from scalable_transformer.calibrate.this_machine import cpu_cluster
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
-    from scalable_transformer.plan.cluster import cpu_cluster
     from scalable_transformer.plan.refit import prediction_record
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:

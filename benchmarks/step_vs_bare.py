@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from scalable_transformer.config.load import ConfigError, load_config, to_yaml
 from scalable_transformer.config.schema import ResolvedConfig
 from scalable_transformer.config.validate import resolve
-from scalable_transformer.metrics.device_specs import PeakInfo, resolve_peak
+from scalable_transformer.metrics.device_specs import resolve_peak
+from scalable_transformer.metrics.device_table import PeakInfo
 from scalable_transformer.metrics.environment import record_sections
 from scalable_transformer.metrics.flops import (
     FlopsCount,

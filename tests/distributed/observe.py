@@ -18,8 +18,8 @@ def observed_run(config: str, overrides: list[str], step: int = 1) -> tuple[Any,
     from rich.console import Console
 
     from scalable_transformer.config.load import load_config
-    from scalable_transformer.plan.dry_run import _group_names
-    from scalable_transformer.plan.dry_run_trace import DryRunTrace
+    from scalable_transformer.dryrun.dry_run import _group_names
+    from scalable_transformer.dryrun.dry_run_trace import DryRunTrace
     from scalable_transformer.train.run import run_training
     from scalable_transformer.train.trainer import Callback
 

@@ -1,5 +1,5 @@
 """`stx calibrate`'s collectives on 4 gloo processes: besides the whole node, each node's ranks split
-into smaller groups timed side by side (plan/calibrate.py `collective_groups`), so that a layout's
+into smaller groups timed side by side (calibrate/collective_rates.py `collective_groups`), so that a layout's
 2-rank tensor- or data-parallel groups are planned at a 2-rank measurement, not at the 4-rank curve
 scaled by its ring factor. Two "nodes" of 2 ranks each have no smaller groups, and their cross-node
 groups span all ranks."""
@@ -14,10 +14,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _measure(rank: int, world_size: int, hosts: list[str]) -> list[tuple[str, int, int, float]]:
-    from scalable_transformer.plan import calibrate as cal
+    from scalable_transformer.calibrate import collective_rates, timing
 
-    job = cal.Job(torch.device("cpu"), rank, world_size, quick=True, hosts=hosts)
-    points = cal.measure_collectives(job, say=lambda _: None)
+    job = timing.Job(torch.device("cpu"), rank, world_size, quick=True, hosts=hosts)
+    points = collective_rates.measure_collectives(job, say=lambda _: None)
     ours = [p for p in points if p["op"] == "all_reduce"]
     return [(p["scope"], p["ranks"], p["size_bytes"], p["time_us"]) for p in ours]
 
@@ -42,9 +42,9 @@ def test_four_ranks_time_every_group_size_a_node_holds_and_agree(tmp_path, hosts
 
 
 def _pairs(rank: int, world_size: int) -> int:
-    from scalable_transformer.plan import calibrate as cal
+    from scalable_transformer.calibrate import parallel_overheads, timing
 
-    job = cal.Job(torch.device("cpu"), rank, world_size, quick=True, hosts=["a"] * world_size)
+    job = timing.Job(torch.device("cpu"), rank, world_size, quick=True, hosts=["a"] * world_size)
     calls: list[int] = []
 
     def test() -> None:  # a layer whose forward meets its peers in a collective, as a sharded one does
@@ -52,7 +52,7 @@ def _pairs(rank: int, world_size: int) -> int:
         torch.distributed.all_reduce(torch.ones(4))
 
     # the ranks' time is up at different calls, as when their clocks cross a deadline apart
-    cal._paired_extra(job, lambda: None, test, seconds=0.0 if rank else 3.0)
+    parallel_overheads._paired_extra(job, lambda: None, test, seconds=0.0 if rank else 3.0)
     return len(calls)
 
 

@@ -47,7 +47,7 @@ def _real(rank: int, world: int, run_dir: str, base: str, overrides: list[str]):
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world), str(rank)
     from observe import observed_run
 
-    from scalable_transformer.plan.dry_run import PLAIN_STEP
+    from scalable_transformer.dryrun.dry_run import PLAIN_STEP
 
     trace, summary = observed_run(base, [*COMMON, *overrides, f"logging.run_dir={run_dir}"], step=PLAIN_STEP)
     calls = sorted((c.group, c.kind, c.bytes) for c in trace.collectives)
@@ -58,7 +58,7 @@ def _real(rank: int, world: int, run_dir: str, base: str, overrides: list[str]):
 def test_dry_run_matches_the_real_run(name, tmp_path):
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
-    from scalable_transformer.plan.dry_run import dry_run
+    from scalable_transformer.dryrun.dry_run import dry_run
 
     base, nproc, overrides = LAYOUTS[name]
     real = run_distributed(

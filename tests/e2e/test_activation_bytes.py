@@ -9,7 +9,7 @@ import pytest
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
-from scalable_transformer.plan.dry_run import saved_bytes_per_layer
+from scalable_transformer.dryrun.dry_run import saved_bytes_per_layer
 from scalable_transformer.plan.memory_model import (
     activation_model,
     kept_input_fraction,

@@ -64,13 +64,13 @@ def test_two_ranks_measure_collectives_and_rank0_writes_a_profile_that_loads(tmp
 RANK_FAILS = """
 import os, sys
 from scalable_transformer.cli import entry, main
-from scalable_transformer.plan import calibrate
+from scalable_transformer.calibrate import calibration
 
 def broken(*args, **kwargs):
     raise RuntimeError("injected failure in rank 1's attention section")
 
 if os.environ["RANK"] == "1":
-    calibrate.measure_attention = broken
+    calibration.measure_attention = broken
 entry(lambda: main(sys.argv[1:]))
 """
 

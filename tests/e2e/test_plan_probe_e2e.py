@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from scalable_transformer.calibrate.this_machine import cpu_cluster
 from scalable_transformer.config.load import load_config
 from scalable_transformer.plan import probe as probe_mod
-from scalable_transformer.plan.cluster import cpu_cluster
 from scalable_transformer.plan.search import plan_config
 
 STX = str(Path(sys.executable).with_name("stx"))

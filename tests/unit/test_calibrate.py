@@ -12,10 +12,11 @@ import pytest
 import torch
 import yaml
 
+from scalable_transformer.calibrate import calibration, kernels, layer_factor, parallel_overheads, timing
+from scalable_transformer.calibrate.this_machine import fingerprint_here
 from scalable_transformer.cli import main
 from scalable_transformer.config.load import load_config
 from scalable_transformer.errors import ConfigError, UsageError
-from scalable_transformer.plan import calibrate as cal
 from scalable_transformer.plan.hardware_profile import (
     ATTENTION_KERNELS,
     load_profile,
@@ -33,22 +34,22 @@ TINY = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads
 def measured() -> dict:
     """One quick calibration of the tiny model in this process (no process group)."""
     cfg = load_config("tiny-gpt", TINY)
-    job = cal.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
+    job = timing.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
     lines: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         # budgets no busy machine runs out of: every point is measured (their tiny shapes stop at
         # MAX_REPEATS calls each, long before); what a spent budget does is tested on its own
-        mp.setattr(cal, "QUICK_BUDGET_SECONDS", dict.fromkeys(cal.SECTIONS, 600.0))
-        mapping = cal.calibrate(cfg, job, lines.append)
+        mp.setattr(timing, "QUICK_BUDGET_SECONDS", dict.fromkeys(timing.SECTIONS, 600.0))
+        mapping = calibration.calibrate(cfg, job, lines.append)
     mapping["_lines"] = lines
     return mapping
 
 
 def test_a_section_whose_budget_is_spent_measures_its_first_point_and_says_what_it_skipped(monkeypatch):
-    monkeypatch.setattr(cal, "QUICK_BUDGET_SECONDS", dict.fromkeys(cal.SECTIONS, 0.0))
+    monkeypatch.setattr(timing, "QUICK_BUDGET_SECONDS", dict.fromkeys(timing.SECTIONS, 0.0))
     lines: list[str] = []
     shapes = [(8, 8, 8), (16, 16, 16), (32, 32, 32)]
-    points = cal.measure_gemm(cal.Job(torch.device("cpu"), quick=True), shapes, "fp32", lines.append)
+    points = kernels.measure_gemm(timing.Job(torch.device("cpu"), quick=True), shapes, "fp32", lines.append)
     assert [(p["m"], p["n"], p["k"]) for p in points] == [(8, 8, 8)]
     assert lines[0].startswith("calibrate: gemm: 1 shapes, best ")
     assert lines[0].endswith("(budget 0 s); 2 point(s) skipped: budget spent")
@@ -56,7 +57,7 @@ def test_a_section_whose_budget_is_spent_measures_its_first_point_and_says_what_
 
 def test_gemm_shapes_are_the_layer_gemms_at_tp_1_and_2_with_their_backward_gemms():
     cfg = load_config("tiny-gpt", TINY)
-    shapes = cal.gemm_shapes(cfg)
+    shapes = kernels.gemm_shapes(cfg)
     rows, h, f, v = 2 * 32, 64, 256, 512  # b s, hidden, 4 h, the vocabulary padded to 128
     for tp in (1, 2):
         for m, n, k in [(rows, 3 * h // tp, h), (rows, h, h // tp), (rows, f // tp, h), (rows, h, f // tp),
@@ -67,16 +68,16 @@ def test_gemm_shapes_are_the_layer_gemms_at_tp_1_and_2_with_their_backward_gemms
     assert (rows // 4, f, h) in shapes and (2 * rows, f, h) in shapes  # around the rows, to interpolate
     work = [m * n * k for m, n, k in shapes]
     assert work == sorted(work)  # a section out of budget drops the largest
-    assert len(cal.gemm_shapes(cfg, quick=True)) < len(shapes)
+    assert len(kernels.gemm_shapes(cfg, quick=True)) < len(shapes)
 
 
 def test_attention_cases_cover_tp_splits_sequence_lengths_and_both_masks():
-    cases = cal.attention_cases(load_config("tiny-gpt", TINY))
+    cases = kernels.attention_cases(load_config("tiny-gpt", TINY))
     assert {(c["heads"], c["seq_len"], c["causal"]) for c in cases} == {
         (n, s, causal) for n in (2, 1) for s in (16, 32, 64) for causal in (True, False)
     }
     assert {c["batch"] for c in cases} == {2} and {c["head_dim"] for c in cases} == {32}
-    assert cal.attention_flops({**cases[0], "causal": False}) == 2 * cal.attention_flops(
+    assert kernels.attention_flops({**cases[0], "causal": False}) == 2 * kernels.attention_flops(
         {**cases[0], "causal": True}
     )
 
@@ -129,10 +130,12 @@ def test_the_profile_round_trips_through_load_profile(measured, tmp_path):
 def test_a_profile_from_another_machine_or_torch_names_each_difference(measured):
     data = copy.deepcopy({k: v for k, v in measured.items() if not k.startswith("_")})
     data["fingerprint"].update(cpu_model="Some Other CPU", device_name="Some Other CPU", torch="1.0.0")
-    differences = profile_mismatch(profile_from_dict(data, "p.yaml"))
+    differences = profile_mismatch(profile_from_dict(data, "p.yaml"), fingerprint_here())
     assert any(d.startswith("torch: profile '1.0.0'") for d in differences), differences
     assert any(d.startswith("cpu_model: profile 'Some Other CPU'") for d in differences), differences
-    assert not profile_mismatch(profile_from_dict({k: v for k, v in measured.items() if k[0] != "_"}, "p"))
+    assert not profile_mismatch(
+        profile_from_dict({k: v for k, v in measured.items() if k[0] != "_"}, "p"), fingerprint_here()
+    )
 
 
 @pytest.mark.parametrize(
@@ -174,10 +177,10 @@ def test_output_is_checked_before_measuring(tmp_path):
 
 def test_an_output_rank0_cannot_write_stops_the_job_before_it_measures(tmp_path):
     (tmp_path / "file").write_text("")
-    job = cal.Job(torch.device("cpu"), hosts=["h"])
+    job = timing.Job(torch.device("cpu"), hosts=["h"])
     with pytest.raises(UsageError, match="cannot create its directory"):
         cal_cli().output_ok(job, tmp_path / "file" / "p.yaml")
-    other = cal.Job(torch.device("cpu"), rank=1, hosts=["h"])  # not rank 0: it writes nothing
+    other = timing.Job(torch.device("cpu"), rank=1, hosts=["h"])  # not rank 0: it writes nothing
     cal_cli().output_ok(other, tmp_path / "file" / "p.yaml")
 
 
@@ -243,7 +246,7 @@ def test_the_elementwise_point_measures_the_model_whatever_layout_the_config_nam
     """The job's config may name the layout of a bigger job (its dp, tp, batch): the point measures
     the model on one rank at tp 1 and does not fail on the config's own world size."""
     cfg = load_config("tiny-gpt", [*TINY, *layout])
-    assert cal._activation_gbps(cal.Job(torch.device("cpu"), quick=True, hosts=["h"]), cfg, 0.2) > 0
+    assert kernels._activation_gbps(timing.Job(torch.device("cpu"), quick=True, hosts=["h"]), cfg, 0.2) > 0
 
 
 @pytest.mark.parametrize(
@@ -257,12 +260,12 @@ def test_the_elementwise_point_measures_the_model_whatever_layout_the_config_nam
 def test_the_model_layer_point_times_the_model_s_own_blocks_whatever_layout_the_config_names(
     measured, model, layout, monkeypatch
 ):
-    monkeypatch.setattr(cal, "QUICK_BUDGET_SECONDS", dict.fromkeys(cal.SECTIONS, 600.0))  # both points
+    monkeypatch.setattr(timing, "QUICK_BUDGET_SECONDS", dict.fromkeys(timing.SECTIONS, 600.0))  # both points
     cfg = load_config(model, [*TINY, *layout])
     data = {k: v for k, v in measured.items() if not k.startswith("_")}
     lines: list[str] = []
-    job = cal.Job(torch.device("cpu"), quick=True, hosts=["h"])
-    factors = cal.measure_model_layer(job, cfg, data, lines.append)
+    job = timing.Job(torch.device("cpu"), quick=True, hosts=["h"])
+    factors = layer_factor.measure_model_layer(job, cfg, data, lines.append)
     assert set(factors) == {"layer", "head"} and all(x > 0 for x in factors.values())
     assert lines[-1].startswith("calibrate: model_layer: the model's own layer ")
 
@@ -336,12 +339,12 @@ def test_a_gpu_profile_keeps_the_table_peak_of_every_dtype_so_another_dtype_can_
     """An H200 calibrated in bf16 could not plan an fp16 run ('no gemm points for fp16 and no
     peak_tflops pair'): the profile now carries the device table's peak of each dtype beside it."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    job = cal.Job(torch.device("cuda", 0), quick=True, hosts=["gpu-host"])
-    peaks = cal._peak_tflops_by_dtype(job, "bf16", [{"tflops": 790.0}])
+    job = timing.Job(torch.device("cuda", 0), quick=True, hosts=["gpu-host"])
+    peaks = calibration._peak_tflops_by_dtype(job, "bf16", [{"tflops": 790.0}])
     assert peaks["bf16"] == pytest.approx(989.4)  # MFU's convention: the datasheet peak, not the best GEMM
     assert peaks["fp16"] == pytest.approx(989.4) and peaks["fp32"] < peaks["tf32"] < peaks["bf16"]
-    cpu = cal.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
-    assert cal._peak_tflops_by_dtype(cpu, "fp32", [{"tflops": 0.5}, {"tflops": 0.7}]) == {"fp32": 0.7}
+    cpu = timing.Job(torch.device("cpu"), quick=True, hosts=["this-host"])
+    assert calibration._peak_tflops_by_dtype(cpu, "fp32", [{"tflops": 0.5}, {"tflops": 0.7}]) == {"fp32": 0.7}
 
 
 def test_a_point_is_the_median_of_its_repeats_not_the_fastest(monkeypatch):
@@ -349,13 +352,13 @@ def test_a_point_is_the_median_of_its_repeats_not_the_fastest(monkeypatch):
     is not counted, and the figure is the median of the rest (a fastest-repeat rule would give 1.0)."""
     durations = iter([50.0, 3.0, 1.0, 2.0, 9.0, 4.0])  # warm-up, then five repeats: median 3.0
     now = [0.0]
-    monkeypatch.setattr(cal.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
 
     def call() -> None:
         now[0] += next(durations)
 
-    job = cal.Job(torch.device("cpu"))
-    assert cal.median_seconds(job, call, seconds=1e9, repeats=5) == 3.0
+    job = timing.Job(torch.device("cpu"))
+    assert timing.median_seconds(job, call, seconds=1e9, repeats=5) == 3.0
 
 
 def test_the_fsdp_unit_cost_is_the_measured_extra_less_the_collectives_bytes_per_collective(measured):
@@ -369,18 +372,28 @@ def test_the_fsdp_unit_cost_is_the_measured_extra_less_the_collectives_bytes_per
     calls = [("all_gather", 2**20)] * 4 + [("reduce_scatter", 2**20)] * 2
     moved = 6 * profile.collective_seconds("all_gather", "intra_node", 2, 2**20)
     assert moved == pytest.approx(6e-3)  # the curve's own 1 MiB point: 1 ms each
-    timing = cal.FsdpUnitTiming(moved + 6 * 2.5e-3, calls, "intra_node")
-    assert cal.unit_overhead_us(profile, timing, 2) == pytest.approx(2500.0)
+    timing = parallel_overheads.FsdpUnitTiming(moved + 6 * 2.5e-3, calls, "intra_node")
+    assert parallel_overheads.unit_overhead_us(profile, timing, 2) == pytest.approx(2500.0)
     # noisier than the cost it looks for: no negative cost
-    assert cal.unit_overhead_us(profile, cal.FsdpUnitTiming(moved / 2, calls, "intra_node"), 2) == 0.0
-    assert cal.unit_overhead_us(profile, cal.FsdpUnitTiming(1.0, [], "intra_node"), 2) == 0.0
+    assert (
+        parallel_overheads.unit_overhead_us(
+            profile, parallel_overheads.FsdpUnitTiming(moved / 2, calls, "intra_node"), 2
+        )
+        == 0.0
+    )
+    assert (
+        parallel_overheads.unit_overhead_us(
+            profile, parallel_overheads.FsdpUnitTiming(1.0, [], "intra_node"), 2
+        )
+        == 0.0
+    )
 
 
 def test_the_fsdp_unit_point_keeps_a_gpu_models_blocks_small_and_a_small_models_as_they_are():
-    rows, h, f = cal._unit_dims(load_config("tiny-gpt", TINY))
+    rows, h, f = parallel_overheads._unit_dims(load_config("tiny-gpt", TINY))
     assert (rows, h, f) == (2 * 32, 64, 256)
-    _, h, f = cal._unit_dims(load_config("gpt-13b", []))
-    assert 4 * h * h + 2 * h * f <= cal.FSDP_UNIT_MAX_PARAMS and f == pytest.approx(4 * h, abs=1)
+    _, h, f = parallel_overheads._unit_dims(load_config("gpt-13b", []))
+    assert 4 * h * h + 2 * h * f <= timing.FSDP_UNIT_MAX_PARAMS and f == pytest.approx(4 * h, abs=1)
 
 
 def test_the_tp_layer_cost_is_the_measured_extra_less_the_layers_collectives_as_the_planner_counts_them(
@@ -400,13 +413,13 @@ def test_the_tp_layer_cost_is_the_measured_extra_less_the_layers_collectives_as_
     assert tp_layer_collectives(True, False) == [("all_gather", 4), ("reduce_scatter", 2)]
     one = {op: profile.collective_seconds(op, "intra_node", 2, 2**20) for op in ("all_reduce", "all_gather")}
     extra = {"tp": 4 * one["all_reduce"] + 0.003, "sp": 6 * one["all_gather"] + 0.005}
-    timing = cal.TpLayerTiming(extra, 2, 2**20)
-    assert cal.tp_layer_overhead_us(profile, timing) == pytest.approx(
+    timing = parallel_overheads.TpLayerTiming(extra, 2, 2**20)
+    assert parallel_overheads.tp_layer_overhead_us(profile, timing) == pytest.approx(
         {"tp_layer_overhead_us": 3000.0, "sp_layer_overhead_us": 5000.0}
     )
-    assert cal.tp_layer_overhead_us(profile, cal.TpLayerTiming({"tp": 0.0}, 2, 2**20)) == {
-        "tp_layer_overhead_us": 0.0
-    }
+    assert parallel_overheads.tp_layer_overhead_us(
+        profile, parallel_overheads.TpLayerTiming({"tp": 0.0}, 2, 2**20)
+    ) == {"tp_layer_overhead_us": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -423,18 +436,18 @@ def test_a_gemm_point_reads_operands_that_are_not_in_cache(monkeypatch, m, n, k,
         seen.append((a.data_ptr(), b.data_ptr()))
         return real_mm(a, b)
 
-    def calls(job: cal.Job, fn, seconds: float) -> float:
+    def calls(job: timing.Job, fn, seconds: float) -> float:
         for _ in range(2 * copies):
             fn()
         return 1.0
 
-    monkeypatch.setattr(cal.torch, "mm", mm)
-    monkeypatch.setattr(cal, "median_seconds", calls)
-    monkeypatch.setattr(cal, "COLD_BYTES", 32 * 2**20)
-    cal._gemm_seconds(cal.Job(torch.device("cpu")), m, n, k, "fp32", seconds=1.0)
+    monkeypatch.setattr(kernels.torch, "mm", mm)
+    monkeypatch.setattr(kernels, "median_seconds", calls)
+    monkeypatch.setattr(kernels, "COLD_BYTES", 32 * 2**20)
+    kernels._gemm_seconds(timing.Job(torch.device("cpu")), m, n, k, "fp32", seconds=1.0)
     assert len(set(seen)) == copies and seen[:copies] == seen[copies:]  # every copy, in turn
     pair_bytes = 4 * (m * k + k * n)
-    assert copies == min(cal.MAX_COPIES, -(-32 * 2**20 // pair_bytes))
+    assert copies == min(kernels.MAX_COPIES, -(-32 * 2**20 // pair_bytes))
 
 
 def test_every_profile_kernel_names_an_sdpa_backend():
@@ -442,10 +455,10 @@ def test_every_profile_kernel_names_an_sdpa_backend():
     to a member of torch.nn.attention.SDPBackend; a member torch renames fails here, naming it."""
     from torch.nn.attention import SDPBackend
 
-    for kernel, name in cal.BACKENDS.items():
+    for kernel, name in kernels.BACKENDS.items():
         assert hasattr(SDPBackend, name), f"torch {torch.__version__} has no SDPBackend.{name} ({kernel})"
-        assert cal._backend(kernel) == getattr(SDPBackend, name)
-    assert set(cal.KERNELS) <= set(ATTENTION_KERNELS)
+        assert kernels._backend(kernel) == getattr(SDPBackend, name)
+    assert set(kernels.KERNELS) <= set(ATTENTION_KERNELS)
 
 
 def test_the_layer_factors_scale_the_model_s_own_layers_and_head_and_nothing_else(measured):
@@ -467,7 +480,7 @@ def test_the_layer_factors_scale_the_model_s_own_layers_and_head_and_nothing_els
     def step(**factors: float):
         return speed.step_time(cfg, cluster(**factors))
 
-    shape = cal._one_rank(load_config("tiny-gpt", overrides))[1]
+    shape = kernels._one_rank(load_config("tiny-gpt", overrides))[1]
     layer_s, head_s = speed.model_layer_seconds(cluster(), shape)
     assert layer_s > 0 and head_s > 0
     said = corrections_line(cluster(layer=2.5, head=1))

@@ -1,5 +1,5 @@
-"""The dry run's observer (plan/dry_run_trace.py) and the dry run of a layout on fake tensors
-(plan/dry_run.py), in this process on the CPU device type."""
+"""The dry run's observer (dryrun/dry_run_trace.py) and the dry run of a layout on fake tensors
+(dryrun/dry_run.py), in this process on the CPU device type."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
-from scalable_transformer.plan import dry_run as dry
-from scalable_transformer.plan.dry_run_trace import DryRunTrace
+from scalable_transformer.dryrun import dry_run as dry
+from scalable_transformer.dryrun.dry_run_trace import DryRunTrace
 
 TINY = [
     "model.num_layers=2",
@@ -126,7 +126,7 @@ GPU_STEP_CHILD = """
 import json, sys
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
-from scalable_transformer.plan import dry_run as dry
+from scalable_transformer.dryrun import dry_run as dry
 tiny, layouts = json.loads(sys.argv[1])
 out = {}
 for name, overrides in layouts.items():

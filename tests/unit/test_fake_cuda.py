@@ -1,4 +1,4 @@
-"""plan/fake_cuda.py: the CUDA device type for fake tensors on this CPU-only build, undone on exit.
+"""dryrun/fake_cuda.py: the CUDA device type for fake tensors on this CPU-only build, undone on exit.
 Each case runs in a child process: fake CUDA patches libtorch (ctypes) and torch.cuda."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ CHILD = textwrap.dedent(
     import ctypes
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from scalable_transformer.plan import fake_cuda as fc
+    from scalable_transformer.dryrun import fake_cuda as fc
 
     names = ["current_device", "Stream", "Event", "current_stream", "synchronize", "get_rng_state"]
     before = {n: getattr(torch.cuda, n) for n in names}

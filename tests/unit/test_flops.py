@@ -12,7 +12,7 @@ import pytest
 from scalable_transformer.cli.flops import add_arguments, run
 from scalable_transformer.config.model_shapes import sized_model, total_params
 from scalable_transformer.metrics import flops as flops_module
-from scalable_transformer.metrics.device_specs import lookup_peak
+from scalable_transformer.metrics.device_table import lookup_peak
 from scalable_transformer.metrics.flops import (
     CONVENTIONS,
     FlopsCount,

@@ -10,19 +10,18 @@ import pytest
 
 from scalable_transformer import cache, files
 from scalable_transformer.cache import cache_dir
-from scalable_transformer.metrics import device_specs
+from scalable_transformer.metrics import device_specs, device_table
 from scalable_transformer.metrics.device_specs import (
     CPU_PEAK_METHOD,
-    PEAK_TFLOPS,
     cpu_fingerprint,
     cpu_peak,
     cpu_precision_warning,
     detect_device_name,
-    lookup_peak,
     measure_cpu_kernels,
     measure_cpu_peak,
     resolve_peak,
 )
+from scalable_transformer.metrics.device_table import PEAK_TFLOPS, lookup_peak
 
 
 def test_lookup_peak_dense_values_in_flop_per_second():
@@ -50,7 +49,7 @@ def test_table_is_dense_and_consistent():
     for name, row in PEAK_TFLOPS.items():
         assert row, name
         for dtype, value in row.items():
-            assert dtype in device_specs.DTYPES and value > 0, (name, dtype)
+            assert dtype in device_table.DTYPES and value > 0, (name, dtype)
         if "bf16" in row and "fp32" in row:
             assert row["bf16"] >= row["fp32"], name
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import yaml
 
+from scalable_transformer.calibrate.this_machine import fingerprint_here
 from scalable_transformer.errors import ConfigError
 from scalable_transformer.plan import hardware_profile as hp
 
@@ -151,7 +152,7 @@ def test_profile_mismatch_names_each_difference():
 
 
 def test_fingerprint_here_has_every_key():
-    fp = hp.fingerprint_here(processes=2, threads_per_process=1)
+    fp = fingerprint_here(processes=2, threads_per_process=1)
     assert set(fp) == set(hp.FINGERPRINT_KEYS)
     assert fp["processes"] == 2 and fp["threads_per_process"] == 1
     assert yaml.safe_load(yaml.safe_dump(fp)) == fp

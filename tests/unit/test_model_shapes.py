@@ -19,10 +19,10 @@ from scalable_transformer.config.model_shapes import (
 )
 from scalable_transformer.config.rules import stage_layer_counts
 from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.dryrun.dry_run import fake_process_group
 from scalable_transformer.metrics.flops import flops_per_iteration
 from scalable_transformer.models import build_model, count_parameters, spec_for
 from scalable_transformer.parallel.tensor import apply_tensor_parallel
-from scalable_transformer.plan.dry_run import fake_process_group
 
 LLAMA = dict(activation="swiglu", norm="rmsnorm", add_bias_linear=False, position_embedding_type="rotary")
 MODELS = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from scalable_transformer.calibrate.this_machine import cpu_cluster
 from scalable_transformer.config.load import load_config
 from scalable_transformer.plan import probe as probe_mod
-from scalable_transformer.plan.cluster import cpu_cluster
 from scalable_transformer.plan.probe import DepthProbe, ProbeError, extrapolate, probe_depths, probe_overrides
 from scalable_transformer.plan.search import RATE_MODEL, plan_config, prepare
 

@@ -186,10 +186,11 @@ def test_retry_suspect_reruns_the_flagged_members_only(tmp_path: Path) -> None:
 
 
 def test_a_run_stores_the_prediction_or_says_why_not() -> None:
+    from scalable_transformer.calibrate.this_machine import run_prediction
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
     from scalable_transformer.plan.cluster import table_cluster
-    from scalable_transformer.plan.refit import prediction_record, run_prediction
+    from scalable_transformer.plan.refit import prediction_record
     from scalable_transformer.plan.speed import step_time
 
     cfg = resolve(load_config("tiny-gpt", ["parallel.zero_stage=3"]), world_size=8)

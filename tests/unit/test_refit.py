@@ -197,9 +197,10 @@ def test_runs_predict_with_the_profile_the_environment_names(tmp_path: Path, mon
     file is reported in the summary, not raised."""
     import yaml
 
+    from scalable_transformer.calibrate.this_machine import run_prediction
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
-    from scalable_transformer.plan.refit import PROFILE_ENV, run_prediction
+    from scalable_transformer.plan.refit import PROFILE_ENV
 
     path = tmp_path / "cpu.yaml"
     path.write_text(yaml.safe_dump(PROFILE))
@@ -220,10 +221,11 @@ def test_runs_predict_with_the_profile_the_environment_names(tmp_path: Path, mon
 def test_a_cpu_run_predicts_from_cached_rates_only(tmp_path: Path, monkeypatch) -> None:
     """Without a profile, a CPU run's prediction uses only rates earlier plans cached: on an empty
     cache it says how to get them and measures nothing (the cache stays empty)."""
+    from scalable_transformer.calibrate.this_machine import run_prediction
     from scalable_transformer.config.load import load_config
     from scalable_transformer.config.validate import resolve
     from scalable_transformer.metrics import cpu_rates
-    from scalable_transformer.plan.refit import PROFILE_ENV, run_prediction
+    from scalable_transformer.plan.refit import PROFILE_ENV
 
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     monkeypatch.setenv("STX_CACHE_DIR", str(tmp_path / "cache"))

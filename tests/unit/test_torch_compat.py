@@ -232,7 +232,7 @@ def test_fsdp_comm_interface_matches_parallel_comm():
         "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._monitor_workers",
         "torch.distributed.launcher.api:LocalElasticAgent",
         "torch.distributed.elastic.multiprocessing.api:SubprocessContext",
-        # plan/dry_run.py, plan/dry_run_trace.py
+        # dryrun/dry_run.py, dryrun/dry_run_trace.py
         "torch.testing._internal.distributed.fake_pg:FakeStore",
         "torch._subclasses.fake_tensor:FakeTensorMode",
         "torch._subclasses.fake_tensor:FakeTensor",
@@ -247,7 +247,7 @@ def test_fsdp_comm_interface_matches_parallel_comm():
         "torch.distributed.pipelining._utils:InferenceMode.needs_dynamic",
         "torch.nn.parallel.distributed:_verify_param_shape_across_processes",
         "torch.distributed:Reducer._rebuild_buckets",
-        # plan/fake_cuda.py
+        # dryrun/fake_cuda.py
         "torch._C:_ensureCUDADeviceGuardSet",
     ],
 )
@@ -261,18 +261,18 @@ def test_internals_used_in_place_keep_their_shape():
     need(
         "_local_tensor" in getattr(DTensor, "__slots__", ()),
         "DTensor._local_tensor",
-        "parallel/grads.py and plan/dry_run_trace.py read a DTensor's local shard through it",
+        "parallel/grads.py and dryrun/dry_run_trace.py read a DTensor's local shard through it",
     )
     warmup = "torch.distributed.pipelining.schedules:_PipelineSchedule._warmup_p2p"
     need(
         params(attribute(warmup)) == ["stages", "has_backward", "p2p_done"],
         warmup,
-        "plan/dry_run.py's local_vote stub takes these arguments",
+        "dryrun/dry_run.py's local_vote stub takes these arguments",
     )
     need(
         source_mentions("torch.distributed.pipelining.stage", "self._user_meta ="),
         "PipelineStage._user_meta",
-        "plan/dry_run.py's local_vote reads it",
+        "dryrun/dry_run.py's local_vote reads it",
     )
     agent = "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent"
     need(source_mentions(agent, "self._pcontext"), "LocalElasticAgent._pcontext", "launch/local.py")

@@ -143,13 +143,14 @@ _PREDICTIONS: dict[tuple[str, int, bool], dict[str, Any]] = {}
 def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[str, Any]:
     """The planner's prediction for a member (stx plan on this machine: the detected GPU's table
     entry, or this CPU measured), so the report can put it next to the measurement; with `dry_run`
-    also the dry run's peak memory per device (the engine on fake tensors, plan/dry_run.py). A
+    also the dry run's peak memory per device (the engine on fake tensors, dryrun/dry_run.py). A
     planning problem is reported as a warning and leaves the columns empty; it never stops a sweep."""
     key = (to_yaml(cfg), nproc, dry_run)
     if key in _PREDICTIONS:
         return _PREDICTIONS[key]
     try:
-        from ..plan.cluster import cpu_cluster, table_cluster
+        from ..calibrate.this_machine import cpu_cluster
+        from ..plan.cluster import table_cluster
         from ..plan.search import predict
 
         cluster = None
@@ -165,7 +166,7 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
             cluster = cpu_cluster(nproc, cfg.train.precision)
         plan = predict(cfg, cluster)
         if dry_run:
-            from ..plan.dry_run import verify
+            from ..dryrun.dry_run import verify
 
             plan = verify(plan, cfg, cluster)  # a failed dry run is recorded in plan_json, not raised
         columns = {

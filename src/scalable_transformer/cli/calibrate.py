@@ -1,5 +1,5 @@
 """`stx calibrate CONFIG [key=value ...] [--output profile.yaml] [--quick]`: measure this machine's
-rates for the planner's time model (plan/calibrate.py) and write a hardware profile."""
+rates for the planner's time model (calibrate/) and write a hardware profile."""
 
 from __future__ import annotations
 
@@ -85,17 +85,21 @@ def output_ok(job, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: `stx` and `stx --help` start without importing torch (cli/__init__.py)
+    import torch
+
+    from ..calibrate.calibration import calibrate
+    from ..calibrate.timing import calibration_device, calibration_job
     from ..config.load import load_config
     from ..parallel.cluster_env import apply as apply_cluster_env
-    from ..plan import calibrate as cal
     from ..plan.hardware_profile import profile_from_dict, save_profile
 
     opts = CalibrateOptions.from_args(args)
     # Started by srun / mpiexec rather than torchrun: RANK, WORLD_SIZE... from their variables.
     apply_cluster_env()
     cfg = load_config(opts.config, list(opts.overrides))
-    device = cal.calibration_device()
-    with cal.calibration_job(device, opts.quick, cfg.parallel.timeout_minutes) as job:
+    device = calibration_device()
+    with calibration_job(device, opts.quick, cfg.parallel.timeout_minutes) as job:
         output_ok(job, opts.output)
 
         def say(line: str) -> None:
@@ -104,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
 
         say(
             f"calibrate: {job.world} process(es) on {len(set(job.hosts))} node(s), {device.type}, "
-            f"{cfg.train.precision}, threads per process {cal.torch.get_num_threads()}"
+            f"{cfg.train.precision}, threads per process {torch.get_num_threads()}"
             + (" (--quick)" if opts.quick else "")
         )
-        mapping = cal.calibrate(cfg, job, say)
+        mapping = calibrate(cfg, job, say)
         if job.rank == 0:
             profile = profile_from_dict(mapping, str(opts.output))
             save_profile(profile, opts.output)

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ..metrics.calculator import FlopsOptions, calculate
-from ..metrics.device_specs import DTYPES, PEAK_TFLOPS
+from ..metrics.device_table import DTYPES, PEAK_TFLOPS
 from ..metrics.flops import CONVENTIONS, RECOMPUTE_MODES
 
 

@@ -30,7 +30,7 @@ class PlanOptions:
     emit_sweep: Path | None
     probe: bool = True  # --device cpu, one layout: measure the step time (plan/probe.py)
     remeasure: bool = False
-    dry_run: bool = False  # the engine on fake tensors at the target world size (plan/dry_run.py)
+    dry_run: bool = False  # the engine on fake tensors at the target world size (dryrun/dry_run.py)
     dry_run_top: int = 0  # --search: dry-run the best K layouts that fit
     calibrate_from: Path | None = None  # a results store: refit the profile's corrections from its runs
     output: Path | None = None  # where the refitted profile goes
@@ -178,7 +178,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_cluster(opts: PlanOptions, precision: str) -> Any:
-    from ..plan.cluster import cpu_cluster, load_hardware, table_cluster, with_nodes
+    from ..plan.cluster import load_hardware, table_cluster, with_nodes
 
     nodes: int
     per_node: int | None
@@ -187,7 +187,11 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
     else:
         nodes, per_node = opts.nodes or 1, opts.gpus_per_node
     if opts.hardware:
-        cluster = load_hardware(opts.hardware, nodes=opts.nodes)
+        # here, not at the top: this machine's fingerprint needs torch, which a table device's plan does
+        # not import (`stx plan --device a100-80gb` starts faster)
+        from ..calibrate.this_machine import fingerprint_here
+
+        cluster = load_hardware(opts.hardware, nodes=opts.nodes, here=fingerprint_here)
         if opts.world_size is not None:
             # a world size on a multi-node cluster file: as many nodes as it takes
             per = cluster.devices_per_node
@@ -208,6 +212,8 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
                 stacklevel=2,
             )
     elif (opts.device or "").lower() == "cpu":
+        from ..calibrate.this_machine import cpu_cluster  # measures this CPU with torch: only here
+
         cluster = cpu_cluster(nodes * (per_node or 1), precision)
     else:
         assert opts.device is not None
@@ -271,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         shown = [plan_config(cfg, cluster, probe=opts.probe, remeasure=opts.remeasure)]
         results = shown
     if opts.dry_run or opts.dry_run_top:
-        from ..plan.dry_run import verify
+        from ..dryrun.dry_run import verify
 
         count = 1 if opts.dry_run else opts.dry_run_top
         verified = [r for r in shown if r.fits][:count] if opts.search else shown
@@ -368,7 +374,7 @@ def _pct(x: float | None) -> str:
 
 
 def render_dry_run(d: dict[str, Any]) -> None:
-    """The dry run's measurements beside the prediction (plan/dry_run.py's dict)."""
+    """The dry run's measurements beside the prediction (dryrun/dry_run.py's dict)."""
     if "error" in d:
         print(f"dry run: failed; the prediction above stands. {d['error']}")
         return

@@ -43,9 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..calibrate.this_machine import run_prediction
     from ..config.load import load_config
     from ..parallel.cluster_env import apply as apply_cluster_env
-    from ..plan.refit import run_prediction
     from ..train.resilience import exit_status
     from ..train.run import run_training
 

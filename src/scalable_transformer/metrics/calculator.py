@@ -15,7 +15,8 @@ from ..config.load import load_config
 from ..config.model_shapes import ModelShape, sized_model, total_params
 from ..config.schema import Config
 from ..config.validate import resolve
-from .device_specs import normalize_dtype, resolve_peak
+from .device_specs import resolve_peak
+from .device_table import normalize_dtype
 from .flops import CONVENTIONS, flops_per_iteration, throughput_metrics
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "seq_length", "vocab_size", "ffn_hidden_size")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import cache_dir, put_json_entry, read_json_entries
-from .device_specs import _cpu_model
+from .device_table import cpu_model
 
 CACHE_NAME = "cpu_rates.json"
 METHOD = "v1"
@@ -33,7 +33,7 @@ def cache_path() -> Path:
 def _key(what: str, threads: int) -> str:
     import torch
 
-    machine = f"{_cpu_model()} | cores={os.cpu_count()}"
+    machine = f"{cpu_model()} | cores={os.cpu_count()}"
     return f"{METHOD} | {what} | {machine} | threads={threads} | torch={torch.__version__}"
 
 
@@ -68,7 +68,7 @@ def cached_only() -> Iterator[None]:
 def _cached(what: str, threads: int, measure, lower_is_better: bool = False) -> float:
     """The best value ever measured here: measured again at every call (a fraction of a second) and
     the better of the new and the cached value kept, because a shared machine disturbs measurements
-    only one way (the planner accounts for the load separately, `plan.cluster.cpu_cluster`)."""
+    only one way (the planner accounts for the load separately, `calibrate.this_machine.cpu_cluster`)."""
     key = _key(what, threads)
     if key in _MEASURED:  # once per process: a search asks for the same rate thousands of times
         return _MEASURED[key]

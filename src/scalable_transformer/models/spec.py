@@ -233,7 +233,7 @@ class ModelSpec:
     data                  what the data loader needs
     batch_shapes(cfg, b)  key -> shape of a collated micro-batch of b samples (int64), as the data
                           loader makes it (default: every input and label key [b, seq_length]); a
-                          dry run (plan/dry_run.py) feeds such batches without data
+                          dry run (dryrun/dry_run.py) feeds such batches without data
     """
 
     name: str

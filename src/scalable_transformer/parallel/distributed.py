@@ -90,7 +90,7 @@ def all_reduce_floats(values: list[float], group=None, op=dist.ReduceOp.SUM) -> 
     return tensor.tolist()
 
 
-# A dry run's process group is torch's "fake" backend; plan/dry_run.py sets this to the backend the
+# A dry run's process group is torch's "fake" backend; dryrun/dry_run.py sets this to the backend the
 # real run would use ("nccl" for a GPU target), so collectives stage their tensors where they would.
 SIMULATED_BACKEND: str | None = None
 

@@ -61,7 +61,7 @@ Used in place and only listed here (the test checks them too):
   launch/local.py            torch.distributed.elastic's LocalElasticAgent subclassed: _monitor_workers,
                              _pcontext, _remaining_restarts, SubprocessContext.subprocess_handlers;
                              torch.distributed.launcher.api.LocalElasticAgent swapped for the launch
-  plan/dry_run.py, plan/dry_run_trace.py (the dry run is built on torch's fake-tensor machinery, so
+  dryrun/dry_run.py, dryrun/dry_run_trace.py (the dry run is built on torch's fake-tensor machinery, so
   this is inherent): torch._subclasses.fake_tensor (FakeTensorMode, FakeTensor,
   unset_fake_temporarily), torch.utils._python_dispatch.TorchDispatchMode, torch.utils._pytree
   .tree_leaves, torch._guards.detect_fake_mode, torch.distributed._tools.mod_tracker.ModTracker,
@@ -72,7 +72,7 @@ Used in place and only listed here (the test checks them too):
   torch.distributed.pipelining._utils.InferenceMode.needs_dynamic and PipelineStage._user_meta,
   torch.nn.parallel.distributed._verify_param_shape_across_processes, dist.Reducer._rebuild_buckets
   (stubbed), DTensor._local_tensor, OpOverload._opname, ScriptObject._type()
-  plan/fake_cuda.py          torch._C._ensureCUDADeviceGuardSet, C++ symbols of libc10 / libtorch_cpu by
+  dryrun/fake_cuda.py          torch._C._ensureCUDADeviceGuardSet, C++ symbols of libc10 / libtorch_cpu by
                              mangled name and CUDAHooksInterface's vtable slots (a CUDA device on a
                              CPU-only build, for GPU dry runs); a moved symbol fails the install with
                              ctypes' error naming it, a changed guard or vtable with its RuntimeError.

@@ -1,5 +1,5 @@
 """The hardware a plan is for: a cluster of nodes with devices, from the device table
-(metrics/device_specs.py), a YAML file describing a custom cluster, or this machine's CPU (measured).
+(metrics/device_table.py), a YAML file describing a custom cluster, or this machine's CPU (measured).
 
 A cluster YAML file (every size in the units its key names):
 
@@ -19,13 +19,15 @@ A cluster YAML file (every size in the units its key names):
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..errors import ConfigError
-from ..metrics.device_specs import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
-from .hardware_profile import HardwareProfile
+from ..errors import ConfigError, StxWarning
+from ..metrics.device_table import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
+from .hardware_profile import HardwareProfile, is_profile_file, load_profile, profile_mismatch, read_yaml
 
 GIB = 2**30
 # What the CUDA context, NCCL communicators and the caching allocator's fragmentation take of a GPU
@@ -37,7 +39,8 @@ GPU_RESERVE_BYTES = 2 * GIB
 @dataclass(frozen=True)
 class Cluster:
     """nodes x devices_per_node devices of one kind. Bandwidths in bytes/s, memory in bytes, peaks
-    in FLOP/s per dtype. On CPU (`kind == "cpu"`) the rates are measured here (see `cpu_cluster`)."""
+    in FLOP/s per dtype. On CPU (`kind == "cpu"`) the rates are measured on this machine by the caller
+    (calibrate/this_machine.py `cpu_cluster`), which also hands the planner `gemm_rate`."""
 
     name: str
     kind: str  # "gpu" or "cpu"
@@ -57,6 +60,12 @@ class Cluster:
     # cores / (1-minute load average before the job + the job's threads), at most 1
     cpu_share: float = 1.0
     load_average: float | None = None
+    # CPU without a profile: GEMM FLOP/s of (m, k, n, dtype, threads), measured per shape on this machine
+    # by the caller that built the cluster (metrics/cpu_rates.py `gemm_rate`, cached); the planner only
+    # reads it, so plan/ needs no torch
+    gemm_rate: Callable[[int, int, int, str, int], float] | None = field(
+        default=None, compare=False, repr=False
+    )
     # the measured rates the time model reads (plan/hardware_profile.py): a built-in GPU profile for a
     # table device, a file given with --hardware, or this CPU's rates; None: the rate model's defaults
     profile: HardwareProfile | None = None
@@ -79,7 +88,7 @@ class Cluster:
 def table_cluster(
     device: str, nodes: int, devices_per_node: int | None = None, host_memory_gb: float | None = None
 ) -> Cluster:
-    """A cluster of a table device (metrics/device_specs.py DEVICE_SPECS and PEAK_TFLOPS)."""
+    """A cluster of a table device (metrics/device_table.py DEVICE_SPECS and PEAK_TFLOPS)."""
     try:
         spec = lookup_device(device)
     except ValueError as e:
@@ -109,8 +118,6 @@ def builtin_profile(device_key: str) -> HardwareProfile | None:
     """The shipped hardware profile of a table device (plan/profiles/<key>.yaml, built from public
     kernel data by benchmarks/build_gpu_profiles.py), or None for a device without one."""
     if device_key not in _BUILTIN:
-        from .hardware_profile import load_profile
-
         path = PROFILES_DIR / f"{device_key}.yaml"
         _BUILTIN[device_key] = load_profile(path) if path.exists() else None
     return _BUILTIN[device_key]
@@ -134,7 +141,6 @@ _YAML_KEYS = {
 
 def load_cluster(path: str | Path, nodes: int | None = None) -> Cluster:
     """A cluster from a YAML file (module docstring); `nodes` overrides the file's node count."""
-    from .hardware_profile import read_yaml
 
     path = Path(path)
     data = read_yaml(path, "hardware file")
@@ -205,58 +211,6 @@ def load_cluster(path: str | Path, nodes: int | None = None) -> Cluster:
     )
 
 
-def cpu_cluster(world_size: int, dtype: str = "fp32") -> Cluster:
-    """This machine as `world_size` local processes (one node): measured GEMM peak for the threads
-    each rank gets (stx launch gives each cores // world threads), memory bandwidth, the fixed cost of
-    one op, gloo all-reduce bandwidth and latency between `world_size` processes; memory = this
-    machine's RAM shared by the ranks. Imports torch (measurement), cached after the first time."""
-    from ..config.rules import physical_memory_bytes
-    from ..metrics import cpu_rates
-    from ..metrics.device_specs import cpu_peak
-
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // world_size)
-    bandwidth = cpu_rates.memory_bandwidth(threads)  # first: under cpu_rates.cached_only() it may stop here
-    peak = cpu_peak(dtype, threads)
-    if world_size > 1:
-        busbw, latency = cpu_rates.gloo_rates(world_size)
-    else:
-        busbw, latency = bandwidth, 0.0
-    memory = physical_memory_bytes() or 0
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
-    share = min(1.0, cores / ((load or 0.0) + world_size * threads))
-    spec = DeviceSpec(
-        name="cpu",
-        memory_bytes=memory // world_size,
-        memory_bandwidth=bandwidth,
-        intra_node_bandwidth=busbw,
-        inter_node_bandwidth=busbw,
-        devices_per_node=world_size,
-        host_link_bandwidth=bandwidth,
-        source="measured on this machine (metrics/cpu_rates.py, cached)",
-    )
-    load_text = f", load average {load:.1f} -> {share:.0%} of a core per thread" if load is not None else ""
-    return Cluster(
-        name=f"this CPU x {world_size} process(es), {threads} thread(s) each{load_text}",
-        kind="cpu",
-        nodes=1,
-        devices_per_node=world_size,
-        device=spec,
-        peak_flops={dtype: peak},
-        host_memory_bytes=memory,
-        reserve_bytes=0,
-        source=spec.source,
-        threads=threads,
-        op_seconds=cpu_rates.op_overhead(threads),
-        comm_latency=latency,
-        cpu_share=share,
-        load_average=load,
-    )
-
-
 def with_nodes(cluster: Cluster, nodes: int, devices_per_node: int) -> Cluster:
     return dataclasses.replace(cluster, nodes=nodes, devices_per_node=devices_per_node)
 
@@ -318,27 +272,24 @@ def profile_cluster(
     )
 
 
-def load_hardware(path: str | Path, nodes: int | None = None) -> Cluster:
+def load_hardware(
+    path: str | Path, nodes: int | None = None, here: Callable[[], dict[str, Any]] | None = None
+) -> Cluster:
     """`--hardware FILE`: a hardware profile (a file with `format:`, plan/hardware_profile.py), used with
-    a warning naming each way its fingerprint differs from this machine, or a cluster YAML file."""
-    import warnings
-
-    from ..errors import StxWarning
-    from .hardware_profile import is_profile_file, load_profile, profile_mismatch
+    a warning naming each way a CPU profile's fingerprint differs from this machine's (`here()`, from the
+    measuring side: calibrate/this_machine.py `fingerprint_here`; None: not compared), or a cluster
+    YAML file."""
 
     if not is_profile_file(path):
         return load_cluster(path, nodes=nodes)
     profile = load_profile(path)
-    if profile.kind == "cpu":
-        here = {"processes": profile.fingerprint.get("processes")}
-        from .hardware_profile import fingerprint_here
-
-        here = {
-            **fingerprint_here(),
-            **here,
+    if profile.kind == "cpu" and here is not None:
+        measured = {
+            **here(),
+            "processes": profile.fingerprint.get("processes"),
             "threads_per_process": profile.fingerprint.get("threads_per_process"),
         }
-        differences = profile_mismatch(profile, here)
+        differences = profile_mismatch(profile, measured)
         if differences:
             warnings.warn(
                 StxWarning(f"{path}: measured on other hardware or software: {'; '.join(differences)}"),

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 import bisect
 import math
-import os
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..errors import ConfigError
+from ..files import write_atomic
 
 FORMAT = 1
 KINDS = ("cpu", "gpu")
@@ -542,7 +542,6 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 def read_yaml(path: str | Path, what: str) -> Any:
     """A hardware YAML file's contents; an unreadable or invalid file is a ConfigError naming it as `what`."""
-    import yaml
 
     path = Path(path)
     try:
@@ -555,7 +554,6 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 def is_profile_file(path: str | Path) -> bool:
     """Whether a hardware YAML file is a profile (it has `format:`) rather than a cluster file."""
-    import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -611,9 +609,6 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
     """Write a profile as YAML, atomically (a reader sees the old file or the new one)."""
-    import yaml
-
-    from ..files import write_atomic
 
     path = Path(path)
     text = yaml.safe_dump(profile_to_dict(profile), sort_keys=False, default_flow_style=None, width=110)
@@ -623,35 +618,10 @@ def save_profile(profile: HardwareProfile, path: str | Path) -> None:
 # ----------------------------------------------------------------------------------- fingerprints
 
 
-def fingerprint_here(processes: int | None = None, threads_per_process: int | None = None) -> dict[str, Any]:
-    """What identifies this machine and software for a profile: host, device (the first CUDA device,
-    else the CPU model), device count (CUDA devices, else logical cores), torch and CUDA versions, the
-    processes and threads per process the rates are for (default: this process's), and the time."""
-    import torch
-
-    from ..metrics.device_specs import _cpu_model
-
-    cuda = torch.cuda.is_available()
-    return {
-        "hostname": socket.gethostname(),
-        "device_name": torch.cuda.get_device_name(0) if cuda else _cpu_model(),
-        "device_count": torch.cuda.device_count() if cuda else (os.cpu_count() or 1),
-        "cpu_model": _cpu_model(),
-        "torch": str(torch.__version__),
-        "cuda": str(torch.version.cuda) if torch.version.cuda else None,
-        "processes": processes if processes is not None else int(os.environ.get("WORLD_SIZE", "1")),
-        "threads_per_process": threads_per_process
-        if threads_per_process is not None
-        else torch.get_num_threads(),
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
-
-def profile_mismatch(profile: HardwareProfile, here: dict[str, Any] | None = None) -> list[str]:
-    """Each way the profile's fingerprint differs from this machine (`here`, default
+def profile_mismatch(profile: HardwareProfile, here: dict[str, Any]) -> list[str]:
+    """Each way the profile's fingerprint differs from this machine (`here`: calibrate/this_machine.py
     `fingerprint_here()`): device, device count, CPU model, torch and CUDA versions, processes and
     threads per process. Keys the profile leaves out or null are not compared."""
-    here = here if here is not None else fingerprint_here()
     out = []
     for key in _COMPARED:
         theirs = profile.fingerprint.get(key)

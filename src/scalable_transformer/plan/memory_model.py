@@ -267,95 +267,146 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
     sp_ = stage_params(
         mc, p.tp, p.pp, pp_rank, p.virtual_pipeline_stages, p.pipeline_schedule, p.pipeline_layers
     )
-    P = sp_.total
-    dp, zero = p.dp, p.zero_stage
-    precision = t.precision
-    e = DTYPE_BYTES[precision]
-    k = optimizer_bytes_per_param(cfg)
-    fsdp = zero >= 2
-    offload = p.offload_optimizer or p.offload_param
-    gather_bytes = 2 if (precision != "fp32" and p.fsdp_param_dtype == "auto") else 4
-    accumulating = t.gradient_accumulation_steps > 1
-    host = 0
+    e = DTYPE_BYTES[t.precision]
     common = {
         "batch": int(t.gradient_accumulation_steps * t.micro_batch_size * mc.seq_length * 8 * 3),
         "reserve": reserve_bytes,
     }
-    if not fsdp:
-        params = 4 * P
-        grads = 4 * P
-        states = int(k * P / (dp if zero == 1 else 1))
-        # DDP (tp = 1, dp > 1): its all-reduce buckets, allocated when DDP is built, hold the
-        # gradients (gradient_as_bucket_view=True): .grad are views into them, no second copy
-        buckets = 4 * P if dp > 1 and p.tp == 1 else 0
-        # ZeRO-0 with tp > 1 replicates through FSDP2's `replicate` (parallel/apply.py), which keeps
-        # a separate unsharded copy of every parameter (fp32: its policy sets no param_dtype) from the
-        # forward until the backward is done (not resharded after forward), freed before the step
-        replicated = 4 * P if dp > 1 and p.tp > 1 else 0
-        # with accumulation the gradients exist, but an interleaved rank peaks in the backward of its
-        # first chunk to go back (its warm-up holds the most chunks): only that chunk's (1/v) exist
-        accumulated = grads / p.virtual_pipeline_stages if p.pp > 1 else grads
-        backward = {
-            "parameters": params,
-            "gradients": int(accumulated) if accumulating and not buckets else 0,
-            "optimizer_state": states,
-            "communication_buffers": buckets,
-            "gathered_parameters": replicated,
-            # autocast caches each weight's compute-dtype copy for the step (saved for backward)
-            "compute_dtype_weights": e * P if precision != "fp32" else 0,
-        }
-        # foreach AdamW's sqrt(exp_avg_sq), one parameter group at a time, on the stepped shard
-        temporaries = int(4 * largest_param_group(cfg, sp_) / (dp if zero == 1 else 1)) if k else 0
-        optimizer = {
-            "parameters": params,
-            "gradients": 0 if buckets else grads,
-            "optimizer_state": states,
-            "communication_buffers": buckets,
-            "optimizer_temporaries": temporaries,
-        }
+    if p.zero_stage < 2:
+        backward, optimizer = _replicated_states(cfg, sp_)
+        host = 0
     else:
-        sharded = int(4 * P / dp)
-        states = int(k * P / dp)
-        # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
-        # backward; ZeRO-3: at the loss's backward every block is resharded but the last, and without
-        # pipeline stages the root (embedding, head) stays gathered too (parallel/apply.py): both
-        # are the first units the backward needs. A pipeline stage reshards both.
-        kept_units = sp_.block + sp_.root if p.pp == 1 else sp_.block
-        gathered = gather_bytes * P if zero == 2 else gather_bytes * kept_units
-        # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
-        # (set_requires_gradient_sync(False)); without accumulation no block's backward has started
-        # at the loss's backward: no gradient and no reduce-scatter buffer yet
-        # (FSDP2 accumulates them in its reduce dtype when that differs from param_dtype:
-        # `unsharded_accumulated_grad`, fp32 by default)
-        accumulate_bytes = DTYPE_BYTES[p.grad_reduce_dtype] if gather_bytes != 4 else gather_bytes
-        # parallel.reduce_each_micro_batch: every micro-batch is reduce-scattered into the sharded
-        # fp32 gradients (DeepSpeed's way), so no unsharded gradient outlives its unit's backward
-        reduce_each = accumulating and p.reduce_each_micro_batch
-        unsharded_grads = accumulate_bytes * P if accumulating and not reduce_each else 0
-        sharded_grads = sharded if reduce_each and not offload else 0
-        reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
-        if offload:
-            host = 2 * sharded + states
-        if offload and device_kind != "cpu":
-            # FSDP2 copies each unit's shard to the device before gathering it
-            backward = {"communication_buffers": int(4 * sp_.block / dp + reduce_buffer)}
-            optimizer = {}
-        else:
-            # without offload, or "offloading" to the host a CPU rank already runs on, which moves
-            # nothing: the states stay in the same memory (measured: the same live tensor bytes)
-            backward = {
-                "parameters": sharded,
-                "optimizer_state": states,
-                "communication_buffers": int(reduce_buffer),
-            }
-            optimizer = {
-                "parameters": sharded,
-                "gradients": sharded,
-                "optimizer_state": states,
-                "optimizer_temporaries": int(4 * largest_param_group(cfg, sp_) / dp) if k else 0,
-            }
-        backward["gathered_parameters"] = int(gathered)
-        backward["gradients"] = int(unsharded_grads + sharded_grads)
+        backward, optimizer, host = _sharded_states(cfg, sp_, device_kind)
+    backward = _backward_peak(cfg, sp_, pp_rank, device_kind, backward)
+    host += int(host_checkpoint_bytes(cfg, sp_, pp_rank, device_kind))
+    if optimizer and sp_.last and p.pp == 1:
+        # the trainer still holds the last micro-batch's outputs (logits) during the step
+        optimizer["logits_and_loss"] = int(t.micro_batch_size * mc.seq_length * vocab(mc) / p.tp * e)
+    backward.update(common)
+    optimizer.update(common)
+    if sum(optimizer.values()) > sum(backward.values()):
+        return StageMemory(pp_rank, optimizer, host, "optimizer")
+    return StageMemory(pp_rank, backward, host, "backward")
+
+
+def _gather_bytes(cfg: Config) -> int:
+    """Bytes per element of a gathered (unsharded) FSDP parameter: its compute dtype under mixed precision."""
+    return 2 if (cfg.train.precision != "fp32" and cfg.parallel.fsdp_param_dtype == "auto") else 4
+
+
+def _replicated_states(cfg: Config, sp_: StageParams) -> tuple[dict[str, int], dict[str, int]]:
+    """ZeRO-0/1 (DDP, or FSDP2's `replicate` with tp > 1): the model states at the loss's backward and
+    at the optimizer step, every parameter and gradient whole on each rank."""
+    p, t = cfg.parallel, cfg.train
+    assert t.gradient_accumulation_steps is not None
+    P, dp, zero = sp_.total, p.dp, p.zero_stage
+    e = DTYPE_BYTES[t.precision]
+    k = optimizer_bytes_per_param(cfg)
+    precision = t.precision
+    accumulating = t.gradient_accumulation_steps > 1
+    params = 4 * P
+    grads = 4 * P
+    states = int(k * P / (dp if zero == 1 else 1))
+    # DDP (tp = 1, dp > 1): its all-reduce buckets, allocated when DDP is built, hold the
+    # gradients (gradient_as_bucket_view=True): .grad are views into them, no second copy
+    buckets = 4 * P if dp > 1 and p.tp == 1 else 0
+    # ZeRO-0 with tp > 1 replicates through FSDP2's `replicate` (parallel/apply.py), which keeps
+    # a separate unsharded copy of every parameter (fp32: its policy sets no param_dtype) from the
+    # forward until the backward is done (not resharded after forward), freed before the step
+    replicated = 4 * P if dp > 1 and p.tp > 1 else 0
+    # with accumulation the gradients exist, but an interleaved rank peaks in the backward of its
+    # first chunk to go back (its warm-up holds the most chunks): only that chunk's (1/v) exist
+    accumulated = grads / p.virtual_pipeline_stages if p.pp > 1 else grads
+    backward = {
+        "parameters": params,
+        "gradients": int(accumulated) if accumulating and not buckets else 0,
+        "optimizer_state": states,
+        "communication_buffers": buckets,
+        "gathered_parameters": replicated,
+        # autocast caches each weight's compute-dtype copy for the step (saved for backward)
+        "compute_dtype_weights": e * P if precision != "fp32" else 0,
+    }
+    # foreach AdamW's sqrt(exp_avg_sq), one parameter group at a time, on the stepped shard
+    temporaries = int(4 * largest_param_group(cfg, sp_) / (dp if zero == 1 else 1)) if k else 0
+    optimizer = {
+        "parameters": params,
+        "gradients": 0 if buckets else grads,
+        "optimizer_state": states,
+        "communication_buffers": buckets,
+        "optimizer_temporaries": temporaries,
+    }
+    return backward, optimizer
+
+
+def _sharded_states(
+    cfg: Config, sp_: StageParams, device_kind: str
+) -> tuple[dict[str, int], dict[str, int], int]:
+    """ZeRO-2/3 (FSDP2): the model states at the loss's backward and at the optimizer step, and the
+    bytes offloading keeps on the host."""
+    p, t = cfg.parallel, cfg.train
+    assert t.gradient_accumulation_steps is not None
+    P, dp, zero = sp_.total, p.dp, p.zero_stage
+    k = optimizer_bytes_per_param(cfg)
+    offload = p.offload_optimizer or p.offload_param
+    gather_bytes = _gather_bytes(cfg)
+    accumulating = t.gradient_accumulation_steps > 1
+    host = 0
+    sharded = int(4 * P / dp)
+    states = int(k * P / dp)
+    # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
+    # backward; ZeRO-3: at the loss's backward every block is resharded but the last, and without
+    # pipeline stages the root (embedding, head) stays gathered too (parallel/apply.py): both
+    # are the first units the backward needs. A pipeline stage reshards both.
+    kept_units = sp_.block + sp_.root if p.pp == 1 else sp_.block
+    gathered = gather_bytes * P if zero == 2 else gather_bytes * kept_units
+    # unsharded gradients (gathered dtype) accumulate over micro-batches without gradient sync
+    # (set_requires_gradient_sync(False)); without accumulation no block's backward has started
+    # at the loss's backward: no gradient and no reduce-scatter buffer yet
+    # (FSDP2 accumulates them in its reduce dtype when that differs from param_dtype:
+    # `unsharded_accumulated_grad`, fp32 by default)
+    accumulate_bytes = DTYPE_BYTES[p.grad_reduce_dtype] if gather_bytes != 4 else gather_bytes
+    # parallel.reduce_each_micro_batch: every micro-batch is reduce-scattered into the sharded
+    # fp32 gradients (DeepSpeed's way), so no unsharded gradient outlives its unit's backward
+    reduce_each = accumulating and p.reduce_each_micro_batch
+    unsharded_grads = accumulate_bytes * P if accumulating and not reduce_each else 0
+    sharded_grads = sharded if reduce_each and not offload else 0
+    reduce_buffer = DTYPE_BYTES[p.grad_reduce_dtype] * sp_.block if accumulating else 0
+    if offload:
+        host = 2 * sharded + states
+    if offload and device_kind != "cpu":
+        # FSDP2 copies each unit's shard to the device before gathering it
+        backward = {"communication_buffers": int(4 * sp_.block / dp + reduce_buffer)}
+        optimizer = {}
+    else:
+        # without offload, or "offloading" to the host a CPU rank already runs on, which moves
+        # nothing: the states stay in the same memory (measured: the same live tensor bytes)
+        backward = {
+            "parameters": sharded,
+            "optimizer_state": states,
+            "communication_buffers": int(reduce_buffer),
+        }
+        optimizer = {
+            "parameters": sharded,
+            "gradients": sharded,
+            "optimizer_state": states,
+            "optimizer_temporaries": int(4 * largest_param_group(cfg, sp_) / dp) if k else 0,
+        }
+    backward["gathered_parameters"] = int(gathered)
+    backward["gradients"] = int(unsharded_grads + sharded_grads)
+    return backward, optimizer, host
+
+
+def _backward_peak(
+    cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str, backward: dict[str, int]
+) -> dict[str, int]:
+    """The loss's backward moment: the model states with the activations in flight and the logits
+    and loss buffers (or the recompute workspace, whichever is larger)."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    assert t.gradient_accumulation_steps is not None
+    fsdp = p.zero_stage >= 2
+    offload = p.offload_optimizer or p.offload_param
+    gather_bytes = _gather_bytes(cfg)
+    accumulating = t.gradient_accumulation_steps > 1
     # The first micro-batch's backward has no gradient yet; a later one (with accumulation) has the
     # accumulated gradients but, under GPipe, one micro-batch fewer in flight: the larger counts.
     variants = []
@@ -376,16 +427,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         else:
             moment["logits_and_loss"] = int(loss_buffers)
         variants.append(moment)
-    backward = max(variants, key=lambda d: sum(d.values()))
-    host += int(host_checkpoint_bytes(cfg, sp_, pp_rank, device_kind))
-    if optimizer and sp_.last and p.pp == 1:
-        # the trainer still holds the last micro-batch's outputs (logits) during the step
-        optimizer["logits_and_loss"] = int(t.micro_batch_size * mc.seq_length * vocab(mc) / p.tp * e)
-    backward.update(common)
-    optimizer.update(common)
-    if sum(optimizer.values()) > sum(backward.values()):
-        return StageMemory(pp_rank, optimizer, host, "optimizer")
-    return StageMemory(pp_rank, backward, host, "backward")
+    return max(variants, key=lambda d: sum(d.values()))
 
 
 def kept_input_fraction(cfg: Config, device_kind: str) -> float:

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -37,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import put_json_entry, read_json_entries
+from ..config.load import to_yaml
 from ..config.schema import Config
+from ..metrics.device_table import cpu_model
 
 CACHE_NAME = "cpu_probes.json"
 METHOD = "depth-probe v1"
@@ -121,10 +124,6 @@ def _phases(summary: dict[str, Any]) -> dict[str, float]:
 
 
 def _cache_key(cfg: Config, world_size: int, num_layers: int, iters: int, warmup: int) -> str:
-    import platform
-
-    from ..config.load import to_yaml
-    from ..metrics.device_specs import _cpu_model
 
     body = to_yaml(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=num_layers)))
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -135,7 +134,7 @@ def _cache_key(cfg: Config, world_size: int, num_layers: int, iters: int, warmup
     except Exception:  # a part of the key only
         torch_version = "?"
     return (
-        f"{METHOD} | {digest} | world={world_size} | iters={iters}/{warmup} | {_cpu_model()} | "
+        f"{METHOD} | {digest} | world={world_size} | iters={iters}/{warmup} | {cpu_model()} | "
         f"cores={os.cpu_count()} | torch={torch_version} | python={platform.python_version()}"
     )
 
@@ -167,7 +166,6 @@ def run_probe(
     cfg: Config, world_size: int, num_layers: int, *, iters: int = 16, warmup: int = 3, timeout: float = 900
 ) -> DepthProbe:
     """One short run of the engine at `num_layers` on `world_size` local processes."""
-    from ..config.load import to_yaml
 
     with tempfile.TemporaryDirectory(prefix="stx-probe-") as tmp:
         config = Path(tmp) / "config.yaml"

@@ -1,5 +1,6 @@
 """Predictions that learn: the planner's step time stored beside every run's measurement
-(`run_prediction`), and the op-class corrections of a hardware profile refitted from stored runs
+(`prediction_record`; calibrate/this_machine.py `run_prediction` builds the cluster), and the
+op-class corrections of a hardware profile refitted from stored runs
 (`refit_corrections`, `stx plan --calibrate-from`).
 
 The refit matches each run's measured phase timers against the prediction's seconds per phase and op
@@ -10,52 +11,19 @@ docs/PLANNER.md ("Prediction error and refits") states the bounds and the minimu
 from __future__ import annotations
 
 import dataclasses
-import os
+import statistics
 from typing import Any
 
+import numpy as np
+
 from ..config.schema import Config
-
-
-def _gpu_cluster(world: int) -> Any:
-    """The table device matching torch.cuda's device name, as nodes x LOCAL_WORLD_SIZE devices."""
-    import torch
-
-    from ..metrics.device_specs import detect_device_name
-    from .cluster import table_cluster
-
-    if not torch.cuda.is_available():
-        raise ValueError("the run was on CUDA, but there is no CUDA device now; no prediction")
-    name = detect_device_name()
-    if name is None:
-        raise ValueError(
-            f"the GPU {torch.cuda.get_device_name()!r} is not in the device table "
-            "(metrics/device_specs.py); no prediction"
-        )
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return table_cluster(name, max(1, world // max(1, per_node)), min(per_node, world))
-
-
-def _cpu_cluster_after_run(world: int, dtype: str) -> Any:
-    """This CPU as `world` processes. The 1-minute load average read at the end of a run counts the
-    run's own threads; they are taken out again so the share is what other work left the job."""
-    import dataclasses
-
-    from .cluster import cpu_cluster
-
-    cluster = cpu_cluster(world, dtype)
-    if cluster.load_average is None:
-        return cluster
-    cores = os.cpu_count() or 1
-    own = world * cluster.threads
-    others = max(0.0, cluster.load_average - own)
-    return dataclasses.replace(cluster, cpu_share=min(1.0, cores / (others + own)))
+from .speed import step_time
 
 
 def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
     """{step_seconds, breakdown, classes, hardware, cluster} of `plan.speed.step_time` for a resolved
     config on a cluster (seconds per optimizer step; classes: phase -> op class -> seconds, empty when
     the time model does not split by op class)."""
-    from .speed import step_time
 
     st = step_time(cfg, cluster)
     profile = getattr(cluster, "profile", None)
@@ -75,46 +43,6 @@ def prediction_record(cfg: Config, cluster: Any) -> dict[str, Any]:
 
 
 PROFILE_ENV = "STX_HARDWARE_PROFILE"
-
-
-def _profile_cluster(path: str, world: int) -> Any:
-    """The hardware profile (or cluster file) at `path` as `world` devices, the way `stx plan
-    --hardware PATH --world-size WORLD` builds it."""
-    from .cluster import load_hardware, with_nodes
-
-    cluster = load_hardware(path)
-    per = cluster.devices_per_node
-    return with_nodes(cluster, -(-world // per), min(per, world))
-
-
-def run_prediction(cfg: Config, world: int, device_type: str) -> dict[str, Any]:
-    """{"prediction": {...}} for a finished run's resolved config on the hardware it ran on, or
-    {"prediction_error": "..."} saying why there is none. Never raises: a prediction is an aid. The
-    hardware: the profile named by $STX_HARDWARE_PROFILE (what `stx plan --hardware` would use, so
-    `stx plan --calibrate-from` refits that profile from these runs), else this CPU as `world`
-    processes (only rates an earlier plan measured and cached: nothing is measured here) or the table
-    GPU matching torch.cuda's device name."""
-    from ..metrics.cpu_rates import NotMeasured, cached_only
-
-    try:
-        if os.environ.get(PROFILE_ENV):
-            cluster = _profile_cluster(os.environ[PROFILE_ENV], world)
-        elif device_type == "cuda":
-            cluster = _gpu_cluster(world)
-        else:
-            # this CPU's rates as earlier plans measured them: nothing is measured at a run's end
-            with cached_only():
-                cluster = _cpu_cluster_after_run(world, cfg.train.precision)
-                return {"prediction": prediction_record(cfg, cluster)}
-        return {"prediction": prediction_record(cfg, cluster)}
-    except NotMeasured as e:
-        return {
-            "prediction_error": f"this CPU's rates are not measured yet ({e}): `stx plan CONFIG --device cpu "
-            f"--world-size {world} --no-probe` measures them once (cached), or set {PROFILE_ENV} to a "
-            "`stx calibrate` profile"
-        }
-    except Exception as e:  # reported in summary.json, never fatal
-        return {"prediction_error": f"{type(e).__name__}: {e}"}
 
 
 # --- refitting the op-class corrections from stored runs -------------------------------------------
@@ -198,7 +126,6 @@ def equations(prediction: dict[str, Any], phases_ms: dict[str, float]) -> list[t
 def _bounded_least_squares(a: Any, b: Any, x0: Any, free: Any) -> Any:
     """min |A x - b|^2 with BOUNDS on the free entries of x (the others stay at x0): projected
     coordinate descent, exact on each coordinate and convergent for this convex problem."""
-    import numpy as np
 
     x = np.array(x0, dtype=float)
     norms = (a * a).sum(axis=0)
@@ -216,7 +143,6 @@ def _bounded_least_squares(a: Any, b: Any, x0: Any, free: Any) -> Any:
 def _system(samples: list[RunSample]) -> tuple[Any, Any]:
     """Rows (seconds per class) and right-hand sides (measured seconds) of every run's timer groups
     and of its whole step, each divided by the run's measured step so every run counts alike."""
-    import numpy as np
 
     rows, rhs = [], []
     for sample in samples:
@@ -243,7 +169,6 @@ def refit_corrections(
     least absolute deviations (iteratively reweighted bounded least squares) of the runs' timer
     groups and whole steps, relative to each run's step, so one disturbed phase moves the fit less
     than it would squared; classes under MIN_CLASS_SHARE keep `current`."""
-    import numpy as np
 
     if len(samples) < MIN_RUNS:
         raise ValueError(
@@ -270,7 +195,6 @@ def refit_corrections(
 
 def median_error(samples: list[RunSample], corrections: dict[str, float] | None = None) -> float:
     """Median |predicted / measured - 1| of the runs' steps (with `corrections`: as refitted)."""
-    import statistics
 
     return statistics.median(
         abs(

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .cluster import Cluster
 from .layout import Layout
 from .memory_model import StageMemory, stage_memory
+from .probe import ProbeError, probe_step_time
 from .speed import StepTime, attention_kernel, step_time
 
 RATE_MODEL = "time model by op class (plan/speed.py)"
@@ -36,7 +37,7 @@ class Prediction:
     dtype: str
     # how the step time was obtained: the rate model, or measured (plan/probe.py) on a CPU
     time_method: str = RATE_MODEL
-    # `--dry-run`: the engine on fake tensors at this world size (plan/dry_run.py), or {"error": ...}
+    # `--dry-run`: the engine on fake tensors at this world size (dryrun/dry_run.py), or {"error": ...}
     dry_run: dict[str, Any] | None = None
 
     @property
@@ -123,8 +124,6 @@ def predict(
     if kernel is not None:  # not the config's own choice: say which kernel the attention core is timed at
         method += f", attention kernel {kernel}"
     if probe and cluster.kind == "cpu":
-        from .probe import ProbeError, probe_step_time
-
         try:
             measured = probe_step_time(cfg, cluster.world_size, remeasure=remeasure)
             st = dataclasses.replace(st, breakdown=measured.breakdown, dp_overlapped_seconds=0.0)

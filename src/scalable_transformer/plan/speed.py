@@ -19,6 +19,7 @@ dim, v padded vocabulary, t/p/d tensor/pipeline/data-parallel sizes, m micro-bat
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +142,8 @@ class _ProfileRates:
 
 
 class _TableRates(_ProfileRates):
-    """Without a profile: a CPU's rates measured here per shape (metrics/cpu_rates.py, cached), or a
+    """Without a profile: a CPU's rates measured here per shape (metrics/cpu_rates.py,
+    cached, handed in as `Cluster.gemm_rate`), or a
     table GPU's peak on the old saturating efficiency curve, ring collectives at the table links."""
 
     def __init__(self, cluster: Cluster) -> None:
@@ -163,11 +165,9 @@ class _TableRates(_ProfileRates):
             return self._gemm[key]
         c = self.cluster
         if c.kind == "cpu":
-            import os
-
-            from ..metrics.cpu_rates import gemm_rate
-
-            rate = gemm_rate(m, k, n, dtype, c.threads)
+            if c.gemm_rate is None:
+                raise ValueError(f"{c.name}: a CPU cluster without a profile needs its measured gemm_rate")
+            rate = c.gemm_rate(m, k, n, dtype, c.threads)
             # more processes than cores (each with one thread) time-share them
             rate *= min(1.0, (os.cpu_count() or 1) / (c.devices_per_node * c.threads))
         else:
@@ -411,7 +411,7 @@ def _head_seconds(rates: _ProfileRates, sh: _Shape) -> dict[str, dict[str, float
 def model_layer_seconds(cluster: Cluster, sh: _Shape) -> tuple[float, float]:
     """(one layer, the logits GEMM with the loss): forward + backward seconds per micro-batch on one
     rank without recomputation, as the time model predicts them: what `stx calibrate` measures the
-    model's own layer and head against (plan/calibrate.py `measure_model_layer`)."""
+    model's own layer and head against (calibrate/layer_factor.py `measure_model_layer`)."""
     rates = _rates(cluster)
     layer = _layer_compute(rates, sh, "none")
     head = _head_seconds(rates, sh)

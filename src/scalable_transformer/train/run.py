@@ -96,7 +96,7 @@ def run_training(
     process group work, and the process group is torn down on the way out, also after an error.
     `callbacks` join the trainer's (see `train.trainer.Callback`). `predict(resolved config, world
     size, device type)` gives summary.json's `prediction` (or `prediction_error`): `stx train` passes
-    the planner's (plan/refit.py `run_prediction`), which this layer does not import.
+    the planner's (calibrate/this_machine.py `run_prediction`), which this layer does not import.
     """
     start = time.perf_counter()
     console = console or Console(highlight=False, soft_wrap=True)

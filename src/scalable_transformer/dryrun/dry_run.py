@@ -9,7 +9,7 @@ steps: the step with its micro-batches or pipeline schedule, gradient clipping, 
 optimizer step, the second one a logging step. No tensor holds data and collectives return at once,
 so a 175B model on 64 ranks costs seconds and a few GB of Python objects.
 
-`plan/dry_run_trace.py` observes it: live tensor bytes per rank and where their peak is, the
+`dryrun/dry_run_trace.py` observes it: live tensor bytes per rank and where their peak is, the
 collectives per step and every host read of a device value. docs/PLANNER.md#dry-runs says what a dry
 run exercises and what it cannot (kernel workspaces, allocator caching, NCCL's own buffers).
 
@@ -21,17 +21,41 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import resource
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ..config.load import load_config, to_yaml
 from ..config.schema import Config
+from ..config.validate import resolve
 from ..errors import StxError
+from ..metrics.flops import step_flops
+from ..metrics.sinks import Sinks
+from ..models import count_parameters, spec_for
+from ..parallel import distributed
+from ..parallel.dims import ParallelDims
+from ..plan.search import predict, prepare
+from ..train.measurement import Measurement
+from ..train.optim import build_optimizer, build_scheduler
+from ..train.run import build_parallel_model
+from ..train.trainer import Trainer
+from .dry_run_trace import DryRunTrace
+from .engine_stubs import engine_stubs, patched
+from .fake_cuda import fake_cuda
+from .torch_internals import FakeStore, FakeTensorMode, ModTracker
 
 # the first step (lazy initialisation: optimizer states, the pipeline schedule's warm-up), then a plain
 # step (what every step between logging steps does: its collectives and host syncs are reported) and a
@@ -108,17 +132,11 @@ class DryRun:
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """The default process group as torch's fake backend: every collective returns at once."""
-    import torch.distributed as dist
-
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as e:  # pragma: no cover - depends on the torch build
-        import torch
-
+    if FakeStore is None:  # pragma: no cover - depends on the torch build
         raise DryRunError(
             f"this torch ({torch.__version__}) has no fake process group "
             "(torch.testing._internal.distributed.fake_pg): dry runs need it"
-        ) from e
+        )
     if dist.is_initialized():
         raise DryRunError("a dry run needs a process without a process group (one is already initialized)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -154,9 +172,6 @@ def dry_run_config(cfg: Config) -> Config:
 def fake_batches(cfg: Config, device: Any) -> Iterator[dict[str, Any]]:
     """Endless micro-batches of the family's keys and shapes, as the data loader collates them
     (int64 [b, s]; BERT's nsp_labels [b]), made under the fake mode when the trainer asks."""
-    import torch
-
-    from ..models import spec_for
 
     shapes = spec_for(cfg.model).micro_batch_shapes(cfg.model, cfg.train.micro_batch_size)
     while True:
@@ -164,7 +179,6 @@ def fake_batches(cfg: Config, device: Any) -> Iterator[dict[str, Any]]:
 
 
 def _group_names(dims: Any) -> dict[str, str]:
-    import torch.distributed as dist
 
     world = dist.group.WORLD
     names: dict[str, str] = {str(world.group_name): "world"} if world is not None else {}
@@ -196,19 +210,6 @@ def run_rank(
     cfg: Config, world_size: int, rank: int, device_type: str, devices_per_node: int = 8
 ) -> RankDryRun:
     """Dry-run `rank` of a resolved config on a fake process group of `world_size`."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mod_tracker import ModTracker
-
-    from ..config.validate import resolve
-    from ..metrics.flops import step_flops
-    from ..metrics.sinks import Sinks
-    from ..models import count_parameters
-    from ..parallel.dims import ParallelDims
-    from ..train.measurement import Measurement
-    from ..train.optim import build_optimizer, build_scheduler
-    from ..train.run import build_parallel_model
-    from ..train.trainer import Trainer
-    from .dry_run_trace import DryRunTrace
 
     cfg = resolve(dry_run_config(cfg), world_size)
     holder: dict[str, Any] = {}  # the trace, once it exists: torch.cuda.synchronize() is a host sync
@@ -217,12 +218,10 @@ def run_rank(
         if "trace" in holder:
             holder["trace"]._host_read(None)
 
-    from ..parallel import distributed
-
     simulated = [(distributed, "SIMULATED_BACKEND", "nccl" if device_type == "cuda" else "gloo")]
     with (
         fake_process_group(rank, world_size),
-        patched(_engine_stubs(device_type, holder) + simulated),
+        patched(engine_stubs(device_type, holder) + simulated),
         _target_device(device_type, rank, devices_per_node, device_sync) as device,
     ):
         dims = ParallelDims.build(cfg, device.type)  # the mesh outside the fake mode (it reads ranks)
@@ -341,88 +340,16 @@ class _PhaseTimer:
         return self._timer.__exit__(*exc)
 
 
-def _engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
-    """What the engine does on the host that a fake tensor cannot answer, replaced for the dry run:
-
-    - DeviceMesh.__init__ runs outside the fake mode: a mesh's rank table is real host data, and FSDP2
-      over tensor-parallel parameters builds a new mesh inside the fake mode (`DeviceMesh._concatenate`).
-    - DDP's `_verify_param_shape_across_processes` compares every rank's parameter shapes through a
-      raw pointer (C++); a dry run simulates one rank, so there is nothing to compare.
-    - DDP's one-time bucket rebuild before the second forward (buckets re-cut in the order the first
-      backward produced gradients) broadcasts an index tensor it fills through a raw pointer: skipped,
-      the buckets keep their construction order and the same total size.
-    - pipelining's `_warmup_p2p` agrees on static or dynamic stage shapes by multiplying votes over
-      send/recv and reading the product on the host: its messages are sent, and the read is answered
-      with this rank's vote (every rank builds its stages alike, so the local vote is the product).
-    - on CUDA, DDP's runtime statistics need the CUDA timer of libtorch_cuda: skipped (logging only).
-    """
-    import torch.distributed as dist
-    import torch.nn.parallel.distributed as ddp
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import schedules
-
-    mesh_init = DeviceMesh.__init__
-
-    def real_mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            mesh_init(self, *args, **kwargs)
-
-    warmup = schedules._PipelineSchedule._warmup_p2p
-
-    def local_vote(self: Any, stages: Any, has_backward: Any, p2p_done: Any) -> Any:
-        from torch.distributed.pipelining._utils import InferenceMode
-        from torch.distributed.pipelining.stage import PipelineStage
-
-        trace = holder.get("trace")
-        if trace is None or not all(isinstance(st, PipelineStage) for st in stages):
-            return warmup(self, stages, has_backward, p2p_done)
-        static = all(not InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
-        trace.read_value = 1 if static else 0  # the vote's product, as every rank votes alike
-        try:
-            return warmup(self, stages, has_backward, p2p_done)  # its sends and receives happen
-        finally:
-            trace.read_value = None
-
-    stubs: list[tuple[Any, str, Any]] = [
-        (DeviceMesh, "__init__", real_mesh_init),
-        (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
-        (dist.Reducer, "_rebuild_buckets", lambda self: False),
-        (schedules._PipelineSchedule, "_warmup_p2p", local_vote),
-    ]
-    if device_type == "cuda":
-        stubs.append((dist.Logger, "set_runtime_stats_and_log", lambda self: None))
-    return stubs
-
-
-@contextlib.contextmanager
-def patched(stubs: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Each (object, attribute, replacement) set for the block, the original back after it."""
-    saved = [(obj, name, obj.__dict__.get(name), name in obj.__dict__) for obj, name, _ in stubs]
-    try:
-        for obj, name, new in stubs:
-            setattr(obj, name, new)
-        yield
-    finally:
-        for obj, name, old, had in reversed(saved):
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
-
-
 @contextlib.contextmanager
 def _target_device(device_type: str, rank: int, devices_per_node: int, on_sync: Any) -> Iterator[Any]:
-    """The device the simulated rank computes on; for CUDA the fake CUDA of plan/fake_cuda.py, with
+    """The device the simulated rank computes on; for CUDA the fake CUDA of dryrun/fake_cuda.py, with
     `on_sync` called at every torch.cuda.synchronize()."""
-    import torch
 
     if device_type == "cpu":
         yield torch.device("cpu")
         return
     if device_type != "cuda":
         raise DryRunError(f"dry runs simulate cpu or cuda devices, not {device_type!r}")
-    from .fake_cuda import fake_cuda
 
     index = rank % devices_per_node
     with fake_cuda(index, on_sync=on_sync):
@@ -475,13 +402,6 @@ def dry_run_isolated(
     """`dry_run` in a child process, as `DryRun.to_dict()`: the fake process group, the patches of
     fake CUDA and whatever the engine leaves behind stay there, and a crash in the engine (fake CUDA
     reaches into libtorch) is an error here, not the end of `stx plan`. Adds the child's peak RSS."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from ..config.load import to_yaml
 
     with tempfile.TemporaryDirectory(prefix="stx-dry-run-") as tmp:
         config_path, result_path = Path(tmp) / "config.yaml", Path(tmp) / "result.json"
@@ -506,12 +426,6 @@ def dry_run_isolated(
 def _worker_main(argv: list[str]) -> None:
     """The child of `dry_run_isolated`: config path, world size, device type, devices per node, and
     where to write the result (or {"error": ...})."""
-    import json
-    import resource
-    from pathlib import Path
-
-    from ..config.load import load_config
-    from ..config.validate import resolve
 
     config_path, world, device_type, per_node, result_path = argv
     try:
@@ -545,8 +459,6 @@ def verify(prediction: Any, cfg: Config, cluster: Any) -> Any:
     cluster's world size, each simulated rank beside the analytic prediction for its pipeline rank.
     A dry run that fails inside the engine is reported in `dry_run["error"]`; the analytic result
     stands either way."""
-    from ..config.validate import resolve
-    from .search import predict, prepare
 
     world = cluster.world_size
     device_type = "cpu" if cluster.kind == "cpu" else "cuda"

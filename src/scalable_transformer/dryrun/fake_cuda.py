@@ -1,7 +1,7 @@
 """Fake CUDA for dry runs of GPU layouts on a CPU-only torch build (`stx plan --dry-run` with a GPU
 device): the engine runs on `device="cuda"` fake tensors, so the CUDA code paths of FSDP2, DDP,
 DTensor, pipelining and autocast are the ones exercised. Used only inside a dry run's worker process
-(plan/dry_run.py), and undone on exit.
+(dryrun/dry_run.py), and undone on exit.
 
 Every stub answers "which device / stream am I on" or turns stream and event synchronization into a
 no-op; none allocates, resizes or changes the dtype or shape of a device tensor. Measured on torch
@@ -33,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from .engine_stubs import patched
+from .torch_internals import torch_library
 
 _CUDA = 1  # c10::DeviceType::CUDA
 _state: dict[str, Any] = {"device": 0, "on_sync": None}
@@ -47,9 +49,8 @@ class _NativeShim:
     _SLOT_ISBUILT, _SLOT_HASPRIMARYCTX = 2, 4
 
     def __init__(self):
-        libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-        self.c10 = ctypes.CDLL(os.path.join(libdir, "libc10.so"))
-        self.tc = ctypes.CDLL(os.path.join(libdir, "libtorch_cpu.so"))
+        self.c10 = torch_library("libc10.so")
+        self.tc = torch_library("libtorch_cpu.so")
         self._keep = []
 
     def install(self):
@@ -281,7 +282,6 @@ def fake_cuda(device_index: int = 0, on_sync: Any = None) -> Iterator[None]:
     if torch.cuda.is_available():  # pragma: no cover - a CUDA build needs none of this
         yield
         return
-    from .dry_run import patched
 
     _native = _native or _NativeShim()
     _native.install()

@@ -25,7 +25,7 @@ host reads  `aten._local_scalar_dense` (`.item()`, `float()`, `int()`, `.tolist(
             read of a host tensor (a CPU generator's draw) waits for no device and is not recorded,
             a blocking copy of a device tensor to the host is;
             `torch.cuda.synchronize()` and an event's or stream's `synchronize()` are recorded by the
-            dry run through plan/fake_cuda.py.
+            dry run through dryrun/fake_cuda.py.
 
 Considered: `torch.distributed._tools.MemTracker` / `FSDPMemTracker` (same dispatch-mode technique,
 per-module peaks). They do not see DDP's buckets or pipeline buffers as such, report one category
@@ -45,11 +45,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .torch_internals import (
+    FakeTensor,
+    ShardingPropagator,
+    TorchDispatchMode,
+    _create_work_from_future,
+    detect_fake_mode,
+    tree_leaves,
+    unset_fake_temporarily,
+)
 
 _PACKAGE = str(Path(__file__).resolve().parent.parent)  # .../scalable_transformer
-_PLAN = str(Path(__file__).resolve().parent)  # the dry run's own frames are not where a sync is
+_DRYRUN = str(Path(__file__).resolve().parent)  # the dry run's own frames are not where a sync is
 _TORCH = str(Path(torch.__file__).resolve().parent)
 _aten = torch.ops.aten
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -189,7 +199,6 @@ class DryRunTrace(TorchDispatchMode):
     # ------------------------------------------------------------ context
 
     def __enter__(self) -> DryRunTrace:
-        from torch._guards import detect_fake_mode
 
         self._fake_mode = detect_fake_mode()
         self._orig_resize = torch.UntypedStorage.resize_
@@ -204,7 +213,6 @@ class DryRunTrace(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         # DTensor learns an op's output metadata by running it on global-shape fake tensors, on the
         # fake mode already active (ours): those ops are not this rank's memory, so the trace pauses
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
         self._orig_propagate = propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
@@ -220,7 +228,6 @@ class DryRunTrace(TorchDispatchMode):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
         super().__exit__(*exc)
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
@@ -342,7 +349,6 @@ class DryRunTrace(TorchDispatchMode):
     # ------------------------------------------------------------ dispatch
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.distributed.tensor import DTensor
 
         kwargs = kwargs or {}
         if any(t is DTensor for t in types):
@@ -355,7 +361,6 @@ class DryRunTrace(TorchDispatchMode):
             return self._collective(func, args, kwargs)
         if self._fake_mode is not None and _only_real_tensors((args, kwargs)):
             # a DeviceMesh's rank table (sub-mesh coordinates): real data, run for real and not counted
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
@@ -447,7 +452,6 @@ class DryRunTrace(TorchDispatchMode):
     def _group_of(self, args: Any, kwargs: Any) -> str:
         """The label of the process group a collective runs on: c10d ops take the group as a boxed
         ScriptObject, functional ones by name (a string argument)."""
-        import torch.distributed as dist
 
         values = (*args, *kwargs.values())
         for a in values:
@@ -543,7 +547,6 @@ def _completed(out: Any) -> Any:
     `future.value()`, which the fake Work leaves empty."""
     if not (isinstance(out, tuple) and out and isinstance(out[-1], torch.ScriptObject)):
         return out
-    from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
     result = out[0] if isinstance(out[0], list) else [out[0]]
     future: torch.futures.Future = torch.futures.Future()
@@ -590,7 +593,6 @@ def _neutral(tensor: torch.Tensor) -> Any:
 def _only_real_tensors(tree: Any) -> bool:
     """Tensor arguments, none of them fake (nor a subclass holding fakes, such as a DTensor), and no
     device argument other than the host. Called for every op: flat loops, no pytree."""
-    from torch._subclasses.fake_tensor import FakeTensor
 
     args, kwargs = tree
     seen = False
@@ -635,9 +637,9 @@ def _caller() -> str:
     """path:line of the innermost frame in this package (not this module), else outside torch."""
     frames = traceback.extract_stack()[:-3]
     for frame in reversed(frames):
-        if frame.filename.startswith(_PACKAGE) and not frame.filename.startswith(_PLAN):
+        if frame.filename.startswith(_PACKAGE) and not frame.filename.startswith(_DRYRUN):
             return f"{Path(frame.filename).relative_to(Path(_PACKAGE).parent)}:{frame.lineno}"
     for frame in reversed(frames):
-        if not frame.filename.startswith((_TORCH, _PLAN)):
+        if not frame.filename.startswith((_TORCH, _DRYRUN)):
             return f"{frame.filename}:{frame.lineno}"
     return "?"

@@ -1,0 +1,78 @@
+"""The patches a dry run sets on torch while the engine runs on fake tensors: `patched` sets and undoes
+them, `engine_stubs` are the engine's own (the dry run's module docstring lists why each is needed).
+Every private torch name they reach comes from dryrun/torch_internals.py, where a test checks it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.stage import PipelineStage
+
+from .torch_internals import InferenceMode, ddp, schedules, unset_fake_temporarily
+
+
+def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
+    """What the engine does on the host that a fake tensor cannot answer, replaced for the dry run:
+
+    - DeviceMesh.__init__ runs outside the fake mode: a mesh's rank table is real host data, and FSDP2
+      over tensor-parallel parameters builds a new mesh inside the fake mode (`DeviceMesh._concatenate`).
+    - DDP's `_verify_param_shape_across_processes` compares every rank's parameter shapes through a
+      raw pointer (C++); a dry run simulates one rank, so there is nothing to compare.
+    - DDP's one-time bucket rebuild before the second forward (buckets re-cut in the order the first
+      backward produced gradients) broadcasts an index tensor it fills through a raw pointer: skipped,
+      the buckets keep their construction order and the same total size.
+    - pipelining's `_warmup_p2p` agrees on static or dynamic stage shapes by multiplying votes over
+      send/recv and reading the product on the host: its messages are sent, and the read is answered
+      with this rank's vote (every rank builds its stages alike, so the local vote is the product).
+    - on CUDA, DDP's runtime statistics need the CUDA timer of libtorch_cuda: skipped (logging only).
+    """
+
+    mesh_init = DeviceMesh.__init__
+
+    def real_mesh_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    warmup = schedules._PipelineSchedule._warmup_p2p
+
+    def local_vote(self: Any, stages: Any, has_backward: Any, p2p_done: Any) -> Any:
+
+        trace = holder.get("trace")
+        if trace is None or not all(isinstance(st, PipelineStage) for st in stages):
+            return warmup(self, stages, has_backward, p2p_done)
+        static = all(not InferenceMode.needs_dynamic(st._user_meta, has_backward) for st in stages)
+        trace.read_value = 1 if static else 0  # the vote's product, as every rank votes alike
+        try:
+            return warmup(self, stages, has_backward, p2p_done)  # its sends and receives happen
+        finally:
+            trace.read_value = None
+
+    stubs: list[tuple[Any, str, Any]] = [
+        (DeviceMesh, "__init__", real_mesh_init),
+        (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
+        (dist.Reducer, "_rebuild_buckets", lambda self: False),
+        (schedules._PipelineSchedule, "_warmup_p2p", local_vote),
+    ]
+    if device_type == "cuda":
+        stubs.append((dist.Logger, "set_runtime_stats_and_log", lambda self: None))
+    return stubs
+
+
+@contextlib.contextmanager
+def patched(stubs: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each (object, attribute, replacement) set for the block, the original back after it."""
+    saved = [(obj, name, obj.__dict__.get(name), name in obj.__dict__) for obj, name, _ in stubs]
+    try:
+        for obj, name, new in stubs:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old, had in reversed(saved):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
