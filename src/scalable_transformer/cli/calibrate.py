@@ -86,7 +86,7 @@ def output_ok(job, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config.load import load_config
-    from ..parallel.cluster_env import apply as apply_cluster_env
+    from ..parallel.cluster_env import apply_cluster_env
     from ..plan import calibrate as cal
     from ..plan.hardware_profile import profile_from_dict, save_profile
 

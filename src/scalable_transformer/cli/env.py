@@ -27,12 +27,12 @@ def run(args: argparse.Namespace) -> int:
     if opts.as_json:
         print(json.dumps(env, indent=2))
     else:
-        for line in render(env):
+        for line in env_lines(env):
             print(line)
     return 0
 
 
-def render(env: dict[str, Any]) -> list[str]:
+def env_lines(env: dict[str, Any]) -> list[str]:
     """One `key: value` line per entry, keys right-aligned; dicts and lists on one line."""
     lines = []
     for key, value in env.items():

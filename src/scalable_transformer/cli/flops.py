@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=run)
 
 
-def render(result: dict[str, Any]) -> None:
+def print_flops(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -155,5 +155,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        render(result)
+        print_flops(result)
     return 0

@@ -125,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"stx report import-log {flag} must be an integer >= 1, got {value}")
     try:
         if action == "export":
-            return export(ExportOptions(Path(sub_args.store), sub_args.format, sub_args.output))
+            return run_export(ExportOptions(Path(sub_args.store), sub_args.format, sub_args.output))
         if action == "import-log":
-            return import_log(
+            return run_import_log(
                 ImportLogOptions(
                     sub_args.file,
                     sub_args.format,
@@ -191,7 +191,7 @@ def table(opts: TableOptions) -> int:
     return 0
 
 
-def export(opts: ExportOptions) -> int:
+def run_export(opts: ExportOptions) -> int:
     from ..bench.results import ResultsStore
     from ..bench.results import export as export_results
 
@@ -201,7 +201,7 @@ def export(opts: ExportOptions) -> int:
     return 0
 
 
-def import_log(opts: ImportLogOptions) -> int:
+def run_import_log(opts: ImportLogOptions) -> int:
     from ..bench.log_import import import_log as import_one
 
     record = import_one(

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config.load import load_config
-    from ..parallel.cluster_env import apply as apply_cluster_env
+    from ..parallel.cluster_env import apply_cluster_env
     from ..plan.refit import run_prediction
     from ..train.resilience import exit_status
     from ..train.run import run_training
