@@ -166,9 +166,8 @@ def test_twin_check_sees_twins_and_allows_the_exceptions(tmp_path):
 
 # Module-level functions whose one name is one protocol, each module implementing it for itself:
 SHARED_FUNCTION_NAMES = {
-    "register",  # cli/<command>.py: adds the command's parser (cli/__init__.py's dispatcher calls it)
+    "register",  # cli/plan.py, cli/calibrate.py: add the command's parser (the others: cli/parsers.py)
     "run",  # cli/<command>.py: runs the parsed command
-    "add_arguments",  # cli/<command>.py: the command's options, for its `register` (and its tests)
     "main",  # a program's entry point: `stx` (cli/__init__.py) and the ssh node agent (launch/ssh_node.py)
     "overrides_from_hf",  # models/<family>/hf.py: the family's half of `ModelFamily.overrides`
 }

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .train import split_config_args
+from .parsers import split_config_args
 
 DEFAULT_OUTPUT = "hardware-profile.yaml"
 

@@ -38,6 +38,8 @@ import socket
 import subprocess
 from collections.abc import Mapping, MutableMapping
 
+import hostlist
+
 from ..errors import LaunchError
 
 DEFAULT_MASTER_PORT = 29500  # torch's
@@ -176,7 +178,6 @@ def read_node_file(path: str, name: str = "node file") -> list[str]:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's compressed list ('gpu-[01-02],n7') as host names (python-hostlist)."""
-    import hostlist
 
     try:
         return list(hostlist.expand_hostlist(nodelist))
