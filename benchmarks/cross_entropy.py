@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from scalable_transformer.metrics.environment import cpu_model
+from scalable_transformer.metrics.device_table import cpu_model
 
 SETTINGS = ("heap", "fsdp")
 DTYPES = ("fp32", "bf16")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import plan_accuracy  # noqa: E402  (the layouts and their model)
-from scalable_transformer.metrics.environment import cpu_model  # noqa: E402
+from scalable_transformer.metrics.device_table import cpu_model  # noqa: E402
 
 TARGET = 0.03
 EXTRA = ["train.train_iters=4", "logging.log_interval=2"]

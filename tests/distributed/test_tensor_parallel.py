@@ -36,9 +36,9 @@ from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models import build_model, compute_loss, model_inputs
 from scalable_transformer.parallel.tensor import (
     apply_tensor_parallel,
-    argmax_rows,
     loss_ops,
     loss_parallel_context,
+    vocab_parallel_argmax_rows,
 )
 
 STEPS, BATCH, SEED = 5, 4, 1234
@@ -133,7 +133,7 @@ def train(cfg: ModelConfig, tp_mesh=None, sequence_parallel: bool = False) -> di
     if cfg.type == "bert":  # random labels are almost never predicted: compare the predictions
         with torch.no_grad(), loss_parallel_context(tp):
             logits_bsv = model(*model_inputs(cfg.type, data[0]))[0]
-            argmax = argmax_rows(
+            argmax = vocab_parallel_argmax_rows(
                 logits_bsv.reshape(-1, logits_bsv.shape[-1]), data[0]["labels"].reshape(-1) != -100
             )
     weights = {name: _full(p) for name, p in model.named_parameters()}
@@ -163,8 +163,8 @@ def _check_argmax_rows(mesh) -> None:
     logits_nv[3, [5, 7]] = 10.0  # tie inside shard 1
     rows_n = torch.tensor([True, True, False, True, True, False])
     sharded = distribute_tensor(logits_nv, mesh, [Shard(1)])
-    assert torch.equal(argmax_rows(sharded, rows_n), logits_nv[rows_n].argmax(-1))
-    assert argmax_rows(sharded, torch.zeros(6, dtype=torch.bool)).numel() == 0
+    assert torch.equal(vocab_parallel_argmax_rows(sharded, rows_n), logits_nv[rows_n].argmax(-1))
+    assert vocab_parallel_argmax_rows(sharded, torch.zeros(6, dtype=torch.bool)).numel() == 0
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], relative: bool = False) -> float:

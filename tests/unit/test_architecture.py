@@ -1,8 +1,9 @@
 """The seams of the architecture: torch-free layout rules, the one topology object, trainer callbacks
-and Stateful loop position, cross-rank timer min/max, module names that are not twins."""
+and Stateful loop position, cross-rank timer min/max, module and function names that are not twins."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 import scalable_transformer
 from scalable_transformer.config.load import load_config
-from scalable_transformer.config.rules import layout_label, pipeline_bubble, stage_ids, stage_rank
+from scalable_transformer.config.rules import layout_label, pipeline_bubble_fraction, stage_ids, stage_rank
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.timers import minmax_over_ranks
 from scalable_transformer.parallel.dims import ParallelDims
@@ -101,8 +102,8 @@ def test_one_layout_label_and_bubble():
         world_size=2,
     )
     assert layout_label(cfg) == "dp=1 tp=1 pp=2 zero3+offload schedule 1f1b recompute full"
-    assert pipeline_bubble(2, 1, 4) == pytest.approx(1 / 5)
-    assert pipeline_bubble(1, 1, 4) is None
+    assert pipeline_bubble_fraction(2, 1, 4) == pytest.approx(1 / 5)
+    assert pipeline_bubble_fraction(1, 1, 4) is None
 
 
 def test_minmax_over_one_rank_is_the_value_itself():
@@ -207,6 +208,51 @@ def test_no_package_has_an_import_circle_among_its_modules():
     assert not circles, "import circles (move the shared part into a module both import):\n" + "\n".join(
         circles
     )
+
+
+# Module-level functions whose one name is one protocol, each module implementing it for itself:
+SHARED_FUNCTION_NAMES = {
+    "register",  # cli/plan.py, cli/calibrate.py: add the command's parser (the others: cli/parsers.py)
+    "run",  # cli/<command>.py: runs the parsed command
+    "main",  # a program's entry point: `stx` (cli/__init__.py) and the ssh node agent (launch/ssh_node.py)
+    "overrides_from_hf",  # models/<family>/hf.py: the family's half of `ModelFamily.overrides`
+}
+
+
+def twin_functions(root: Path) -> dict[str, list[str]]:
+    """Public module-level function names defined in more than one module under `root` (private `_`
+    helpers are named only inside their own module), less SHARED_FUNCTION_NAMES."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+                by_name[node.name].append(path.relative_to(root).as_posix())
+    return {
+        name: paths
+        for name, paths in sorted(by_name.items())
+        if len(paths) > 1 and name not in SHARED_FUNCTION_NAMES
+    }
+
+
+def test_no_two_modules_define_a_function_of_the_same_name():
+    """One name, one meaning: two `cross_entropy_sum`s (models/spec.py's plain one and parallel/tensor.py's
+    for vocabulary-sharded logits) made a reader check which one a call site imported (issue 39)."""
+    twins = twin_functions(Path(scalable_transformer.__file__).parent)
+    assert not twins, "module-level functions sharing a name across modules (rename one): " + "; ".join(
+        f"{name}: {', '.join(paths)}" for name, paths in twins.items()
+    )
+
+
+def test_twin_function_check_sees_twins_and_allows_the_protocols(tmp_path):
+    files = {
+        "a.py": "def loss():\n    pass\n\ndef _helper():\n    pass\n\ndef register():\n    pass\n",
+        "b/c.py": "def loss():\n    pass\n\ndef _helper():\n    pass\n\ndef register():\n    pass\n",
+        "d.py": "class K:\n    def loss(self):\n        pass\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert twin_functions(tmp_path) == {"loss": ["a.py", "b/c.py"]}
 
 
 def test_no_function_in_train_is_longer_than_80_lines():

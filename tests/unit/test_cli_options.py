@@ -11,9 +11,9 @@ from scalable_transformer.bench.sweep_types import SweepOptions
 from scalable_transformer.cli import build_parser
 from scalable_transformer.cli.config import ConfigOptions
 from scalable_transformer.cli.flops import flops_options
+from scalable_transformer.cli.parsers import report_parsers
 from scalable_transformer.cli.preprocess import preprocess_options
 from scalable_transformer.cli.report import TableOptions, table_options
-from scalable_transformer.cli.report import _report_parsers as report_parsers
 from scalable_transformer.cli.sweep import sweep_options
 from scalable_transformer.cli.tokenizer import train_options
 from scalable_transformer.cli.train import TrainOptions

@@ -26,7 +26,12 @@ from scalable_transformer.launch.batch import (
 )
 from scalable_transformer.launch.hostfile import node_command, parse_hostfile, root_cause, select_hosts
 from scalable_transformer.launch.launcher import JobSpec, JobState
-from scalable_transformer.parallel.cluster_env import apply, discover, read_node_file, slurm_node_layout
+from scalable_transformer.parallel.cluster_env import (
+    apply_cluster_env,
+    discover,
+    read_node_file,
+    slurm_node_layout,
+)
 
 
 def test_torchrun_variables_are_left_alone():
@@ -68,7 +73,7 @@ def test_mpi_variables_win_over_the_allocation(tmp_path):
         "SLURM_NTASKS": "1",
     }
     environ = dict(env)
-    found = apply(environ)
+    found = apply_cluster_env(environ)
     assert found is not None and found.source == "mpich"
     assert environ["RANK"] == "2" and environ["WORLD_SIZE"] == "4" and environ["LOCAL_RANK"] == "0"
     assert environ["MASTER_ADDR"] == "hostA" and environ["MASTER_PORT"] == str(20000 + 789)

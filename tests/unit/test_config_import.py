@@ -231,31 +231,31 @@ def _reference_names(path: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("reference", [p for p in REFERENCES if p.is_file()], ids=lambda p: p.parent.name)
 def test_every_neox_parameter_is_classified(reference):
-    from scalable_transformer.config.foreign_configs import NEOX_PARAMETERS, classify
+    from scalable_transformer.config.foreign_configs import NEOX_PARAMETERS, classify_foreign_key
 
     names = _reference_names(reference)
     assert len(names) > 100  # the table was parsed, not skipped
     listed = {(origin, name) for origin, group in NEOX_PARAMETERS.items() for name in group}
     assert set(names) - listed == set(), "parameters missing from NEOX_PARAMETERS"
-    unclassified = [name for _, name in names if classify(name) is None]
+    unclassified = [name for _, name in names if classify_foreign_key(name) is None]
     assert unclassified == []
 
 
 def test_classification_is_what_the_loader_does(tmp_path, capsys):
     """Each status in the table is the loader's behaviour: mapped sets the key, ignored warns, rejected
     fails with the message."""
-    from scalable_transformer.config.foreign_configs import classify
+    from scalable_transformer.config.foreign_configs import classify_foreign_key
 
-    assert classify("model-parallel-size") == ("mapped", "`parallel.tp`")
+    assert classify_foreign_key("model-parallel-size") == ("mapped", "`parallel.tp`")
     path = tmp_path / "neox.yml"
     path.write_text("model-parallel-size: 2\nbias-gelu-fusion: true\n", encoding="utf-8")
     with pytest.warns(ConfigWarning, match="bias-gelu-fusion"):
         assert load_config(str(path)).parallel.tp == 2
-    status, reason = classify("bias-gelu-fusion")
+    status, reason = classify_foreign_key("bias-gelu-fusion")
     assert status == "ignored"
     assert main(["config", "validate", str(path), "--world-size", "2"]) == 0
     assert f"'bias-gelu-fusion' {reason}; ignored" in capsys.readouterr().err
-    status, message = classify("rpe-num-buckets")
+    status, message = classify_foreign_key("rpe-num-buckets")
     assert status == "rejected"
     path.write_text("rpe-num-buckets: 32\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=re.escape(message)):

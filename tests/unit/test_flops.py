@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 
-from scalable_transformer.cli.flops import add_arguments, run
+from scalable_transformer.cli.flops import run
+from scalable_transformer.cli.parsers import add_flops_arguments
 from scalable_transformer.config.model_shapes import sized_model, total_params
 from scalable_transformer.metrics import flops as flops_module
 from scalable_transformer.metrics.device_table import lookup_peak
@@ -190,7 +191,7 @@ def test_strict_and_calculator_paths_keep_the_error():
 
 def _run(argv, capsys):
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_flops_arguments(parser)
     code = run(parser.parse_args(argv))
     out = capsys.readouterr()
     return code, out

@@ -213,14 +213,15 @@ def test_a_run_stores_the_prediction_or_says_why_not() -> None:
 def test_the_options_reach_the_sweep_and_the_report(tmp_path: Path) -> None:
     import argparse
 
+    from scalable_transformer.cli import parsers
     from scalable_transformer.cli import report as report_cli
     from scalable_transformer.cli import sweep as sweep_cli
     from scalable_transformer.errors import UsageError
 
     parser = argparse.ArgumentParser()
-    sweep_cli.register(parser.add_subparsers())
+    parsers.register_sweep(parser.add_subparsers())
     assert sweep_cli.sweep_options(parser.parse_args(["sweep", "s.yaml", "--retry-suspect"])).retry_suspect
-    args = report_cli._report_parsers()["table"].parse_args(["r.sqlite", "--suspect-factor", "3"])
+    args = parsers.report_parsers()["table"].parse_args(["r.sqlite", "--suspect-factor", "3"])
     assert report_cli.table_options(args).suspect_factor == 3.0
     path = tmp_path / "r.sqlite"
     constructed_store(path)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from scalable_transformer.cli import preprocess as cli_pp
+from scalable_transformer.cli.parsers import add_preprocess_arguments
 from scalable_transformer.data import text_readers
 from scalable_transformer.data.corpus import split_sentences
 from scalable_transformer.data.indexed import IndexedDataset
@@ -341,7 +342,7 @@ def test_cli_run(tmp_path, capsys, tok):
     tok.hf.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "in.txt").write_text("alpha beta. Gamma delta.\nepsilon\n")
     parser = argparse.ArgumentParser()
-    cli_pp.add_arguments(parser)
+    add_preprocess_arguments(parser)
     args = parser.parse_args(
         [
             *("--input", str(tmp_path / "in.txt"), "--output-prefix", str(tmp_path / "o")),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from scalable_transformer.cli.tokenizer import add_train_arguments, run_train
+from scalable_transformer.cli.parsers import add_tokenizer_train_arguments
+from scalable_transformer.cli.tokenizer import run_train
 from scalable_transformer.data.preprocess import PreprocessError
 from scalable_transformer.data.tokenizers import load_tokenizer, train_tokenizer, vocab_is_lowercase
 
@@ -152,7 +153,7 @@ def test_train_errors_and_cli(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     _corpus(tmp_path / "c.jsonl", 100)
     parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
+    add_tokenizer_train_arguments(parser)
     args = parser.parse_args(
         [
             *("--input", str(tmp_path / "c.jsonl"), "--type", "wordpiece", "--vocab-size", "120"),

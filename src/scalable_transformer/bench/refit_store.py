@@ -8,7 +8,7 @@ import datetime as dt
 import json
 from typing import Any
 
-from ..config.load import apply, assignments_from_mapping, parse_yaml
+from ..config.load import apply_assignments, assignments_from_mapping, parse_yaml
 from ..config.schema import Config
 from ..config.validate import resolve
 from ..errors import UsageError
@@ -70,7 +70,9 @@ def _predicted_again(row: dict[str, Any], cluster: Any) -> dict[str, Any] | None
     if not row.get("config_yaml") or not row.get("nproc"):
         return None
     try:
-        cfg = apply(Config(), assignments_from_mapping(parse_yaml(row["config_yaml"], "store"), "store"))
+        cfg = apply_assignments(
+            Config(), assignments_from_mapping(parse_yaml(row["config_yaml"], "store"), "store")
+        )
         nodes, world = int(row.get("nnodes") or 1), int(row["nproc"])
         return prediction_record(resolve(cfg, world), with_nodes(cluster, nodes, max(1, world // nodes)))
     except Exception:  # a stored config from another version: its stored prediction stands

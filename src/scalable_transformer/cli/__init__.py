@@ -1,8 +1,10 @@
 """`stx`: command parsing and dispatch only; the work happens in the library modules the commands call.
 
-One module per command: it registers its argparse parser, turns the parsed arguments into a typed
-options object, calls the library with it and renders what comes back (console text, JSON). Here:
-the top-level parser, and the error handling and exit codes common to every command.
+One module per command: it turns the parsed arguments into a typed options object, calls the
+library with it and renders what comes back (console text, JSON); its parser is in cli/parsers.py
+(plan and calibrate still register their own), which imports argparse only, and the module itself
+is imported when its command runs. Here: the top-level parser, and the error handling and exit
+codes common to every command.
 """
 
 from __future__ import annotations
@@ -19,22 +21,8 @@ import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
-from . import (
-    calibrate,
-    checkpoint,
-    config,
-    env,
-    export,
-    flops,
-    launch,
-    plan,
-    preprocess,
-    report,
-    submit,
-    sweep,
-    tokenizer,
-    train,
-)
+from ..errors import CheckpointError, ConfigError, NonFiniteError, StxError, StxWarning
+from . import calibrate, parsers, plan
 
 EPILOG = """Examples:
   stx train
@@ -63,30 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # The order of `stx --help`; launch's SUBCOMMAND accepts every command, whatever the order.
     commands = (
-        train,
-        config,
-        tokenizer,
-        preprocess,
-        flops,
-        plan,
-        calibrate,
-        checkpoint,
-        export,
-        env,
-        sweep,
-        report,
-        launch,
-        submit,
+        parsers.register_train,
+        parsers.register_config,
+        parsers.register_tokenizer,
+        parsers.register_preprocess,
+        parsers.register_flops,
+        plan.register,
+        calibrate.register,
+        parsers.register_checkpoint,
+        parsers.register_export,
+        parsers.register_env,
+        parsers.register_sweep,
+        parsers.register_report,
+        parsers.register_launch,
+        parsers.register_submit,
     )
-    for command in commands:
-        command.register(sub)
+    for register in commands:
+        register(sub)
     return parser
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Our warnings as one `stx: warning:` line each (no source line quoted); others as Python shows them."""
-    from ..errors import StxWarning
-
     ours = issubclass(category, StxWarning) or f"{os.sep}scalable_transformer{os.sep}" in str(filename)
     if not ours:
         _python_show_warning(message, category, filename, lineno, file, line)
@@ -102,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         # DeprecationWarnings come from inside torch (torch.jit on every checkpoint save): users can do
         # nothing about them. Every warning of ours is shown, each time it is raised, as one line.
-        from ..errors import StxWarning
-
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("always", category=StxWarning)
         warnings.showwarning = _show_warning
@@ -163,12 +147,10 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def _main(argv: list[str] | None) -> int:
-    from ..errors import CheckpointError, ConfigError, NonFiniteError, StxError
-
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
         # `stx report` has three forms with their own options (see REPORT_USAGE): parsed in cli/report.py.
-        args = argparse.Namespace(fn=report.run, args=argv[1:])
+        args = argparse.Namespace(fn=parsers.command("report", "run"), args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
     previous = {}

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .train import split_config_args
+from .parsers import split_config_args
 
 DEFAULT_OUTPUT = "hardware-profile.yaml"
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from ..calibrate.calibration import calibrate
     from ..calibrate.timing import calibration_device, calibration_job
     from ..config.load import load_config
-    from ..parallel.cluster_env import apply as apply_cluster_env
+    from ..parallel.cluster_env import apply_cluster_env
     from ..plan.hardware_profile import profile_from_dict, save_profile
 
     opts = CalibrateOptions.from_args(args)

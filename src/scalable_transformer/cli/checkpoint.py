@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
+from ..checkpoint.manager import describe_checkpoint
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfoOptions:
@@ -16,18 +18,7 @@ class CheckpointInfoOptions:
     as_json: bool = False
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="inspect checkpoints")
-    ck = p.add_subparsers(dest="action", required=True)
-    c = ck.add_parser("info", help="iteration, layout, model shape, size and files of a checkpoint")
-    c.add_argument("path", help="a checkpoint (iter_XXXXXXX) or a save directory (its latest)")
-    c.add_argument("--json", action="store_true", help="print metadata.json")
-    c.set_defaults(fn=run_info)
-
-
 def run_info(args: argparse.Namespace) -> int:
-    from ..checkpoint.manager import describe_checkpoint
-
     opts = CheckpointInfoOptions(args.path, as_json=args.json)
     info = describe_checkpoint(opts.path)
     print(json.dumps(info["metadata"], indent=2) if opts.as_json else render_info(info))

@@ -7,7 +7,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from .train import split_config_args
+import yaml
+
+from ..config.docs import reference_markdown, update_file
+from ..config.foreign_configs import ImportSources, import_configs, render_yaml, write_config
+from ..config.load import load_config, to_yaml
+from ..config.validate import resolve
+from ..errors import ConfigError
+from .parsers import split_config_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +57,6 @@ class ImportOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ImportOptions:
-        from ..config.foreign_configs import ImportSources
-
         if args.output is None:
             raise ValueError("stx config import needs -o FILE: the config file to write")
 
@@ -70,48 +75,11 @@ class ImportOptions:
         return cls(sources, Path(args.output), args.force)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "config",
-        help="show, validate, document or import configs",
-        epilog='import: stx config import --deepspeed ds_config.json --megatron-args "--num-layers 24 ..." '
-        "-o config.yaml",
-    )
-    p.add_argument("action", choices=("show", "validate", "docs", "from-hf", "import"))
-    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
-    p.add_argument("--world-size", type=int, default=1, help="processes the job will run on (for dp)")
-    p.add_argument(
-        "--update",
-        nargs="*",
-        metavar="FILE",
-        help="docs: rewrite the reference block in these files (README.md docs/CONFIG.md)",
-    )
-    imp = p.add_argument_group("import (configs you already have -> one config file)")
-    imp.add_argument("--deepspeed", metavar="JSON", help="a DeepSpeed config (ds_config.json)")
-    megatron = imp.add_mutually_exclusive_group()
-    megatron.add_argument("--megatron-args", metavar="ARGS", help="a Megatron command line, quoted")
-    megatron.add_argument("--megatron-args-file", metavar="SCRIPT", help="a shell script running Megatron")
-    megatron.add_argument("--from-log", metavar="LOG", help="a Megatron log (its argument dump)")
-    imp.add_argument("--neox", metavar="YAML", help="a GPT-NeoX config")
-    imp.add_argument(
-        "--hf",
-        metavar="CONFIG_JSON",
-        help="a Hugging Face model's config.json (or its directory): its shape (stx config from-hf also "
-        "starts from its weights)",
-    )
-    imp.add_argument("--base", metavar="PRESET", help="a preset (or YAML) the written config extends")
-    imp.add_argument("-o", "--output", metavar="FILE", help="the config file to write")
-    imp.add_argument("--force", action="store_true", help="replace FILE if it exists")
-    p.set_defaults(fn=run)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.action == "import":
         return _import(ImportOptions.from_args(args))
     opts = ConfigOptions.from_args(args)
     if opts.action == "docs":
-        from ..config.docs import reference_markdown, update_file
-
         if opts.update:
             for path in opts.update:
                 changed = update_file(Path(path))
@@ -123,12 +91,10 @@ def run(args: argparse.Namespace) -> int:
         hf_path = Path(str(opts.config)).resolve()
         _print_from_hf(hf_path.parent if hf_path.is_file() else hf_path)  # a config.json or its directory
         return 0
-    from ..config.load import load_config, to_yaml
-    from ..config.validate import resolve
 
     cfg = resolve(load_config(opts.config, list(opts.overrides)), world_size=opts.world_size)
     if opts.action == "validate":
-        from ..errors import ConfigError
+        # only here: train/run.py imports torch, 4.9 s (measured), which `stx config show` never needs
         from ..train.run import export_warning
 
         no_export = export_warning(cfg)
@@ -151,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _hf_model(path: Path) -> tuple[str, dict[str, Any]]:
     """(config.json's path, the model.* settings of the Hugging Face model it describes)."""
+    # only for a Hugging Face directory: checkpoint/hf_import.py imports torch (4.9-6.4 s measured)
     from ..checkpoint.hf_import import model_overrides_from_hf
 
     hf_dir = path.parent if path.is_file() else path
@@ -159,6 +126,7 @@ def _hf_model(path: Path) -> tuple[str, dict[str, Any]]:
 
 def config_from_hf(hf_dir: Path) -> dict[str, Any]:
     """A config (as a YAML-ready dict) that continues pretraining the Hugging Face model in hf_dir."""
+    # only for a Hugging Face directory: checkpoint/hf_import.py imports torch (4.9-6.4 s measured)
     from ..checkpoint.hf_import import model_overrides_from_hf
 
     model = model_overrides_from_hf(hf_dir)
@@ -176,7 +144,6 @@ def config_from_hf(hf_dir: Path) -> dict[str, Any]:
 
 
 def _print_from_hf(hf_dir: Path) -> None:
-    import yaml
 
     config = config_from_hf(hf_dir)
     print(f"# continue pretraining {hf_dir}; save as a file and run `stx train FILE`", flush=True)
@@ -184,8 +151,6 @@ def _print_from_hf(hf_dir: Path) -> None:
 
 
 def _import(opts: ImportOptions) -> int:
-    from ..config.foreign_configs import import_configs, render_yaml, write_config
-
     imported = import_configs(opts.sources)
     write_config(render_yaml(imported, opts.sources.base, str(opts.output)), opts.output, opts.force)
     notes = len(imported.paths) + len(imported.ignored) + len(imported.skipped)

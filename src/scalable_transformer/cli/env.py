@@ -7,32 +7,26 @@ import dataclasses
 import json
 from typing import Any
 
+from ..metrics.environment import environment
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvOptions:
     as_json: bool = False  # the whole fingerprint as JSON instead of one line per entry
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("env", help="versions and hardware fingerprint (stored in every run directory)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=run)
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..metrics.environment import environment
-
     opts = EnvOptions(as_json=args.json)
     env = environment()
     if opts.as_json:
         print(json.dumps(env, indent=2))
     else:
-        for line in render(env):
+        for line in env_lines(env):
             print(line)
     return 0
 
 
-def render(env: dict[str, Any]) -> list[str]:
+def env_lines(env: dict[str, Any]) -> list[str]:
     """One `key: value` line per entry, keys right-aligned; dicts and lists on one line."""
     lines = []
     for key, value in env.items():

@@ -8,79 +8,10 @@ import json
 import sys
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from ..metrics.calculator import FlopsOptions, calculate
-from ..metrics.device_table import DTYPES, PEAK_TFLOPS
-from ..metrics.flops import CONVENTIONS, RECOMPUTE_MODES
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the `stx flops` options on parser."""
-    model = parser.add_argument_group("model (a config, or an explicit shape)")
-    model.add_argument(
-        "--config", metavar="PATH_OR_PRESET", help="config YAML or preset name (e.g. bert-345m)"
-    )
-    model.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, repeatable (e.g. model.seq_length=1024)",
-    )
-    model.add_argument("--num-layers", type=int)
-    model.add_argument("--hidden-size", type=int)
-    model.add_argument("--seq-length", type=int, help="tokens per sample")
-    model.add_argument("--vocab-size", type=int, help="vocabulary before padding")
-    model.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="pad the explicit --vocab-size to a multiple of this, as Megatron does (default 128)",
-    )
-    model.add_argument("--ffn-hidden-size", type=int, help="MLP inner size (default 4 * hidden size)")
-    model.add_argument(
-        "--params",
-        type=int,
-        metavar="N",
-        help="parameter count N; overrides the counted (config) or estimated (shape) count",
-    )
-
-    speed = parser.add_argument_group("measured throughput (one of)")
-    rate = speed.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--samples-per-second", type=float, help="global samples (sequences) per second")
-    rate.add_argument("--tokens-per-second", type=float, help="global tokens per second")
-    rate.add_argument(
-        "--iteration-time",
-        type=float,
-        metavar="SECONDS",
-        help="seconds per optimizer step (needs --global-batch-size or a config)",
-    )
-    speed.add_argument("--global-batch-size", type=int, help="samples per optimizer step")
-
-    hw = parser.add_argument_group("hardware")
-    hw.add_argument("--devices", type=int, help="devices that shared the work (default 1)")
-    hw.add_argument(
-        "--device",
-        metavar="NAME",
-        help=f"peak table entry ({', '.join(PEAK_TFLOPS)}) or 'cpu' to measure this CPU",
-    )
-    hw.add_argument(
-        "--dtype",
-        help=f"compute dtype of the matmuls: {', '.join(DTYPES)} "
-        "(default: the config's precision, else bf16)",
-    )
-    hw.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device (overrides --device)")
-    parser.add_argument(
-        "--activation-checkpointing",
-        choices=RECOMPUTE_MODES,
-        help="recompute mode, counts towards HFU (default: the config's, else none)",
-    )
-    parser.add_argument(
-        "--convention",
-        choices=(*CONVENTIONS, "all"),
-        default="all",
-        help="FLOPs convention (default all: one row each)",
-    )
-    parser.add_argument("--json", action="store_true", help="print a machine-readable dict")
 
 
 def flops_options(args: argparse.Namespace) -> FlopsOptions:
@@ -90,16 +21,7 @@ def flops_options(args: argparse.Namespace) -> FlopsOptions:
     return FlopsOptions(**values)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("flops", help="TFLOPs/device, MFU and HFU from a model shape and a throughput")
-    add_arguments(p)
-    p.set_defaults(fn=run)
-
-
-def render(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def print_flops(result: dict[str, Any]) -> None:
     console = Console()
     shape, peak = result["shape"], result["peak"]
     console.print(
@@ -155,5 +77,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        render(result)
+        print_flops(result)
     return 0

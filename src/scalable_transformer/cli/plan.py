@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .train import split_config_args
+from .parsers import split_config_args
 
 
 @dataclasses.dataclass(frozen=True)

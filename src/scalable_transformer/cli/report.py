@@ -13,11 +13,14 @@ import json
 import sys
 from pathlib import Path
 
-REPORT_USAGE = """stx report RUN_DIR
-       stx report [STORE] [--rows KEYS] [--cols KEYS] [--value V1,V2] [--format md|csv|html]
-                  [--output DIR] [--device-memory-gb G] [--suspect-factor F]
-       stx report export STORE --format csv|parquet --output FILE
-       stx report import-log FILE --format megatron|deepspeed [--store PATH] [--label L] [--devices N]"""
+from ..bench.log_import import import_log as import_one
+from ..bench.prediction_error import SuspectOptions
+from ..bench.report import build_report, parse_values
+from ..bench.results import ResultsStore, StoreError
+from ..bench.results import export as export_results
+from ..bench.run_report import segments_report
+from ..errors import UsageError
+from .parsers import report_parsers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,64 +59,9 @@ class ImportLogOptions:
     seq_length: int | None = None  # tokens per sample, when the log does not say
 
 
-def _report_parsers() -> dict[str, argparse.ArgumentParser]:
-    table = argparse.ArgumentParser(prog="stx report", usage=REPORT_USAGE)
-    table.add_argument(
-        "store", nargs="?", default="results.sqlite", help="results store (default results.sqlite)"
-    )
-    table.add_argument(
-        "--rows", default="label", help="row keys, comma-separated (default label: the layout)"
-    )
-    table.add_argument(
-        "--cols", default="devices", help="column keys (default devices: '2', or '4*8' for nodes)"
-    )
-    table.add_argument(
-        "--value",
-        default="samples_per_second,tflops_per_device",
-        help="cell values: samples_per_second, tokens_per_second, tflops_per_device, mfu, hfu, peak_memory, "
-        "device_memory, power, util, energy_per_sample, energy_per_token, grad_sync, comm; or users (the "
-        "users' cell: samples/s, TFLOPs/dev, used/total GiB, power/limit W, utilisation %)",
-    )
-    table.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what is printed")
-    table.add_argument("--output", help="directory: table/wide .md and .csv, report.html, PNG plots")
-    table.add_argument("--device-memory-gb", type=float, help="device memory line of the memory plot (GiB)")
-    table.add_argument(
-        "--suspect-factor",
-        type=float,
-        default=2.0,
-        help="flag a measured step time more than F times its prediction, or less than 1/F (default 2)",
-    )
-    export = argparse.ArgumentParser(prog="stx report export")
-    export.add_argument("store")
-    export.add_argument("--format", choices=("csv", "parquet"), required=True)
-    export.add_argument("--output", required=True)
-    imp = argparse.ArgumentParser(prog="stx report import-log")
-    imp.add_argument("file")
-    imp.add_argument("--format", choices=("megatron", "deepspeed"), required=True)
-    imp.add_argument("--store", default="results.sqlite", help="results store (default results.sqlite)")
-    imp.add_argument("--label", help="report row label (default: file name and format)")
-    imp.add_argument("--devices", type=int, help="GPUs of the job (default: world size from the log)")
-    imp.add_argument("--nnodes", type=int, default=1, help="nodes of the job (for the '4*8' column)")
-    imp.add_argument("--seq-length", type=int, help="tokens per sample, when the log does not say")
-    return {"table": table, "export": export, "import-log": imp}
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="tables (md/csv/html) and plots from a results store; export; import Megatron/DeepSpeed logs",
-        usage=REPORT_USAGE,
-        description="Tables like the users' own (layout x device count) and a wide MosaicML-style table.",
-    )
-    p.add_argument("args", nargs=argparse.REMAINDER, help="see usage")
-    p.set_defaults(fn=run)
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..bench.results import StoreError
-    from ..errors import UsageError
 
-    parsers = _report_parsers()
+    parsers = report_parsers()
     rest = list(args.args)
     action = rest.pop(0) if rest and rest[0] in ("export", "import-log") else "table"
     sub_args = parsers[action].parse_args(rest)
@@ -125,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"stx report import-log {flag} must be an integer >= 1, got {value}")
     try:
         if action == "export":
-            return export(ExportOptions(Path(sub_args.store), sub_args.format, sub_args.output))
+            return run_export(ExportOptions(Path(sub_args.store), sub_args.format, sub_args.output))
         if action == "import-log":
-            return import_log(
+            return run_import_log(
                 ImportLogOptions(
                     sub_args.file,
                     sub_args.format,
@@ -139,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         if Path(sub_args.store).is_dir():  # a run directory: its segments and goodput
-            from ..bench.run_report import segments_report
-
             print(segments_report(Path(sub_args.store)), end="")
             return 0
         return table(table_options(sub_args))
@@ -150,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table_options(args: argparse.Namespace) -> TableOptions:
-    from ..bench.report import parse_values
 
     return TableOptions(
         store=Path(args.store),
@@ -165,9 +110,6 @@ def table_options(args: argparse.Namespace) -> TableOptions:
 
 
 def table(opts: TableOptions) -> int:
-    from ..bench.prediction_error import SuspectOptions
-    from ..bench.report import build_report
-    from ..errors import UsageError
 
     try:
         suspect = SuspectOptions(far_factor=opts.suspect_factor)
@@ -191,9 +133,7 @@ def table(opts: TableOptions) -> int:
     return 0
 
 
-def export(opts: ExportOptions) -> int:
-    from ..bench.results import ResultsStore
-    from ..bench.results import export as export_results
+def run_export(opts: ExportOptions) -> int:
 
     with ResultsStore(opts.store, create=False) as store:
         n = export_results(store, opts.format, opts.output)
@@ -201,9 +141,7 @@ def export(opts: ExportOptions) -> int:
     return 0
 
 
-def import_log(opts: ImportLogOptions) -> int:
-    from ..bench.log_import import import_log as import_one
-
+def run_import_log(opts: ImportLogOptions) -> int:
     record = import_one(
         Path(opts.file),
         fmt=opts.format,

@@ -7,95 +7,59 @@ import dataclasses
 import datetime as dt
 from pathlib import Path
 
-from ..launch.batch import DEFAULT_SIGNAL_GRACE
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "submit",
-        help="submit stx train as a Slurm or PBS batch job: "
-        "stx submit --scheduler slurm --nodes 2 train gpt-1b",
-        description="stx submit --scheduler slurm|pbs --nodes K --gpus-per-node G [options] train CONFIG "
-        "[key=value ...]: write the batch script (one rank per GPU, started by srun or mpiexec) into the "
-        "run directory, submit it and print the job id. --dry-run prints the script and submits nothing.",
-    )
-    p.add_argument("--scheduler", required=True, choices=("slurm", "pbs"), help="the batch scheduler")
-    p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (default 1)")
-    p.add_argument(
-        "--gpus-per-node", type=int, default=1, metavar="G", help="GPUs per node = ranks per node (default 1)"
-    )
-    p.add_argument("--time", metavar="TIME", help="time limit: MINUTES, HH:MM:SS or D-HH:MM:SS")
-    p.add_argument("--partition", "--queue", dest="partition", help="Slurm partition / PBS queue")
-    p.add_argument("--account", help="account (project) to charge")
-    p.add_argument(
-        "--container", metavar="PREFIX", help='command prefix of every rank, e.g. "apptainer exec --nv IMAGE"'
-    )
-    p.add_argument("--env-file", metavar="FILE", help="a file of VAR=value lines, sourced by the job")
-    p.add_argument(
-        "--export",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="pass this variable's current value to the job (repeatable), e.g. --export NCCL_SOCKET_IFNAME",
-    )
-    p.add_argument(
-        "--no-gpu-request", action="store_true", help="leave the GPU request out (CPU-only partitions)"
-    )
-    p.add_argument(
-        "--launcher",
-        choices=("srun", "torchrun"),
-        default="srun",
-        help="Slurm: srun starts every rank (default), or torchrun: one stx launch per node starts them",
-    )
-    p.add_argument(
-        "--requeue",
-        action="store_true",
-        help="continue the run in new jobs until train.train_iters is reached: the ranks stop on "
-        "SIGUSR1 before the time limit, save (checkpoint.save must be set) and the job submits the "
-        "same script again, which resumes with checkpoint.load=auto",
-    )
-    p.add_argument(
-        "--signal-grace",
-        type=int,
-        metavar="SECONDS",
-        help="with --requeue: how long before the time limit the ranks get SIGUSR1, enough to finish "
-        f"a step and save a checkpoint (default {DEFAULT_SIGNAL_GRACE}; Slurm may send it up to a "
-        "minute earlier)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
-    p.add_argument(
-        "subcommand",
-        choices=("train", "calibrate"),
-        metavar="train|calibrate",
-        help="the stx command to run: train, or calibrate (a hardware profile of the job's nodes)",
-    )
-    p.add_argument("items", nargs=argparse.REMAINDER, metavar="CONFIG|key=value")
-    p.set_defaults(fn=run)
+from ..config.load import load_config
+from ..config.schema import Config
+from ..config.validate import resolve
+from ..errors import UsageError
+from ..launch.batch import (
+    DEFAULT_SIGNAL_GRACE,
+    LOG_NAME,
+    MARKER_NAME,
+    SCRIPT_NAME,
+    BatchOptions,
+    Requeue,
+    environment_exports,
+    parse_time,
+    pbs_script,
+    slurm_script,
+    submit_script,
+    write_script,
+)
+from ..launch.launcher import JobSpec
+from .calibrate import DEFAULT_OUTPUT
+from .parsers import split_config_args
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config.load import load_config
-    from ..config.validate import resolve
-    from ..errors import UsageError
-    from ..launch.batch import (
-        LOG_NAME,
-        MARKER_NAME,
-        SCRIPT_NAME,
-        BatchOptions,
-        Requeue,
-        environment_exports,
-        parse_time,
-        pbs_script,
-        slurm_script,
-        submit_script,
-        write_script,
-    )
-    from ..launch.launcher import JobSpec
-    from .train import split_config_args
-
     if args.signal_grace is not None and not args.requeue:
         raise UsageError("--signal-grace goes with --requeue (it says when the ranks are asked to stop)")
-    opts = BatchOptions(
+    opts = batch_options(args)
+    if args.subcommand == "calibrate":
+        if args.requeue:
+            raise UsageError(
+                "--requeue continues a training run; stx calibrate takes a few minutes in one job"
+            )
+        return submit_calibrate(args.items, opts, args.dry_run)
+    config, overrides = split_config_args(args.items)
+    cfg = load_config(config, overrides)
+    # The layout must fit the job's world size: fail here, not in the queue hours later.
+    resolve(cfg, world_size=opts.nodes * opts.gpus_per_node)
+    parent, run_dir = new_run_dir(cfg)
+    if args.requeue:
+        refuse_unresumable(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.finetune)
+        requeue = Requeue(
+            checkpoint_dir=Path(str(cfg.checkpoint.save)).resolve(),  # the ranks run in this directory
+            script=run_dir / SCRIPT_NAME,
+            grace_seconds=DEFAULT_SIGNAL_GRACE if args.signal_grace is None else args.signal_grace,
+        )
+        opts = dataclasses.replace(opts, requeue=requeue)  # checks the grace against --time
+    job = train_job(config, overrides, parent, run_dir, opts)
+    return submit_train(job, opts, run_dir, args.dry_run)
+
+
+def batch_options(args: argparse.Namespace) -> BatchOptions:
+    """The job's resources and environment, from `stx submit`'s own options."""
+    return BatchOptions(
         scheduler=args.scheduler,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -108,39 +72,37 @@ def run(args: argparse.Namespace) -> int:
         request_gpus=not args.no_gpu_request,
         launcher=args.launcher,
     )
-    if args.subcommand == "calibrate":
-        if args.requeue:
-            raise UsageError(
-                "--requeue continues a training run; stx calibrate takes a few minutes in one job"
-            )
-        return submit_calibrate(args.items, opts, args.dry_run)
-    config, overrides = split_config_args(args.items)
-    cfg = load_config(config, overrides)
-    # The layout must fit the job's world size: fail here, not in the queue hours later.
-    resolve(cfg, world_size=opts.nodes * opts.gpus_per_node)
+
+
+def new_run_dir(cfg: Config) -> tuple[Path, Path]:
+    """(logging.run_dir made absolute, the run's directory in it): the run's name, or the model type and
+    the time, with -2, -3, ... after it while a directory of that name holds no submitted job."""
     parent = Path(cfg.logging.run_dir).resolve()
     name = cfg.logging.run_name or f"{cfg.model.type}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     run_dir, n = parent / name, 1
     while run_dir.exists() and not (run_dir / MARKER_NAME).is_file():
         n += 1
         run_dir = parent / f"{name}-{n}"
-    if args.requeue:
-        refuse_unresumable(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.finetune)
-        requeue = Requeue(
-            checkpoint_dir=Path(str(cfg.checkpoint.save)).resolve(),  # the ranks run in this directory
-            script=run_dir / SCRIPT_NAME,
-            grace_seconds=DEFAULT_SIGNAL_GRACE if args.signal_grace is None else args.signal_grace,
-        )
-        opts = dataclasses.replace(opts, requeue=requeue)  # checks the grace against --time
+    return parent, run_dir
+
+
+def train_job(
+    config: str | None, overrides: list[str], parent: Path, run_dir: Path, opts: BatchOptions
+) -> JobSpec:
+    """The `stx train` every node runs: the user's config and overrides, writing into run_dir."""
     # Where the run goes is decided here (the script lives there): the user's own values are replaced.
     ours = ("logging.run_dir=", "logging.run_name=")
     train_args = [*([config] if config else []), *(o for o in overrides if not o.startswith(ours))]
     train_args += [f"logging.run_dir={parent}", f"logging.run_name={run_dir.name}"]
     if opts.requeue:
         train_args.append("checkpoint.load=auto")  # the first job starts fresh, the next ones resume
-    job = JobSpec("train", tuple(train_args), nproc=opts.gpus_per_node, nnodes=opts.nodes)
+    return JobSpec("train", tuple(train_args), nproc=opts.gpus_per_node, nnodes=opts.nodes)
+
+
+def submit_train(job: JobSpec, opts: BatchOptions, run_dir: Path, dry_run: bool) -> int:
+    """Print the batch script (dry_run), or write it into run_dir, submit it and say where it went."""
     log_path = run_dir / LOG_NAME
-    if args.dry_run:
+    if dry_run:
         make = slurm_script if opts.scheduler == "slurm" else pbs_script
         print(make(job, opts, f"stx-{run_dir.name}"[:64], log_path, Path.cwd()), end="")
         return 0
@@ -158,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
 
 def refuse_unresumable(save: str | None, load: str | None, finetune: bool) -> None:
     """UsageError when --requeue could not continue the run from one job to the next."""
-    from ..errors import UsageError
-
     if not save:
         raise UsageError(
             "--requeue needs checkpoint.save (e.g. checkpoint.save=ckpt): a job stopped by its time "
@@ -181,11 +141,6 @@ def submit_calibrate(items: list[str], opts, dry_run: bool) -> int:
     """`stx submit ... calibrate CONFIG [key=value ...] [--output FILE] [--quick]`: one rank per GPU
     measures, rank 0 writes the profile at --output (made absolute: the job runs elsewhere); the
     script and the job's log go to a directory beside it."""
-    from ..config.load import load_config
-    from ..launch.batch import LOG_NAME, pbs_script, slurm_script, submit_script, write_script
-    from ..launch.launcher import JobSpec
-    from .calibrate import DEFAULT_OUTPUT
-    from .train import split_config_args
 
     parser = argparse.ArgumentParser(prog="stx submit ... calibrate")
     parser.add_argument("items", nargs="*")

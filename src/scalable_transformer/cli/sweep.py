@@ -6,37 +6,15 @@ import argparse
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..bench.sweep_types import SweepOptions
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "sweep",
-        help="run a grid of layouts (each via stx launch), catch OOM/timeout/crash, store every result",
-        description="stx sweep SWEEP.yaml: expand the axes, list invalid members, run the rest one job "
-        "each, and record them in the results store; a restarted sweep skips finished members (and, "
-        "with executor: slurm|pbs, re-attaches to its queued jobs). "
-        "stx sweep status STORE: the batch jobs of a store, with their states.",
-    )
-    p.add_argument("sweep", help="the sweep file (YAML), or `status`")
-    p.add_argument("status_store", nargs="?", metavar="STORE", help="with `status`: the results store")
-    p.add_argument("--store", help="results store (default: the sweep's store:, or results.sqlite beside it)")
-    p.add_argument("--retry-failed", action="store_true", help="rerun members stored as oom/timeout/crashed")
-    p.add_argument(
-        "--retry-suspect",
-        action="store_true",
-        help="rerun members whose stored measurement stx report flags as suspect (far from its prediction, "
-        "repeats that disagree, scaling above 100%%)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="list the members and invalid ones; run nothing")
-    p.set_defaults(fn=run)
+from ..bench.sweep import load_sweep, run_sweep
+from ..bench.sweep_batch import sweep_status
+from ..bench.sweep_types import SweepOptions
+from ..errors import UsageError
 
 
 def sweep_options(args: argparse.Namespace) -> SweepOptions:
-    from ..bench.sweep_types import SweepOptions
 
     return SweepOptions(
         sweep_file=Path(args.sweep),
@@ -53,9 +31,6 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def status(store: str | None) -> int:
     """`stx sweep status STORE`: member, job id, scheduler and state of every batch job."""
-    from ..bench.sweep_batch import sweep_status
-    from ..errors import UsageError
-
     if not store:
         raise UsageError("stx sweep status STORE: name the results store (e.g. results.sqlite)")
     rows = sweep_status(Path(store))
@@ -70,13 +45,9 @@ def status(store: str | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.sweep import load_sweep, run_sweep
-
     if args.sweep == "status" and not Path("status").is_file():
         return status(args.status_store)
     if args.status_store:
-        from ..errors import UsageError
-
         raise UsageError(f"unexpected argument {args.status_store!r}: stx sweep SWEEP.yaml [options]")
 
     opts = sweep_options(args)

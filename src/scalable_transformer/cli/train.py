@@ -10,12 +10,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-
-def split_config_args(items: list[str]) -> tuple[str | None, list[str]]:
-    """`[CONFIG] [key=value ...]`: the first item is the config unless it is an override."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
+from ..calibrate.this_machine import run_prediction
+from ..config.load import load_config
+from ..parallel.cluster_env import apply_cluster_env
+from ..train.resilience import exit_status
+from ..train.run import run_training
+from ..train.trainer import Callback, Trainer
+from .parsers import split_config_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,24 +32,7 @@ class TrainOptions:
         return cls(config, tuple(overrides))
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train (no CONFIG = the embedded tiny BERT on the bundled corpus)",
-        description="stx train [CONFIG] [key=value ...]; CONFIG is a preset name or a YAML "
-        "path; overrides take dotted (optim.lr=3e-4) or Megatron/NeoX (num-layers=4) names.",
-    )
-    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
-    p.set_defaults(fn=run)
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..calibrate.this_machine import run_prediction
-    from ..config.load import load_config
-    from ..parallel.cluster_env import apply as apply_cluster_env
-    from ..train.resilience import exit_status
-    from ..train.run import run_training
-
     opts = TrainOptions.from_args(args)
     # Started by srun / mpiexec rather than torchrun: RANK, WORLD_SIZE... from their variables.
     apply_cluster_env()
@@ -73,7 +57,6 @@ class EarlyStopRequest:
 
     def callback(self) -> Any:
         """The trainer callback that hands a request caught before the first step to the trainer."""
-        from ..train.trainer import Callback, Trainer
 
         request = self
 

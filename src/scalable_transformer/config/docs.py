@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from .foreign_configs import neox_classification_markdown
 from .load import SPECIAL_KEYS, _hints
 from .schema import SECTIONS
 
@@ -51,7 +52,6 @@ def reference_markdown() -> str:
 
 
 def _blocks() -> list[tuple[str, str, Callable[[], str]]]:
-    from .foreign_configs import neox_classification_markdown
 
     return [(START, END, reference_markdown), (NEOX_START, NEOX_END, neox_classification_markdown)]
 

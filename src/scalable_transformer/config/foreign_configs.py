@@ -388,7 +388,8 @@ def write_config(text: str, output: Path, force: bool = False) -> None:
 
 # Every parameter of GPT-NeoX's configuration reference (neox-config-parameters.md, by origin: the
 # DeepSpeed launcher, Megatron's command line, NeoX's own, the DeepSpeed config file). Each must be
-# classified by `classify`; a test parses the reference and fails on any name missing here or unclassified.
+# classified by `classify_foreign_key`; a test parses the reference and fails on any name missing here
+# or unclassified.
 NEOX_PARAMETERS: dict[str, tuple[str, ...]] = {
     "DSL": (
         "hostfile",
@@ -541,7 +542,7 @@ NEOX_PARAMETERS: dict[str, tuple[str, ...]] = {
 ORIGINS = {"DSL": "DeepSpeed launcher", "Meg": "Megatron", "NeoX": "GPT-NeoX", "DSC": "DeepSpeed config"}
 
 
-def classify(name: str) -> tuple[str, str] | None:
+def classify_foreign_key(name: str) -> tuple[str, str] | None:
     """(mapped | ignored | rejected, to which key / why / the message) for a Megatron, NeoX or DeepSpeed
     name, as the loader treats it; None if the loader does not know it (an unknown-key error)."""
     k = norm_key(name)
@@ -569,6 +570,6 @@ def neox_classification_markdown() -> str:
     ]
     for origin, names in NEOX_PARAMETERS.items():
         for name in names:
-            status, detail = classify(name) or ("UNCLASSIFIED", "")
+            status, detail = classify_foreign_key(name) or ("UNCLASSIFIED", "")
             lines.append(f"| {ORIGINS[origin]} | `{name}` | {status} | {detail.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

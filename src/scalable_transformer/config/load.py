@@ -642,7 +642,7 @@ def coerce(value: Any, hint: Any, where: str, choices: tuple[str, ...] = ()) -> 
     raise TypeError(f"unsupported field type {hint!r} at {where}")
 
 
-def apply(cfg: Config, assignments: list[Assignment]) -> Config:
+def apply_assignments(cfg: Config, assignments: list[Assignment]) -> Config:
     """Apply assignments in order (later wins) and return cfg; conflicting values within one source fail."""
     set_by: dict[str, tuple[Any, str]] = {}
     for a in assignments:
@@ -732,7 +732,7 @@ def _load_config(spec: str | None, overrides: list[str] | tuple[str, ...]) -> Co
         assignments += assignments_from_mapping(data, name)
     for text in overrides:
         assignments += parse_override(text)
-    return apply(Config(), assignments)
+    return apply_assignments(Config(), assignments)
 
 
 def to_yaml(cfg: Config) -> str:

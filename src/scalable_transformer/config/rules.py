@@ -285,7 +285,7 @@ def layout_label(cfg: Config, with_dp: bool = True) -> str:
     return " ".join(parts)
 
 
-def pipeline_bubble(pp: int, virtual: int, microbatches: int) -> float | None:
+def pipeline_bubble_fraction(pp: int, virtual: int, microbatches: int) -> float | None:
     """Idle share of a pipeline step, in theory: (pp - 1) / (v * m + pp - 1) for m micro-batches and
     v stages per rank (GPipe and 1F1B: v = 1; Narayanan et al. 2021); None without pipelining. The
     zero-bubble schedules fill most of it, so this is their upper bound."""

@@ -19,6 +19,8 @@ import torch
 
 import scalable_transformer
 
+from .device_table import cpu_model
+
 PACKAGES = (
     "torch",
     "tokenizers",
@@ -55,16 +57,6 @@ def _git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return rev + ("-dirty" if dirty else "")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _memory_bytes() -> int | None:

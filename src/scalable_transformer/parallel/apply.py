@@ -21,11 +21,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from ..config.schema import Config
 from ..errors import ConfigError
 from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
 from .dims import ParallelDims
+from .init import is_meta, materialize
+from .recompute import checkpoint_function
+from .rng import apply_dropout_streams
+from .tensor import apply_tensor_parallel
 from .torch_compat import checkpoint_wrapped, replicate
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,7 +111,6 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device) -> None:
     """ZeRO-2/3: FSDP2 fully_shard on every block, then on the root (embeddings, heads)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     p = cfg.parallel
     offload = p.offload_optimizer or p.offload_param
@@ -146,7 +152,6 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
 def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any) -> None:
     """ZeRO-0 with tensor parallel: DDP cannot replicate DTensor parameters, so use torch's FSDP2-based
     `replicate` (same all-reduce semantics, composes with DTensor) per block and on the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[cfg.parallel.grad_reduce_dtype])
     for _, block in blocks(model):
@@ -156,8 +161,6 @@ def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any) -> None:
 
 def apply_ddp(model: nn.Module, cfg: Config, dp_group: Any, device: torch.device) -> nn.Module:
     """ZeRO-0/1: DistributedDataParallel over the data-parallel group (grad reduction dtype via comm hook)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(
         model,
@@ -193,14 +196,10 @@ def parallelize(
     device = device or torch.device("cpu")
     mesh = None if dims is None else dims.mesh
     if mesh is not None and p.tp > 1:
-        from .rng import apply_dropout_streams
-        from .tensor import apply_tensor_parallel
-
         # full recompute saves only block inputs, which SP already shards
         shard_saved = p.activation_checkpointing != "full"
         apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel, shard_saved)
         apply_dropout_streams(model, mesh["tp"].get_local_rank(), p.sequence_parallel, device)
-    from .recompute import checkpoint_function
 
     tp_group = mesh["tp"].get_group() if mesh is not None and p.tp > 1 else None
     stash = checkpoint_function(tp_group, p.distribute_saved_activations, p.cpu_checkpointing)
@@ -220,7 +219,6 @@ def parallelize(
 
 
 def _materialize_if_meta(model: nn.Module, cfg: Config, device: torch.device) -> None:
-    from .init import is_meta, materialize
 
     if is_meta(model):
         p = cfg.parallel

@@ -2,7 +2,7 @@
 
 `srun stx train CONFIG` and `mpiexec -n N stx train CONFIG` start every rank themselves, without
 torchrun: the ranks learn who they are from the launcher's own variables. `discover` reads them,
-`apply` exports the result as RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, which is
+`apply_cluster_env` exports the result as RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, which is
 what `distributed.init_distributed` (torch's env:// rendezvous) reads. Sources, first found wins:
 
 - RANK and WORLD_SIZE already set (torchrun, `stx launch`, the user): left alone.
@@ -37,6 +37,8 @@ import re
 import socket
 import subprocess
 from collections.abc import Mapping, MutableMapping
+
+import hostlist
 
 from ..errors import LaunchError
 
@@ -122,7 +124,7 @@ def discover(env: Mapping[str, str] | None = None) -> ClusterEnv | None:
     return ClusterEnv(source, rank, world, local, master_addr(env, source), master_port(env))
 
 
-def apply(environ: MutableMapping[str, str] | None = None) -> ClusterEnv | None:
+def apply_cluster_env(environ: MutableMapping[str, str] | None = None) -> ClusterEnv | None:
     """`discover`, then export its RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT."""
     environ = os.environ if environ is None else environ
     found = discover(environ)
@@ -176,7 +178,6 @@ def read_node_file(path: str, name: str = "node file") -> list[str]:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's compressed list ('gpu-[01-02],n7') as host names (python-hostlist)."""
-    import hostlist
 
     try:
         return list(hostlist.expand_hostlist(nodelist))

@@ -69,6 +69,7 @@ class ParallelDims:
     def build(cls, cfg: Config, device_type: str) -> ParallelDims:
         """The run's topology: rank from the default process group (0 without one) and, when a process
         group exists, the mesh over it."""
+        # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -125,6 +126,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The DeviceMesh over the default process group (which must already be initialized)."""
+        # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)

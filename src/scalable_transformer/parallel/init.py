@@ -24,6 +24,8 @@ the whole model's random numbers, which is cheap next to training.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -105,8 +107,6 @@ FSDP_STEP_BLOCK_BYTES = 8 * 2**20
 
 
 def _libc() -> Any:
-    import ctypes
-    import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:

@@ -392,7 +392,9 @@ def loss_parallel_context(tp: int) -> AbstractContextManager[None]:
 # columns split over the tp ranks); the loss reduces over the vocabulary only through these two.
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy_sum(
+    logits: torch.Tensor, labels_n: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
     """Summed fp32 cross-entropy over the rows of logits [..., v] whose label is not ignore_index, as
     a plain scalar.
 
@@ -405,7 +407,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels_n: torch.Tensor, ignore_index
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
     """Vocabulary argmax [m] of the rows selected by the boolean mask rows_n (m = rows_n.sum()).
 
     For DTensor logits sharded evenly on the vocabulary, each rank takes its shard's (max, first
@@ -416,10 +418,14 @@ def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
         return logits_nv[rows_n].argmax(-1)
     placements = tuple(logits_nv.placements)
     if not all(p.is_replicate() or p.is_shard(1) for p in placements):
-        raise ValueError(f"argmax_rows expects logits sharded on the vocabulary only, got {placements}")
+        raise ValueError(
+            f"vocab_parallel_argmax_rows expects logits sharded on the vocabulary only, got {placements}"
+        )
     local_mv = logits_nv.to_local()[rows_n]
     if logits_nv.shape[1] % local_mv.shape[1]:
-        raise ValueError(f"argmax_rows needs evenly sharded logits, got {logits_nv.shape[1]} columns")
+        raise ValueError(
+            f"vocab_parallel_argmax_rows needs evenly sharded logits, got {logits_nv.shape[1]} columns"
+        )
     max_m, arg_m = local_mv.max(-1)
     # float64 holds any fp32/bf16 logit and any vocabulary index exactly
     pairs_m12 = torch.stack([max_m.double(), arg_m.double()], -1)[:, None, :]
@@ -431,7 +437,9 @@ def argmax_rows(logits_nv: torch.Tensor, rows_n: torch.Tensor) -> torch.Tensor:
     return shard_m * local_mv.shape[1] + local_index_m
 
 
-TP_LOSS_OPS = LossOps(cross_entropy_sum=cross_entropy_sum, argmax_rows=argmax_rows)
+TP_LOSS_OPS = LossOps(
+    cross_entropy_sum=vocab_parallel_cross_entropy_sum, argmax_rows=vocab_parallel_argmax_rows
+)
 
 
 def loss_ops(tp: int) -> LossOps:

@@ -116,6 +116,7 @@ __all__ = [
 def pipeline_p2p_wait_wrapped(wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> Iterator[None]:
     """While the block runs, every pipeline schedule waits on its P2P batches through
     `wrap(original_wait)`; the original is put back after."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch.distributed.pipelining import schedules
 
     original = schedules._wait_batch_p2p
@@ -128,6 +129,7 @@ def pipeline_p2p_wait_wrapped(wrap: Callable[[Callable[[Any], Any]], Callable[[A
 
 def pipeline_action(name: str) -> Any:
     """The schedule action called `name` (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, ...)."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch.distributed.pipelining.schedules import _ComputationType
 
     return _ComputationType[name]
@@ -139,6 +141,7 @@ def pipeline_action(name: str) -> Any:
 def checkpoint_wrapped(module: nn.Module, checkpoint_fn: Callable[..., Any] | None = None) -> nn.Module:
     """`module` wrapped for non-reentrant activation checkpointing (torch.utils.checkpoint, or
     `checkpoint_fn` in its place)."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
@@ -152,6 +155,7 @@ def checkpoint_wrapped(module: nn.Module, checkpoint_fn: Callable[..., Any] | No
 
 def replicate(module: nn.Module, *, mesh: Any, mp_policy: Any) -> Any:
     """torch's FSDP2-based `replicate` (DDP semantics over DTensor parameters) applied to `module`."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 
     return fsdp_replicate(module, mesh=mesh, mp_policy=mp_policy)
@@ -165,6 +169,7 @@ def fsdp_mixed_precision(module: Any) -> Any | None:
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create `optimizer`'s state tensors without changing its parameters (a step with zero lr)."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
@@ -175,6 +180,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def unset_fake_temporarily() -> contextlib.AbstractContextManager[Any]:
     """A context in which no FakeTensorMode is active (the dry run's is paused)."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch._subclasses.fake_tensor import unset_fake_temporarily as unset
 
     return unset()
@@ -190,6 +196,7 @@ def is_persistent_buffer(module: nn.Module, name: str) -> bool:
 
 def profiler_allocation_tag() -> Any:
     """The tag of an allocation event in the profiler's experimental event tree."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch._C._profiler import _EventType
 
     return _EventType.Allocation
@@ -214,6 +221,7 @@ def sdpa_dispatch(
 ) -> Any:
     """The torch.nn.attention.SDPBackend scaled_dot_product_attention dispatches to for these inputs,
     or None when torch does not say."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
     from torch.nn.attention import SDPBackend
 
     choice = getattr(torch, "_fused_sdp_choice", None)

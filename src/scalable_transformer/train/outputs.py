@@ -67,8 +67,8 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def pipeline_bubble(cfg: ResolvedConfig) -> float | None:
-    """The theoretical pipeline bubble of the configured layout (see config.rules.pipeline_bubble)."""
-    from ..config.rules import pipeline_bubble as bubble
+    """The theoretical pipeline bubble of the configured layout (config.rules.pipeline_bubble_fraction)."""
+    from ..config.rules import pipeline_bubble_fraction as bubble
 
     p = cfg.parallel
     return bubble(p.pp, p.virtual_pipeline_stages, cfg.train.gradient_accumulation_steps)
