@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(load_config(opts.config, list(opts.overrides)), world_size=opts.world_size)
     if opts.action == "validate":
         from ..errors import ConfigError
-        from ..train.run import export_warning
+        from ..train.outputs import export_warning
 
         no_export = export_warning(cfg)
         if no_export is not None:
