@@ -111,9 +111,9 @@ def _derived(cfg: ResolvedConfig, world_size: int) -> ResolvedConfig:
     p.pipeline_bubble = rules.pipeline_bubble(
         p.pp, p.virtual_pipeline_stages, cfg.train.gradient_accumulation_steps
     )
-    p.stage_layer_counts = rules.stage_layer_counts(
-        m.num_layers, p.pp * p.virtual_pipeline_stages, p.pipeline_layers
-    )
+    stages = p.pp * p.virtual_pipeline_stages
+    explicit = p.pipeline_layers if stages > 1 else None  # one stage holds every layer, as given or not
+    p.stage_layer_counts = rules.stage_layer_counts(m.num_layers, stages, explicit)
     d.split_fractions = rules.parse_split(d.split)
     windowed = lg.profile_start_step is not None
     lg.profiled_ranks = rules.profile_ranks(lg.profile_ranks, world_size) if windowed else []
