@@ -48,8 +48,8 @@ from scalable_transformer.data.loader import build_datasets, build_loader
 from scalable_transformer.data.tokenizers import load_tokenizer
 from scalable_transformer.metrics.peak_memory import MemoryTracker
 from scalable_transformer.models import build_model, compute_loss, count_parameters, model_inputs
+from scalable_transformer.train.build import set_seed
 from scalable_transformer.train.optim import param_groups
-from scalable_transformer.train.run import set_seed
 
 HUGE = 10**9  # steps_per_print: DeepSpeed never prints on its own
 # Versions recorded with the result: DeepSpeed and what it brings beyond the project's own stack.

@@ -37,9 +37,9 @@ from scalable_transformer.metrics.sinks import Sinks
 from scalable_transformer.models import build_model, count_parameters
 from scalable_transformer.parallel.apply import parallelize
 from scalable_transformer.parallel.dims import ParallelDims
+from scalable_transformer.train.build import set_seed
 from scalable_transformer.train.measurement import Measurement
 from scalable_transformer.train.optim import build_optimizer, build_scheduler
-from scalable_transformer.train.run import set_seed
 from scalable_transformer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

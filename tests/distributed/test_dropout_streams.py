@@ -25,7 +25,7 @@ from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.models.layers import CoreAttention, Embedding, TransformerBlock
 from scalable_transformer.parallel.dims import ParallelDims
-from scalable_transformer.train.run import build_parallel_model, set_seed
+from scalable_transformer.train.build import build_parallel_model, set_seed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

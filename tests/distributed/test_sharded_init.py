@@ -22,7 +22,7 @@ from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.peak_memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from scalable_transformer.models import build_model
 from scalable_transformer.parallel.dims import ParallelDims
-from scalable_transformer.train.run import build_parallel_model
+from scalable_transformer.train.build import build_parallel_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -298,3 +298,61 @@ def test_generated_reference_is_in_readme_and_docs():
     block = f"{START}\n{reference_markdown()}\n{END}"
     for name in ("README.md", "docs/CONFIG.md"):
         assert block in (ROOT / name).read_text(), f"{name} is stale: run `make docs`"
+
+
+def test_resolve_carries_the_derived_values_and_they_are_not_keys():
+    """The resolved sections carry what is derived from the keys (read there, not recomputed
+    outside config/), as attributes: config.yaml and `stx config show` print the keys only."""
+    from scalable_transformer.config import rules
+
+    cfg = resolve(
+        load_config(
+            None,
+            [
+                "model.vocab_size=1000",
+                "model.num_layers=4",
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "train.global_batch_size=16",
+                "data.split=98,2",
+                "logging.profile_start_step=1",
+                "logging.profile_ranks=all",
+            ],
+        ),
+        world_size=4,
+    )
+    m, p = cfg.model, cfg.parallel
+    assert m.padded_vocab_size == rules.padded_vocab_size(1000, m.make_vocab_size_divisible_by)
+    assert p.layout_label == rules.layout_label(cfg)
+    accumulation = cfg.train.gradient_accumulation_steps
+    assert p.pipeline_bubble == rules.pipeline_bubble_fraction(2, p.virtual_pipeline_stages, accumulation)
+    assert p.stage_layer_counts == [2, 2]
+    assert cfg.data.split_fractions == rules.parse_split("98,2")
+    assert cfg.logging.profiled_ranks == [0, 1, 2, 3]
+    text = to_yaml(cfg)
+    for derived in (
+        "padded_vocab_size",
+        "layout_label",
+        "stage_layer_counts",
+        "split_fractions",
+        "profiled_ranks",
+    ):
+        assert derived not in text
+    assert resolve(load_config()).logging.profiled_ranks == []  # no profiler window
+
+
+def test_with_vocabulary_checks_only_the_vocabulary_again():
+    from scalable_transformer.config.validate import with_vocabulary
+
+    cfg = resolve(load_config(None, ["parallel.tp=2", "model.make_vocab_size_divisible_by=1"]), world_size=2)
+    given = cfg.model.vocab_size
+    assert with_vocabulary(cfg, given, 10) is cfg  # the configured size stands: nothing changes
+    grown = with_vocabulary(cfg, None, 10088)
+    assert (grown.model.vocab_size, grown.model.padded_vocab_size) == (10088, 10088)
+    assert grown.parallel is cfg.parallel and grown.parallel.layout_label == cfg.parallel.layout_label
+    with pytest.raises(ConfigError, match="smaller than the tokenizer's"):
+        with_vocabulary(cfg, 100, 10088)
+    with pytest.raises(ConfigError, match=r"not divisible by parallel\.tp"):
+        with_vocabulary(cfg, None, 10087)
+    with pytest.raises(Exception, match="frozen"):
+        grown.model.vocab_size = 5

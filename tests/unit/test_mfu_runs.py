@@ -16,7 +16,7 @@ from rich.console import Console
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.metrics import flops as flops_module
-from scalable_transformer.train import run as run_module
+from scalable_transformer.train import outputs as outputs_module
 from scalable_transformer.train.run import run_training
 
 
@@ -61,7 +61,7 @@ def test_a_too_low_peak_never_stops_a_bf16_run(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(flops_module, "_WARNED", set())
     # the start-of-run precision line, as a CPU without native bf16 gives it (no measurement here)
     note = "bf16 runs at 20 GFLOP/s here vs fp32 150 GFLOP/s (best linear-layer GEMM, 2 threads): test"
-    monkeypatch.setattr(run_module, "cpu_precision_warning", lambda dtype: note)
+    monkeypatch.setattr(outputs_module, "cpu_precision_warning", lambda dtype: note)
     out = io.StringIO()
     with caplog.at_level(logging.WARNING, logger=flops_module.__name__):
         run_dir, summary = run_training(

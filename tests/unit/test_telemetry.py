@@ -279,8 +279,8 @@ def test_energy_per_sample_from_the_counter_over_the_post_warmup_intervals(tmp_p
     """A fake GPU adapter (its energy counter rises 100 J per read) stands in for NVML in a CPU run."""
     import torch
 
+    from scalable_transformer.train.callbacks import TelemetryCallback
     from scalable_transformer.train.run import run_training
-    from scalable_transformer.train.telemetry_callback import TelemetryCallback
 
     telemetry = Telemetry("cuda", gpu=FakeGpu(), rapl=no_rapl(tmp_path), period=60.0)  # no thread reads
     callback = TelemetryCallback(torch.device("cpu"), telemetry=telemetry)

@@ -179,3 +179,35 @@ def test_static_loss_scale_skips_overflow_without_backing_off():
     handle.remove()
     assert result.skipped and trainer.scaler.get_scale() == 256.0
     assert trainer.scheduler.last_epoch == 0
+
+
+def test_a_run_resolves_its_config_once(tmp_path):
+    """`resolve` runs once per run: the tokenizer's vocabulary completes the resolved config
+    (`with_vocabulary`) instead of a second resolve. Counted on the function's code object, so no
+    module's own reference to it can hide a call."""
+    import sys
+
+    from scalable_transformer.config import validate
+
+    calls = []
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code is validate.resolve.__code__:
+            calls.append(frame.f_code.co_name)
+
+    overrides = [
+        "train.train_iters=1",
+        "train.eval_iters=0",
+        "train.micro_batch_size=2",
+        "model.seq_length=32",
+        f"logging.run_dir={tmp_path}",
+        "logging.tensorboard=false",
+    ]
+    cfg = load_config("tiny-bert", overrides)
+    sys.setprofile(count)
+    try:
+        _, summary = run_training(cfg)
+    finally:
+        sys.setprofile(None)
+    assert summary["iterations"] == 1
+    assert calls == ["resolve"]

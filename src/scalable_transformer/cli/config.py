@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve(load_config(opts.config, list(opts.overrides)), world_size=opts.world_size)
     if opts.action == "validate":
-        # only here: train/run.py imports torch, 4.9 s (measured), which `stx config show` never needs
-        from ..train.run import export_warning
+        # only here: train/outputs.py imports torch, 4.9 s (measured), which `stx config show` never needs
+        from ..train.outputs import export_warning
 
         no_export = export_warning(cfg)
         if no_export is not None:

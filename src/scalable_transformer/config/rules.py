@@ -427,20 +427,25 @@ def _check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"model.ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by parallel.tp ({p.tp})"
         )
-    # the vocabulary is unknown until a tokenizer file is read; resolve runs again after that
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) if m.vocab_size else 0
-    if vocab % p.tp:
-        divisible = m.make_vocab_size_divisible_by
-        raise ConfigError(
-            f"the padded vocabulary ({vocab} = model.vocab_size {m.vocab_size} rounded up to a multiple "
-            f"of model.make_vocab_size_divisible_by {divisible}) is not divisible "
-            f"by parallel.tp ({p.tp}); set make_vocab_size_divisible_by to a multiple of "
-            f"{divisible * p.tp // _gcd(divisible, p.tp)}"
-        )
+    check_vocabulary(m, p.tp)
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel: model.seq_length ({m.seq_length}) is not divisible by "
             f"parallel.tp ({p.tp})"
+        )
+
+
+def check_vocabulary(m: ModelConfig, tp: int) -> None:
+    """Whole vocabulary rows on every tensor-parallel rank. The vocabulary is unknown until a tokenizer
+    file is read: `validate.with_vocabulary` checks this rule again then."""
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by) if m.vocab_size else 0
+    if vocab % tp:
+        divisible = m.make_vocab_size_divisible_by
+        raise ConfigError(
+            f"the padded vocabulary ({vocab} = model.vocab_size {m.vocab_size} rounded up to a multiple "
+            f"of model.make_vocab_size_divisible_by {divisible}) is not divisible "
+            f"by parallel.tp ({tp}); set make_vocab_size_divisible_by to a multiple of "
+            f"{divisible * tp // _gcd(divisible, tp)}"
         )
 
 

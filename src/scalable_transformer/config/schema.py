@@ -618,15 +618,40 @@ class _Frozen:
         super().__setattr__(name, value)
 
 
+# Values `resolve` derives from the keys, carried by the resolved sections so no module outside
+# config/ recomputes them. Attributes, not dataclass fields: no config file sets them, and
+# config.yaml, `stx config show` and the config reference (fields only) leave them out.
+
+
+class _ModelDerived(_Frozen):
+    padded_vocab_size: (
+        int | None
+    )  # word-embedding rows: Megatron's padding (None until the vocabulary is known)
+
+
+class _ParallelDerived(_Frozen):
+    layout_label: str  # THE layout label of a run (rules.layout_label)
+    pipeline_bubble: float | None  # the theoretical idle share of a pipeline step (None: pp = 1)
+    stage_layer_counts: list[int]  # transformer layers of each of the pp x virtual stages
+
+
+class _DataDerived(_Frozen):
+    split_fractions: tuple[float, float, float]  # data.split as train, valid, test fractions
+
+
+class _LoggingDerived(_Frozen):
+    profiled_ranks: list[int]  # the ranks the profiler window runs on (empty without a window)
+
+
 @dataclass
-class ResolvedModelConfig(ModelConfig, _Frozen):
+class ResolvedModelConfig(ModelConfig, _ModelDerived):
     num_query_groups: int = 0  # derived: never None once resolved
     ffn_hidden_size: int = 0  # derived: never None once resolved
     max_position_embeddings: int = 0
 
 
 @dataclass
-class ResolvedParallelConfig(ParallelConfig, _Frozen):
+class ResolvedParallelConfig(ParallelConfig, _ParallelDerived):
     pass
 
 
@@ -636,7 +661,7 @@ class ResolvedOptimConfig(OptimConfig, _Frozen):
 
 
 @dataclass
-class ResolvedDataConfig(DataConfig, _Frozen):
+class ResolvedDataConfig(DataConfig, _DataDerived):
     pass
 
 
@@ -647,7 +672,7 @@ class ResolvedTrainConfig(TrainConfig, _Frozen):
 
 
 @dataclass
-class ResolvedLoggingConfig(LoggingConfig, _Frozen):
+class ResolvedLoggingConfig(LoggingConfig, _LoggingDerived):
     pass
 
 
@@ -659,7 +684,10 @@ class ResolvedCheckpointConfig(CheckpointConfig, _Frozen):
 @dataclass
 class ResolvedConfig(Config, _Frozen):
     """What `config.validate.resolve` returns: every derived value filled (typed without None, except
-    model.vocab_size before a tokenizer is read), every rule checked, frozen. Parallel dp is >= 1."""
+    model.vocab_size before a tokenizer is read), every rule checked, frozen. Parallel dp is >= 1.
+    The sections also carry the values derived from the keys (model.padded_vocab_size,
+    parallel.layout_label, parallel.pipeline_bubble, parallel.stage_layer_counts,
+    data.split_fractions, logging.profiled_ranks): attributes, not keys."""
 
     model: ResolvedModelConfig = field(default_factory=ResolvedModelConfig)
     parallel: ResolvedParallelConfig = field(default_factory=ResolvedParallelConfig)

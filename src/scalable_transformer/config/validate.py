@@ -70,7 +70,26 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     rules.check_profile(cfg, world_size)
     rules.check_data(cfg.data)
     rules.check_sample_index(cfg)
-    return _frozen(cfg)
+    return _derived(_frozen(cfg), world_size)
+
+
+def with_vocabulary(cfg: ResolvedConfig, configured: int | None, tokenizer_vocab: int) -> ResolvedConfig:
+    """The resolved config with the tokenizer's vocabulary: `configured` is model.vocab_size as the
+    user gave it (None: the tokenizer's size). Only the rule that reads the vocabulary is checked
+    again (whole vocabulary rows on every tensor-parallel rank): the config is not resolved twice."""
+    if configured is not None and configured < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size ({configured}) is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer_vocab}); remove it to use the tokenizer's size"
+        )
+    vocab = tokenizer_vocab if configured is None else configured
+    if vocab == cfg.model.vocab_size:
+        return cfg
+    model = dataclasses.replace(cfg.model, vocab_size=vocab)
+    rules.check_vocabulary(model, cfg.parallel.tp)
+    model.padded_vocab_size = rules.padded_vocab_size(vocab, model.make_vocab_size_divisible_by)
+    sections = {name: getattr(cfg, name) for name in RESOLVED_SECTIONS}
+    return freeze(ResolvedConfig(**{**sections, "model": model}))
 
 
 def _thawed_copy(cfg: Config) -> Config:
@@ -83,9 +102,27 @@ def _thawed_copy(cfg: Config) -> Config:
     return Config(**sections)
 
 
+def _derived(cfg: ResolvedConfig, world_size: int) -> ResolvedConfig:
+    """The values derived from the checked keys, set on the resolved sections (schema: `_*Derived`)."""
+    m, p, d, lg = cfg.model, cfg.parallel, cfg.data, cfg.logging
+    divisible = m.make_vocab_size_divisible_by
+    m.padded_vocab_size = rules.padded_vocab_size(m.vocab_size, divisible) if m.vocab_size else None
+    p.layout_label = rules.layout_label(cfg)
+    p.pipeline_bubble = rules.pipeline_bubble_fraction(
+        p.pp, p.virtual_pipeline_stages, cfg.train.gradient_accumulation_steps
+    )
+    stages = p.pp * p.virtual_pipeline_stages
+    explicit = p.pipeline_layers if stages > 1 else None  # one stage holds every layer, as given or not
+    p.stage_layer_counts = rules.stage_layer_counts(m.num_layers, stages, explicit)
+    d.split_fractions = rules.parse_split(d.split)
+    windowed = lg.profile_start_step is not None
+    lg.profiled_ranks = rules.profile_ranks(lg.profile_ranks, world_size) if windowed else []
+    return freeze(cfg)
+
+
 def _frozen(cfg: Config) -> ResolvedConfig:
     sections = {
         name: resolved(**{f.name: getattr(getattr(cfg, name), f.name) for f in dataclasses.fields(resolved)})
         for name, resolved in RESOLVED_SECTIONS.items()
     }
-    return freeze(ResolvedConfig(**sections))
+    return ResolvedConfig(**sections)

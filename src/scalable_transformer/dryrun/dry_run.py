@@ -4,7 +4,7 @@ For one representative rank of every memory class of a layout (each pipeline ran
 the data-parallel rank whose optimizer shard is largest), the dry run joins a fake process group of
 the target world size as that rank, builds the topology (`ParallelDims`, its DeviceMesh), then inside
 `FakeTensorMode` builds the model on the meta device, parallelizes and materializes it
-(`train.run.build_parallel_model`), builds the optimizer and schedule, and runs `Trainer.fit` for two
+(`train.build.build_parallel_model`), builds the optimizer and schedule, and runs `Trainer.fit` for two
 steps: the step with its micro-batches or pipeline schedule, gradient clipping, loss scaling and the
 optimizer step, the second one a logging step. No tensor holds data and collectives return at once,
 so a 175B model on 64 ranks costs seconds and a few GB of Python objects.
@@ -43,15 +43,17 @@ from ..config.schema import Config
 from ..config.validate import resolve
 from ..errors import StxError
 from ..metrics.flops import step_flops
-from ..metrics.sinks import Sinks
 from ..models import count_parameters, spec_for
 from ..parallel import distributed
 from ..parallel.dims import ParallelDims
 from ..plan.search import predict, prepare
-from ..train.measurement import Measurement
-from ..train.optim import build_optimizer, build_scheduler
-from ..train.run import build_parallel_model
-from ..train.trainer import Trainer
+from ..train.build import (
+    RunData,
+    build_measurement,
+    build_optimizer_and_scheduler,
+    build_parallel_model,
+    build_trainer,
+)
 from .dry_run_trace import DryRunTrace
 from .engine_stubs import engine_stubs, patched
 from .fake_cuda import fake_cuda
@@ -235,22 +237,20 @@ def run_rank(
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 trace.module_tracker = modules
                 model, pipeline = build_parallel_model(cfg, dims, device)
-                zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
-                optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
-                scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
+                optimizer, scheduler = build_optimizer_and_scheduler(cfg, model, dims)  # type: ignore[arg-type]
                 flops = step_flops(cfg, count_parameters(cfg.model))
-                measurement = Measurement(cfg, device, dims, flops, NO_PEAK, Sinks([]))  # type: ignore[arg-type]
-                trainer = Trainer(
+                measurement = build_measurement(cfg, device, dims, flops, NO_PEAK, [])  # type: ignore[arg-type]
+                data = RunData(fake_batches(cfg, device), list)
+                trainer = build_trainer(
                     cfg,  # type: ignore[arg-type]
                     model,
                     optimizer,
                     scheduler,
-                    fake_batches(cfg, device),
-                    list,
+                    data,
                     measurement,
-                    dims=dims,
-                    pipeline=pipeline,
-                    callbacks=[_StepMarker(trace)],  # type: ignore[list-item]
+                    dims,
+                    pipeline,
+                    [_StepMarker(trace)],  # type: ignore[list-item]
                 )
                 trainer.timers = _PhaseTimers(trace, trainer.timers)  # type: ignore[assignment]
                 trace.phase = "train"

@@ -1,7 +1,7 @@
 """Live tensor bytes per rank, peak over the first training steps: what the planner predicts.
 
 GPU: `torch.cuda.max_memory_allocated` (the caching allocator counts every tensor byte), which the
-trainer already records per log interval (train/run.py takes it). CPU has no allocator counter, so
+trainer already records per log interval (train/outputs.py takes it). CPU has no allocator counter, so
 this tracker runs torch.profiler with
 `profile_memory=True`: c10's CPU allocator then reports every allocation and free with its address and
 size, and the peak is the largest sum of live blocks from the first step's start on, replayed by

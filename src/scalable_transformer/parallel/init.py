@@ -1,6 +1,6 @@
 """Materialize a model that was built and parallelized on the meta device: only this rank's shards.
 
-`build_parallel_model` (train/run.py) builds the model under `torch.device("meta")` (shapes, no
+`build_parallel_model` (train/build.py) builds the model under `torch.device("meta")` (shapes, no
 storage), prunes it to this rank's pipeline stages and applies tensor parallelism and FSDP2 /
 replicate there, so every parameter is already its final DTensor (or plain tensor) with this rank's
 local shape. `materialize` then allocates the local storage (`nn.Module.to_empty`) and fills it.

@@ -43,7 +43,7 @@ Routed through this module (call these functions, never the internal):
   record_cuda_memory_history / stop_cuda_memory_history / dump_cuda_memory_snapshot
                              torch.cuda.memory._record_memory_history(enabled, max_entries=...) and
                              _dump_snapshot(filename): logging.profile_memory's snapshot
-                             (train/profiler_window.py). Underscored, though torch's memory docs teach
+                             (train/callbacks.py). Underscored, though torch's memory docs teach
                              them.
 
 A public seam used with an interface torch does not export: FSDPModule.set_custom_all_gather /

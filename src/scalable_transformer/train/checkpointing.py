@@ -22,7 +22,6 @@ from ..checkpoint.manager import (
     set_rng_state,
 )
 from ..config.load import to_yaml
-from ..config.rules import layout_label
 from ..config.schema import ResolvedConfig
 from ..metrics.environment import environment
 from ..models import count_parameters
@@ -89,7 +88,7 @@ def attach_checkpoints(
     callback = None
     if c.save:
         info = {
-            "layout": layout_label(cfg),
+            "layout": cfg.parallel.layout_label,
             "parallel": dataclasses.asdict(cfg.parallel),
             "model": dataclasses.asdict(cfg.model),
             "num_parameters": count_parameters(cfg.model),

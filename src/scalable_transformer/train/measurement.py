@@ -30,6 +30,7 @@ from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.peak_memory import MemoryTracker
 from ..metrics.sinks import LogRecord, Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
+from ..parallel.comm import KINDS
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import all_reduce_floats, collective_device
 from ..parallel.grads import local
@@ -272,31 +273,6 @@ class Measurement:
         self.memory.reset_peak()
         self.interval = Interval(start=time.perf_counter(), first_iteration=iteration + 1)
 
-    # ------------------------------------------------------------------ backward, timed
-
-    def timed_backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), split into `backward-compute` and `all-grads-sync`: the time the training
-        thread waited for gradient collectives after the backward compute (parallel/comm.py)."""
-        if self.sync is not None:
-            self.sync()
-        for recorder in self.comm:
-            recorder.take_blocked()
-        start = time.perf_counter()
-        loss.backward()
-        if self.sync is not None:
-            self.sync()
-        end = time.perf_counter()
-        exposed = 0.0
-        for recorder in self.comm:
-            blocked = recorder.take_blocked()  # synchronous reduce-scatters (FSDP2 on CPU)
-            launch = recorder.last_grad_launch  # DDP: the last bucket is launched when compute ends
-            tail = end - launch if launch is not None and launch >= start else 0.0
-            exposed += max(blocked, tail)
-        exposed = min(exposed, end - start)
-        self.timers.add("backward-compute", end - start - exposed)
-        if self.comm:
-            self.timers.add("all-grads-sync", exposed)
-
     # ------------------------------------------------------------------ per step (no host reads)
 
     def step_done(self, iteration: int, result: StepResult) -> None:
@@ -364,8 +340,6 @@ class Measurement:
 
     def _spread(self, record: LogRecord, elapsed: dict[str, float], comm: dict[str, float]) -> None:
         """Min/max of every phase over the ranks, each rank's busy time and the straggler among them."""
-        from ..parallel.comm import KINDS
-
         names = [*PHASES, *NESTED, *(f"comm:{k}" for k in KINDS)]
         measured = {**elapsed, **{f"comm:{k}": v for k, v in comm.items()}}
         for name, (low, high) in minmax_over_ranks(measured, names).items():

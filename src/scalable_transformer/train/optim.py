@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from scalable_transformer.config.schema import OptimConfig
@@ -49,8 +51,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def _tensor_kind(p: torch.Tensor) -> tuple:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(p, DTensor):
         return ("dtensor", id(p.device_mesh), p.placements)
     return ("plain",)
@@ -108,8 +108,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, zero_group: Any = None) 
     if zero_group is not None:
         # ZeRO-1: each data-parallel rank keeps the state of (and steps) its share of whole
         # parameters, then broadcasts them; the math per parameter is the wrapped optimizer's.
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         return ZeroRedundancyOptimizer(
             groups, optimizer_class=optimizer_class, process_group=zero_group, **kwargs
         )

@@ -1,27 +1,39 @@
-"""What a run writes and prints: its directory, the banner lines, the sinks and summary.json.
+"""What a run writes and prints: the warnings at its start, its directory, the banner lines, the
+sinks, summary.json and the closing lines.
 
-Only the main rank writes; `run.py` wires the run and hands this module what to show.
+Only the main rank writes; every rank takes part in the summary's per-rank gathers. `run.py` calls
+`open_outputs` before training and `write_summary` after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
 import statistics
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from ..config.load import to_yaml
-from ..config.rules import layout_label
-from ..config.schema import ResolvedConfig
+from ..config.schema import Config, ResolvedConfig
 from ..files import write_atomic
+from ..metrics.device_specs import PeakInfo, cpu_precision_warning
 from ..metrics.environment import environment
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.sinks import ConsoleSink, JsonlSink, LogRecord, Sink, TensorBoardSink, percent
-from .trainer import History
+from ..models.registry import hf_unsupported
+from ..parallel.dims import ParallelDims
+from .build import Place, RunModel
+from .checkpointing import Resume
+from .measurement import STRAGGLER_MARGIN, gather_floats
+from .resilience import stop_message
+from .trainer import Callback, History, Trainer
 
 SUBMITTED_MARKER = ".stx-submit"  # launch.batch.MARKER_NAME (launch sits above train)
 
@@ -66,12 +78,54 @@ def write_json(path: Path, data: Any) -> None:
     write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
-def pipeline_bubble(cfg: ResolvedConfig) -> float | None:
-    """The theoretical pipeline bubble of the configured layout (config.rules.pipeline_bubble_fraction)."""
-    from ..config.rules import pipeline_bubble_fraction as bubble
+Predict = Callable[[Config, int, str], dict]
 
-    p = cfg.parallel
-    return bubble(p.pp, p.virtual_pipeline_stages, cfg.train.gradient_accumulation_steps)
+
+@dataclasses.dataclass(frozen=True)
+class RunOutputs:
+    """Where the run writes (rank 0; other ranks: no directory, no sinks) and the device peak its
+    MFU and HFU are relative to."""
+
+    run_dir: Path | None
+    sinks: list[Sink]
+    peak: PeakInfo
+
+
+def open_outputs(
+    cfg: ResolvedConfig, at: Place, resume: Resume | None, model: RunModel, peak: PeakInfo
+) -> RunOutputs:
+    """Rank 0: the run directory (reopened when continuing a resumed run) with its sinks, and the
+    banner."""
+    if not at.dims.is_main:
+        return RunOutputs(None, [], peak)
+    run_dir, sinks = open_run_dir(cfg, at.console, continuing=resume is not None)
+    print_banner(at.console, cfg, model.num_params, at.device, at.dims.world_size, model.flops, peak)
+    return RunOutputs(run_dir, sinks, peak)
+
+
+def print_warnings(cfg: ResolvedConfig, at: Place) -> None:
+    """Rank 0, before anything is built: what the precision will cost on this CPU (its check may
+    measure GEMMs, so it runs before the seed is set) and why the checkpoints could not be exported."""
+    if not at.dims.is_main:
+        return
+    slow_precision = cpu_precision_warning(cfg.train.precision) if at.device.type == "cpu" else None
+    if slow_precision is not None:
+        at.console.print(f"[bold yellow]warning[/]: {slow_precision}")
+    no_export = export_warning(cfg)
+    if no_export is not None:
+        at.console.print(f"[bold yellow]warning[/]: {no_export}", markup=False)
+
+
+def export_warning(cfg: ResolvedConfig) -> str | None:
+    """Why the checkpoints this run saves could not leave as a Hugging Face model (None: they can,
+    or nothing is saved): said at the start, not discovered at `stx export` after training."""
+    reasons = hf_unsupported(cfg.model) if cfg.checkpoint.save else []
+    if not reasons:
+        return None
+    return (
+        f"checkpoint.save = {cfg.checkpoint.save}, but no Hugging Face architecture holds this model, so "
+        "`stx export --format hf` will refuse its checkpoints: " + " | ".join(reasons)
+    )
 
 
 def open_run_dir(cfg: ResolvedConfig, console: Console, continuing: bool = False) -> tuple[Path, list[Sink]]:
@@ -104,9 +158,9 @@ def print_banner(
         f" = micro {cfg.train.micro_batch_size} x accumulation "
         f"{cfg.train.gradient_accumulation_steps} x dp {cfg.parallel.dp}"
     )
-    bubble = pipeline_bubble(cfg)
+    bubble = cfg.parallel.pipeline_bubble
     console.print(
-        f"layout: {world} process(es), {layout_label(cfg)}"
+        f"layout: {world} process(es), {cfg.parallel.layout_label}"
         + (f"; pipeline bubble {100 * bubble:.1f}% of a step (theoretical)" if bubble is not None else "")
     )
     console.print(
@@ -295,3 +349,109 @@ def print_done(console: Console, summary: dict, run_dir: Path, memory_method: st
         f"(initialization included) {', '.join(f'{b / 2**20:.0f}' for b in run_peak)} MiB; "
         f"summary: {run_dir / 'summary.json'}"
     )
+
+
+def write_summary(
+    cfg: ResolvedConfig,
+    at: Place,
+    trainer: Trainer,
+    model: RunModel,
+    outputs: RunOutputs,
+    predict: Predict | None,
+) -> tuple[Path | None, dict]:
+    """summary.json (written once, by rank 0) and the closing lines; every rank takes part in the
+    per-rank gathers. Returns the run directory (None on other ranks) and the summary."""
+    history, dims, device, console = trainer.history, at.dims, at.device, at.console
+    world = dims.world_size
+    summary = summarize(
+        cfg, history, model.flops, outputs.peak, model.num_params, time.perf_counter() - at.start, world
+    )
+    summary.update(per_rank_memory(history, model.tracker, device, dims))
+    summary["layout"] = cfg.parallel.layout_label
+    summary["world_size"] = world
+    summary["pipeline_bubble_theoretical"] = cfg.parallel.pipeline_bubble
+    summary["final_iteration"] = trainer.iteration
+    wall = time.perf_counter() - at.start
+    segment = segment_record(time.time() - wall, wall, history.first_iteration, history)
+    if history.stopped_by and cfg.checkpoint.save:
+        summary["resume_from"] = cfg.checkpoint.save
+    run_dir = outputs.run_dir
+    if run_dir is None:
+        return None, summary
+    summary.update(with_segment(read_previous_summary(run_dir), segment))
+    summary.update(step_prediction(cfg, history, world, device, predict))
+    write_json(run_dir / "summary.json", summary)
+    print_done(console, summary, run_dir, history.peak_memory_method)
+    print_observations(console, summary, trainer.callbacks)
+    if history.stopped_by:
+        console.print(f"[bold yellow]{stop_message(summary, cfg.train.train_iters)}[/]")
+    return run_dir, summary
+
+
+def per_rank_memory(
+    history: History, tracker: Any, device: torch.device, dims: ParallelDims
+) -> dict[str, Any]:
+    """The summary's per-rank memory figures (every rank calls this: they are gathered)."""
+    per_rank_peak = gather_per_rank(history.peak_memory_bytes, dims)
+    return {
+        "peak_memory_bytes_per_rank": per_rank_peak,
+        "run_peak_memory_bytes_per_rank": gather_per_rank(history.run_peak_memory_bytes, dims),
+        "model_state_bytes_per_rank": {
+            part: gather_per_rank(history.model_state_bytes.get(part, 0), dims)
+            for part in ("parameters", "gradients", "optimizer")
+        },
+        "peak_tensor_bytes_per_rank": peak_tensor_bytes(tracker, device, per_rank_peak, dims),
+    }
+
+
+def step_prediction(
+    cfg: ResolvedConfig, history: Any, world: int, device: torch.device, predict: Predict | None
+) -> dict[str, Any]:
+    """The planner's step time for this run beside its measurement (`predict`, see `run_training`)
+    and the spread of the measured iteration times (interquartile range after warm-up, seconds), the
+    noise `stx report` compares repeats against."""
+    out = predict(cfg, world, device.type) if predict is not None else {}
+    times = list(history.iteration_seconds)
+    window = times[cfg.logging.warmup_iters :] if len(times) > cfg.logging.warmup_iters else times
+    if len(window) >= 4:
+        q1, _, q3 = statistics.quantiles(window, n=4)
+        out["iteration_seconds_iqr"] = q3 - q1
+    return out
+
+
+def peak_tensor_bytes(
+    tracker: Any, device: torch.device, per_rank_peak: list[int], dims: ParallelDims
+) -> list[int | None] | None:
+    """Live tensor bytes per rank (what `stx plan` predicts): on CUDA the peak allocated bytes the
+    trainer measured; on CPU the tracker's (None when not tracked; a rank that failed to measure: None)."""
+    if device.type == "cuda":
+        return list(per_rank_peak)
+    if tracker is None:
+        return None
+    peak = tracker.peak()
+    return [v if v >= 0 else None for v in gather_per_rank(-1 if peak is None else peak, dims)]
+
+
+def print_observations(console: Console, summary: dict, callbacks: Sequence[Callback]) -> None:
+    """After the closing line: the straggler, why a telemetry figure is missing, the profile table."""
+    if summary.get("straggler_rank") is not None:
+        flagged = summary["straggler_intervals"]
+        console.print(
+            f"[bold yellow]straggler[/]: rank {summary['straggler_rank']} was the busiest rank beyond "
+            f"{100 * STRAGGLER_MARGIN:.0f}% of the median in {flagged['flagged']} of {flagged['of']} "
+            "log intervals"
+        )
+    for note in summary.get("telemetry_notes") or []:
+        console.print(f"telemetry: {note}")
+    for callback in callbacks:
+        table = getattr(callback, "table", None)
+        text = table() if table is not None else None
+        if text:
+            console.print(text, markup=False)
+
+
+def gather_per_rank(value: float, dims: ParallelDims) -> list[int]:
+    """One number from every rank, in rank order (all ranks call this)."""
+    if dims.world_size == 1 or dims.mesh is None:
+        return [int(value)]
+    return [int(v) for v in gather_floats(value, dims.rank, dims.world_size)]

@@ -1,4 +1,4 @@
-"""The training loop and the training step, nothing else (builders live in `train/run.py`).
+"""The training loop and the training step, nothing else (builders live in `train/build.py`).
 
 Extension points: `callbacks` (checkpoint saves, test fault injection, future telemetry) see the
 step end, each evaluation and the end of `fit`; the loop's own state (iteration, consumed samples)
@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
 from ..metrics.peak_memory import model_state_bytes
 from ..metrics.sinks import LogRecord
 from ..models import spec_for
+from ..parallel.comm import recorders
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import collective_device
 from ..parallel.grads import clip_grads, grad_norm, local, reduce_partial_grads
@@ -73,9 +76,6 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractCont
     """Skip the data-parallel gradient reduction on all but the last micro-batch of a step (unless
     parallel.reduce_each_micro_batch: then ZeRO-2/3 reduce-scatter every micro-batch into the sharded
     gradients)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
     if isinstance(model, FSDPModule):  # ZeRO-2/3
         model.set_requires_gradient_sync(sync)
     elif isinstance(model, DistributedDataParallel) and not sync:  # ZeRO-0/1
@@ -124,8 +124,6 @@ class Trainer:
         world = dist.group.WORLD if dist.is_initialized() else None
         self.stop_signals = StopSignals(world, t.stop_check_interval)
         self.callbacks = list(callbacks)
-        from ..parallel.comm import recorders
-
         measurement.attach_comm(recorders(model) + ([pipeline.comm_recorder] if pipeline is not None else []))
         self.timers = measurement.timers  # the dry run wraps it to name the phase that runs
         self.history = measurement.history
@@ -196,9 +194,34 @@ class Trainer:
                     self._wait_for_count(counted)  # its all-reduce ran behind the first forward
                 with self.timers("forward-compute"), autocast_context(precision, self.device):
                     loss, metrics = self.spec.loss(outputs, micro, normalizers, ops)
-                self.measure.timed_backward(self.scaler.scale(loss * multiplier))
+                self._backward(self.scaler.scale(loss * multiplier))
             accumulate(totals, metrics)
         return totals
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), split into `backward-compute` and `all-grads-sync`: the time the training
+        thread waited for gradient collectives after the backward compute (parallel/comm.py). On the
+        host only: the device is synchronized only under logging.timers_sync."""
+        sync, comm = self.measure.sync, self.measure.comm
+        if sync is not None:
+            sync()
+        for recorder in comm:
+            recorder.take_blocked()
+        start = time.perf_counter()
+        loss.backward()
+        if sync is not None:
+            sync()
+        end = time.perf_counter()
+        exposed = 0.0
+        for recorder in comm:
+            blocked = recorder.take_blocked()  # synchronous reduce-scatters (FSDP2 on CPU)
+            launch = recorder.last_grad_launch  # DDP: the last bucket is launched when compute ends
+            tail = end - launch if launch is not None and launch >= start else 0.0
+            exposed += max(blocked, tail)
+        exposed = min(exposed, end - start)
+        self.timers.add("backward-compute", end - start - exposed)
+        if comm:
+            self.timers.add("all-grads-sync", exposed)
 
     def _pipeline_forward_backward(
         self, micro_batches: list[Batch], normalizers: dict[str, Any], counted: Callable[[], None]
