@@ -212,7 +212,6 @@ def test_no_package_has_an_import_circle_among_its_modules():
 
 # Module-level functions whose one name is one protocol, each module implementing it for itself:
 SHARED_FUNCTION_NAMES = {
-    "register",  # cli/plan.py, cli/calibrate.py: add the command's parser (the others: cli/parsers.py)
     "run",  # cli/<command>.py: runs the parsed command
     "main",  # a program's entry point: `stx` (cli/__init__.py) and the ssh node agent (launch/ssh_node.py)
     "overrides_from_hf",  # models/<family>/hf.py: the family's half of `ModelFamily.overrides`
@@ -245,8 +244,8 @@ def test_no_two_modules_define_a_function_of_the_same_name():
 
 def test_twin_function_check_sees_twins_and_allows_the_protocols(tmp_path):
     files = {
-        "a.py": "def loss():\n    pass\n\ndef _helper():\n    pass\n\ndef register():\n    pass\n",
-        "b/c.py": "def loss():\n    pass\n\ndef _helper():\n    pass\n\ndef register():\n    pass\n",
+        "a.py": "def loss():\n    pass\n\ndef _helper():\n    pass\n\ndef run():\n    pass\n",
+        "b/c.py": "def loss():\n    pass\n\ndef _helper():\n    pass\n\ndef run():\n    pass\n",
         "d.py": "class K:\n    def loss(self):\n        pass\n",
     }
     for rel, text in files.items():

@@ -1,10 +1,9 @@
 """`stx`: command parsing and dispatch only; the work happens in the library modules the commands call.
 
 One module per command: it turns the parsed arguments into a typed options object, calls the
-library with it and renders what comes back (console text, JSON); its parser is in cli/parsers.py
-(plan and calibrate still register their own), which imports argparse only, and the module itself
-is imported when its command runs. Here: the top-level parser, and the error handling and exit
-codes common to every command.
+library with it and renders what comes back (console text, JSON); its parser is in cli/parsers.py,
+which imports argparse only, and the module itself is imported when its command runs. Here: the
+top-level parser, and the error handling and exit codes common to every command.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from ..errors import CheckpointError, ConfigError, NonFiniteError, StxError, StxWarning
-from . import calibrate, parsers, plan
+from . import parsers
 
 EPILOG = """Examples:
   stx train
@@ -56,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         parsers.register_tokenizer,
         parsers.register_preprocess,
         parsers.register_flops,
-        plan.register,
-        calibrate.register,
+        parsers.register_plan,
+        parsers.register_calibrate,
         parsers.register_checkpoint,
         parsers.register_export,
         parsers.register_env,

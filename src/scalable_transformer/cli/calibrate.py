@@ -9,9 +9,15 @@ import os
 import sys
 from pathlib import Path
 
-from .parsers import split_config_args
+import torch
 
-DEFAULT_OUTPUT = "hardware-profile.yaml"
+from ..calibrate.calibration import calibrate
+from ..calibrate.timing import calibration_device, calibration_job
+from ..config.load import load_config
+from ..errors import UsageError
+from ..parallel.cluster_env import apply_cluster_env
+from ..plan.hardware_profile import profile_from_dict, save_profile
+from .parsers import DEFAULT_PROFILE_OUTPUT, split_config_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,40 +33,13 @@ class CalibrateOptions:
         return cls(config, tuple(overrides), Path(args.output), args.quick)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "calibrate",
-        help="measure this machine's GEMM, attention, memory and collective rates into a hardware "
-        "profile for `stx plan --hardware` (a few minutes)",
-        description="stx calibrate CONFIG [key=value ...] [--output FILE] [--quick]: measure GEMMs at "
-        "the config's layer shapes and dtype, attention forward and backward per SDPA kernel, "
-        "elementwise bandwidth and the cost of one op, and (more than one process) all-reduce, "
-        "all-gather, reduce-scatter and send/recv from 4 KiB to 64 MiB, within and across nodes. "
-        "Run it as the training runs: `stx launch -n N calibrate ...`, srun, mpiexec or stx submit. "
-        "Rank 0 writes the profile. See docs/PLANNER.md#calibrating-on-your-cluster.",
-    )
-    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
-    p.add_argument(
-        "--output",
-        default=DEFAULT_OUTPUT,
-        metavar="FILE",
-        help=f"the hardware profile to write (YAML; default {DEFAULT_OUTPUT})",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer shapes and sizes, a tenth of the time budget (a smoke test, not a profile to plan with)",
-    )
-    p.set_defaults(fn=run)
-
-
 def check_output(path: Path) -> None:
     """Fail before measuring when the profile could not be written (rank 0 writes it)."""
-    from ..errors import UsageError
-
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        raise UsageError(f"--output {path} is a directory; give a file name, e.g. {path / DEFAULT_OUTPUT}")
+        raise UsageError(
+            f"--output {path} is a directory; give a file name, e.g. {path / DEFAULT_PROFILE_OUTPUT}"
+        )
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -72,8 +51,6 @@ def check_output(path: Path) -> None:
 def output_ok(job, path: Path) -> None:
     """Rank 0 checks that it can write the profile before anyone measures; every rank stops at
     once when it cannot (a rank left waiting in a collective would only go when the launcher kills it)."""
-    from ..errors import UsageError
-
     error: UsageError | None = None
     if job.rank == 0:
         try:
@@ -85,15 +62,6 @@ def output_ok(job, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # here, not at the top: `stx` and `stx --help` start without importing torch (cli/__init__.py)
-    import torch
-
-    from ..calibrate.calibration import calibrate
-    from ..calibrate.timing import calibration_device, calibration_job
-    from ..config.load import load_config
-    from ..parallel.cluster_env import apply_cluster_env
-    from ..plan.hardware_profile import profile_from_dict, save_profile
-
     opts = CalibrateOptions.from_args(args)
     # Started by srun / mpiexec rather than torchrun: RANK, WORLD_SIZE... from their variables.
     apply_cluster_env()

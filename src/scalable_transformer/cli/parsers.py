@@ -2,8 +2,9 @@
 parser (`stx --help`, a usage error, any command's start) imports no command's module.
 
 A command's work lives in cli/<command>.py, which imports what it uses at its top: torch for train,
-export, checkpoint and env, the tokenizers library for tokenizer and preprocess, the results store for
-report and sweep. `command` imports that module only when its command runs.
+export, checkpoint, env and calibrate, the tokenizers library for tokenizer and preprocess, the results
+store for report and sweep, the torch-free planner for plan. `command` imports that module only when
+its command runs.
 """
 
 from __future__ import annotations
@@ -238,6 +239,117 @@ def register_flops(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("flops", help="TFLOPs/device, MFU and HFU from a model shape and a throughput")
     add_flops_arguments(p)
     p.set_defaults(fn=command("flops", "run"))
+
+
+def register_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict memory, fit/OOM and speed of a layout (or rank every layout) before running it",
+        description="stx plan CONFIG [key=value ...] --world-size N --device a100-40gb: memory per "
+        "device, fit/OOM, step time, samples/s and MFU of the config's layout; --search ranks every "
+        "valid layout. Formulas and sources: docs/PLANNER.md.",
+    )
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="devices in total (whole nodes of the device's usual size; cpu: local processes)",
+    )
+    p.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: the device's usual)")
+    p.add_argument(
+        "--device", help="device table name (a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200-sxm) or cpu"
+    )
+    p.add_argument("--host-memory-gb", type=float, help="host memory per node in GiB (checks offload)")
+    p.add_argument(
+        "--hardware",
+        help="cluster YAML file (docs/PLANNER.md#hardware) or hardware profile (a file with `format:`, "
+        "written by stx calibrate; docs/PLANNER.md#hardware-profiles)",
+    )
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
+    p.add_argument("--search", action="store_true", help="rank every valid layout of these devices")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        help="--search: layouts shown that fit, and closest that do not (default 10)",
+    )
+    p.add_argument(
+        "--emit-sweep",
+        metavar="FILE",
+        help="--search: write a sweep file of the best --top layouts plus the fit/OOM boundary",
+    )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="--device cpu: the rate model's step time instead of measuring it with two short runs of "
+        "the engine at 1 and up to 4 layers per pipeline chunk (docs/PLANNER.md#cpu-depth-probes)",
+    )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="--device cpu: run the depth probes again instead of reading them from the user cache",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="also build and run two steps of the real engine on fake tensors over a fake process group "
+        "of the target world size, one rank per memory class: measured peak memory per rank, the "
+        "collectives and host synchronizations per step, beside the prediction (docs/PLANNER.md#dry-runs)",
+    )
+    p.add_argument(
+        "--dry-run-top",
+        type=int,
+        metavar="K",
+        help="--search: dry-run the best K layouts that fit (docs/PLANNER.md#dry-runs)",
+    )
+    p.add_argument(
+        "--calibrate-from",
+        metavar="STORE",
+        help="refit the hardware profile's op-class corrections from the runs in this results store "
+        "(docs/PLANNER.md#prediction-error-and-refits) and plan with them",
+    )
+    p.add_argument("--output", metavar="PROFILE", help="--calibrate-from: write the refitted profile here")
+    p.add_argument(
+        "--attention-kernel",
+        metavar="KERNEL",
+        help="time the attention core at this kernel's rates from the hardware profile (flash, "
+        "mem_efficient, math, cudnn, triton: those it has points of) instead of the kernel this "
+        "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
+        "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
+    )
+    p.set_defaults(fn=command("plan", "run"))
+
+
+# The hardware profile `stx calibrate` writes (and `stx submit ... calibrate` has it write).
+DEFAULT_PROFILE_OUTPUT = "hardware-profile.yaml"
+
+
+def register_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine's GEMM, attention, memory and collective rates into a hardware "
+        "profile for `stx plan --hardware` (a few minutes)",
+        description="stx calibrate CONFIG [key=value ...] [--output FILE] [--quick]: measure GEMMs at "
+        "the config's layer shapes and dtype, attention forward and backward per SDPA kernel, "
+        "elementwise bandwidth and the cost of one op, and (more than one process) all-reduce, "
+        "all-gather, reduce-scatter and send/recv from 4 KiB to 64 MiB, within and across nodes. "
+        "Run it as the training runs: `stx launch -n N calibrate ...`, srun, mpiexec or stx submit. "
+        "Rank 0 writes the profile. See docs/PLANNER.md#calibrating-on-your-cluster.",
+    )
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
+    p.add_argument(
+        "--output",
+        default=DEFAULT_PROFILE_OUTPUT,
+        metavar="FILE",
+        help=f"the hardware profile to write (YAML; default {DEFAULT_PROFILE_OUTPUT})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer shapes and sizes, a tenth of the time budget (a smoke test, not a profile to plan with)",
+    )
+    p.set_defaults(fn=command("calibrate", "run"))
 
 
 def register_checkpoint(sub: argparse._SubParsersAction) -> None:

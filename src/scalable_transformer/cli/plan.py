@@ -8,9 +8,17 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from ..bench.refit_store import refit_cluster
+from ..config.load import load_config
+from ..errors import StxWarning, UsageError
+from ..plan.cluster import load_hardware, table_cluster, with_nodes
+from ..plan.search import plan_config, search_layouts
 from .parsers import split_config_args
 
 
@@ -38,8 +46,6 @@ class PlanOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanOptions:
-        from ..errors import UsageError
-
         config, overrides = split_config_args(args.items)
         if args.world_size is None and args.nodes is None and args.hardware is None:
             raise UsageError("stx plan needs the devices: --world-size N, or --nodes K --gpus-per-node G")
@@ -87,8 +93,6 @@ class PlanOptions:
 
 def calibrate_options(args: argparse.Namespace) -> dict[str, Any]:
     """--calibrate-from STORE [--output PROFILE] (plan/refit.py)."""
-    from ..errors import UsageError
-
     if args.output and not args.calibrate_from:
         raise UsageError("--output writes the profile that --calibrate-from STORE refits; add it")
     return {
@@ -97,89 +101,7 @@ def calibrate_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="predict memory, fit/OOM and speed of a layout (or rank every layout) before running it",
-        description="stx plan CONFIG [key=value ...] --world-size N --device a100-40gb: memory per "
-        "device, fit/OOM, step time, samples/s and MFU of the config's layout; --search ranks every "
-        "valid layout. Formulas and sources: docs/PLANNER.md.",
-    )
-    p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
-    p.add_argument(
-        "--world-size",
-        type=int,
-        help="devices in total (whole nodes of the device's usual size; cpu: local processes)",
-    )
-    p.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
-    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: the device's usual)")
-    p.add_argument(
-        "--device", help="device table name (a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200-sxm) or cpu"
-    )
-    p.add_argument("--host-memory-gb", type=float, help="host memory per node in GiB (checks offload)")
-    p.add_argument(
-        "--hardware",
-        help="cluster YAML file (docs/PLANNER.md#hardware) or hardware profile (a file with `format:`, "
-        "written by stx calibrate; docs/PLANNER.md#hardware-profiles)",
-    )
-    p.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
-    p.add_argument("--search", action="store_true", help="rank every valid layout of these devices")
-    p.add_argument(
-        "--top",
-        type=int,
-        default=10,
-        help="--search: layouts shown that fit, and closest that do not (default 10)",
-    )
-    p.add_argument(
-        "--emit-sweep",
-        metavar="FILE",
-        help="--search: write a sweep file of the best --top layouts plus the fit/OOM boundary",
-    )
-    p.add_argument(
-        "--no-probe",
-        action="store_true",
-        help="--device cpu: the rate model's step time instead of measuring it with two short runs of "
-        "the engine at 1 and up to 4 layers per pipeline chunk (docs/PLANNER.md#cpu-depth-probes)",
-    )
-    p.add_argument(
-        "--remeasure",
-        action="store_true",
-        help="--device cpu: run the depth probes again instead of reading them from the user cache",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="also build and run two steps of the real engine on fake tensors over a fake process group "
-        "of the target world size, one rank per memory class: measured peak memory per rank, the "
-        "collectives and host synchronizations per step, beside the prediction (docs/PLANNER.md#dry-runs)",
-    )
-    p.add_argument(
-        "--dry-run-top",
-        type=int,
-        metavar="K",
-        help="--search: dry-run the best K layouts that fit (docs/PLANNER.md#dry-runs)",
-    )
-    p.add_argument(
-        "--calibrate-from",
-        metavar="STORE",
-        help="refit the hardware profile's op-class corrections from the runs in this results store "
-        "(docs/PLANNER.md#prediction-error-and-refits) and plan with them",
-    )
-    p.add_argument("--output", metavar="PROFILE", help="--calibrate-from: write the refitted profile here")
-    p.add_argument(
-        "--attention-kernel",
-        metavar="KERNEL",
-        help="time the attention core at this kernel's rates from the hardware profile (flash, "
-        "mem_efficient, math, cudnn, triton: those it has points of) instead of the kernel this "
-        "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
-        "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
-    )
-    p.set_defaults(fn=run)
-
-
 def build_cluster(opts: PlanOptions, precision: str) -> Any:
-    from ..plan.cluster import load_hardware, table_cluster, with_nodes
-
     nodes: int
     per_node: int | None
     if opts.world_size is not None:
@@ -187,8 +109,8 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
     else:
         nodes, per_node = opts.nodes or 1, opts.gpus_per_node
     if opts.hardware:
-        # here, not at the top: this machine's fingerprint needs torch, which a table device's plan does
-        # not import (`stx plan --device a100-80gb` starts faster)
+        # here, not at the top: this machine's fingerprint needs torch (calibrate/this_machine.py: 2-4 s to
+        # import, measured), which a table device's plan (`stx plan --device a100-80gb`) never imports
         from ..calibrate.this_machine import fingerprint_here
 
         cluster = load_hardware(opts.hardware, nodes=opts.nodes, here=fingerprint_here)
@@ -200,10 +122,6 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
             cluster = with_nodes(cluster, nodes, per_node)
         measured = cluster.profile.fingerprint.get("processes") if cluster.profile is not None else None
         if cluster.kind == "cpu" and measured is not None and measured != cluster.world_size:
-            import warnings
-
-            from ..errors import StxWarning
-
             warnings.warn(
                 StxWarning(
                     f"{opts.hardware}: measured with {measured} process(es), planned for "
@@ -212,7 +130,8 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
                 stacklevel=2,
             )
     elif (opts.device or "").lower() == "cpu":
-        from ..calibrate.this_machine import cpu_cluster  # measures this CPU with torch: only here
+        # here, not at the top: measuring this CPU takes torch (2-4 s to import, measured); only --device cpu
+        from ..calibrate.this_machine import cpu_cluster
 
         cluster = cpu_cluster(nodes * (per_node or 1), precision)
     else:
@@ -222,8 +141,6 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
             usual = table_cluster(opts.device, 1).devices_per_node
             if opts.world_size > usual:
                 if opts.world_size % usual:
-                    from ..errors import UsageError
-
                     raise UsageError(
                         f"--world-size {opts.world_size} is not a whole number of {usual}-device "
                         f"{opts.device} nodes; give --nodes K --gpus-per-node G"
@@ -240,8 +157,6 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
 def with_attention_kernel(cluster: Any, kernel: str, probe: bool) -> Any:
     """`--attention-kernel`: the cluster planned with this kernel's attention rates, which its hardware
     profile must have."""
-    from ..errors import UsageError
-
     if cluster.kind == "cpu" and probe:
         raise UsageError(
             "--attention-kernel changes the time model; on cpu `stx plan` measures the step with the "
@@ -258,15 +173,10 @@ def with_attention_kernel(cluster: Any, kernel: str, probe: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config.load import load_config
-    from ..plan.search import plan_config, search_layouts
-
     opts = PlanOptions.from_args(args)
     cfg = load_config(opts.config, list(opts.overrides))
     cluster = build_cluster(opts, cfg.train.precision)
     if opts.calibrate_from is not None:
-        from ..bench.refit_store import refit_cluster
-
         cluster, lines = refit_cluster(cluster, opts.calibrate_from, opts.output)
         print("\n".join(lines), file=sys.stderr if opts.json else sys.stdout)
     if opts.search:
@@ -277,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         shown = [plan_config(cfg, cluster, probe=opts.probe, remeasure=opts.remeasure)]
         results = shown
     if opts.dry_run or opts.dry_run_top:
+        # here, not at the top: dryrun/ imports torch (dryrun/dry_run.py: 5-8 s to import, measured), which a
+        # plan without --dry-run never needs
         from ..dryrun.dry_run import verify
 
         count = 1 if opts.dry_run else opts.dry_run_top
@@ -433,8 +345,6 @@ def render_search(results: list[Any], top: int) -> None:
 def write_sweep(opts: PlanOptions, results: list[Any], cluster: Any) -> None:
     """A sweep file (bench/sweep.py format, explicit `members`) of the best --top layouts that fit
     and the fit/OOM boundary: the OOM layouts predicted closest to fitting, so a sweep checks both."""
-    import yaml
-
     fit = [r for r in results if r.fits][: opts.top]
     boundary = [r for r in results if not r.fits][: max(1, opts.top // 3)]
     members = []

@@ -26,8 +26,7 @@ from ..launch.batch import (
     write_script,
 )
 from ..launch.launcher import JobSpec
-from .calibrate import DEFAULT_OUTPUT
-from .parsers import split_config_args
+from .parsers import DEFAULT_PROFILE_OUTPUT, split_config_args
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,7 +143,7 @@ def submit_calibrate(items: list[str], opts, dry_run: bool) -> int:
 
     parser = argparse.ArgumentParser(prog="stx submit ... calibrate")
     parser.add_argument("items", nargs="*")
-    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument("--output", default=DEFAULT_PROFILE_OUTPUT)
     parser.add_argument("--quick", action="store_true")
     parsed = parser.parse_args(items)
     config, overrides = split_config_args(parsed.items)
