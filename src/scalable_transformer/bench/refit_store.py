@@ -12,7 +12,17 @@ from ..config.load import apply_assignments, assignments_from_mapping, parse_yam
 from ..config.schema import Config
 from ..config.validate import resolve
 from ..errors import UsageError
-from ..plan.refit import BOUNDS, CLASSES, MIN_RUNS, RunSample, median_error, refit_corrections
+from ..plan.cluster import with_nodes
+from ..plan.hardware_profile import save_profile
+from ..plan.refit import (
+    BOUNDS,
+    CLASSES,
+    MIN_RUNS,
+    RunSample,
+    median_error,
+    prediction_record,
+    refit_corrections,
+)
 from .prediction_error import measured_seconds, measurement_in_doubt, suspects
 from .results import ResultsStore
 
@@ -64,9 +74,6 @@ def samples_from_store(
 def _predicted_again(row: dict[str, Any], cluster: Any) -> dict[str, Any] | None:
     """The run's prediction on `cluster` (its nodes and processes), from its stored config; None when
     that cannot be made (no config stored, or it no longer loads)."""
-    from ..plan.cluster import with_nodes
-    from ..plan.refit import prediction_record
-
     if not row.get("config_yaml") or not row.get("nproc"):
         return None
     try:
@@ -83,8 +90,6 @@ def refit_cluster(cluster: Any, store_path: Any, output: Any = None) -> tuple[An
     """`stx plan --calibrate-from STORE [--output PROFILE]`: the cluster with its profile's corrections
     refitted from the store's runs on this hardware, and the lines to print; with `output` the refitted
     profile is written there (atomically) for `--hardware`."""
-    from ..plan.hardware_profile import save_profile
-
     profile = cluster.profile
     if profile is None:
         raise UsageError(

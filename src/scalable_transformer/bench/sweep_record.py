@@ -15,6 +15,8 @@ from typing import Any
 from ..config.load import to_yaml
 from ..config.schema import Config
 from ..metrics.device_specs import detect_device_name
+from ..plan.cluster import table_cluster
+from ..plan.search import predict
 from .sweep_spec import SweepSpec
 from .sweep_types import Member
 
@@ -149,9 +151,9 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
     if key in _PREDICTIONS:
         return _PREDICTIONS[key]
     try:
+        # here, not at the top: measuring this CPU takes torch (2-4 s to import, measured), which
+        # `stx sweep --dry-run` never needs
         from ..calibrate.this_machine import cpu_cluster
-        from ..plan.cluster import table_cluster
-        from ..plan.search import predict
 
         cluster = None
         if cfg.train.device != "cpu":
@@ -166,6 +168,7 @@ def prediction_columns(cfg: Config, nproc: int, dry_run: bool = False) -> dict[s
             cluster = cpu_cluster(nproc, cfg.train.precision)
         plan = predict(cfg, cluster)
         if dry_run:
+            # here, not at the top: dryrun/ imports torch (5-8 s, measured); only a sweep with dry_run: true
             from ..dryrun.dry_run import verify
 
             plan = verify(plan, cfg, cluster)  # a failed dry run is recorded in plan_json, not raised
