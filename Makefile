@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test lint docs clean
+.PHONY: setup train test test-fast lint docs clean
 
 setup: $(VENV)/.installed
 
@@ -16,13 +16,18 @@ train: setup
 	$(VENV)/bin/stx train
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# tests/cluster runs beside the rest (scripts/run_tests.py says why); plain `pytest` runs them in turn
 test: lint
-	$(PY) -m pytest
+	$(PY) scripts/run_tests.py
+
+# the inner loop: lint and the unit tests (no processes started, no daemons)
+test-fast: lint
+	$(PY) -m pytest tests/unit -q
 
 docs: setup
 	$(VENV)/bin/stx config docs --update README.md docs/CONFIG.md

@@ -49,8 +49,8 @@ TINY = [
 # The runs are sized in seconds of training, at the speed `seconds_per_iteration` measures first (a
 # fixed count broke when the step got faster: 900 iterations took 63 s at 0.07 s each, then 24 s at
 # 0.027 s, and the first job finished the run). The first Slurm job trains at most 45 - 8 s (start-up),
-# the next ones 25 - 8 s: 75 s of training are at least two stops, about four jobs.
-SLURM_TRAIN_SECONDS = 75
+# the next ones 25 - 8 s: 60 s of training are at least two stops (37 + 17 < 60), three or four jobs.
+SLURM_TRAIN_SECONDS = 60
 GRACE = 15  # the signal 15-45 s into the first job, about 25 s into the next ones
 CHAIN_DEADLINE = 480  # seconds for the whole chain (measured: about 4 minutes)
 
@@ -171,9 +171,9 @@ def test_requeue_continues_the_run_through_time_limits_bitwise_in_one_run_direct
     assert 0 < summary["goodput"] <= 1
 
 
-# 32 s of training: the first job (SIGUSR1 20 s in, after 5-10 s of start-up) cannot finish even on
-# an idle machine; 3 jobs when idle, more on a loaded one (at most 12 are run).
-PBS_TRAIN_SECONDS = 32
+# 20 s of training: the first job (SIGUSR1 20 s in, after 5-10 s of start-up) cannot finish even on
+# an idle machine; 2 jobs when idle, more on a loaded one (at most 12 are run).
+PBS_TRAIN_SECONDS = 20
 
 
 def test_pbs_requeue_script_stops_the_ranks_before_walltime_and_resumes_them(
