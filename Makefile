@@ -21,9 +21,8 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-# tests/cluster runs beside the rest (scripts/run_tests.py says why); plain `pytest` runs them in turn
 test: lint
-	$(PY) scripts/run_tests.py
+	$(PY) -m pytest
 
 # the inner loop: lint and the unit tests (no processes started, no daemons)
 test-fast: lint

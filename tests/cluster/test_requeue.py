@@ -171,9 +171,9 @@ def test_requeue_continues_the_run_through_time_limits_bitwise_in_one_run_direct
     assert 0 < summary["goodput"] <= 1
 
 
-# 20 s of training: the first job (SIGUSR1 20 s in, after 5-10 s of start-up) cannot finish even on
-# an idle machine; 2 jobs when idle, more on a loaded one (at most 12 are run).
-PBS_TRAIN_SECONDS = 20
+# 32 s of training: the first job (SIGUSR1 20 s in, after 5-10 s of start-up) cannot finish even on
+# an idle machine; 3 jobs when idle, more on a loaded one (at most 12 are run).
+PBS_TRAIN_SECONDS = 32
 
 
 def test_pbs_requeue_script_stops_the_ranks_before_walltime_and_resumes_them(
