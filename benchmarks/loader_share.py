@@ -1,7 +1,7 @@
 """The data loader's share of training step time: is the batch generator off the critical path?
 
 Trains tiny-gpt (or another config) on its real data pipeline -- the embedded corpus preprocessed
-into an indexed dataset, GPT index mappings, `build_loader` -- with the trainer `train/run.py`
+into an indexed dataset, GPT index mappings, `build_loader` -- with the trainer `train/build.py`
 builds, once per `num_workers` setting, and reads the trainer's own "batch-generator" timer (the
 time `Trainer` waits for the next micro-batches, host-to-device copy included) against the
 iteration time. Settings alternate within each repeat (0 2, then 2 0, ...) so that load on a shared

@@ -1,6 +1,6 @@
 """One optimizer step three ways, timed in one process: is our trainer as fast as bare PyTorch and HF?
 
-  A  ours: `Trainer.train_step`, the trainer built as `train/run.py` builds it
+  A  ours: `Trainer.train_step`, the trainer built as `train/build.py` builds it
   B  bare: the same model class and weights; inline `F.cross_entropy`, `backward`, `clip_grad_norm_`,
      `AdamW.step`; nothing of our framework but the model
   C  HF:   `transformers` BertForPreTraining (BertForMaskedLM without a binary head) / GPT2LMHeadModel

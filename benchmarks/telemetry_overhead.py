@@ -5,7 +5,7 @@
     python benchmarks/telemetry_overhead.py --control           # A against A: the method's own spread
     python benchmarks/telemetry_overhead.py --config tiny-gpt model.num_layers=4
 
-In one process, one trainer (built as `train/run.py` builds it: the default config, `stx train` with no
+In one process, one trainer (built as `train/build.py` builds it: the default config, `stx train` with no
 arguments, on synthetic batches shaped like its data) alternates single optimizer steps:
   A  instrumented: the trainer's Megatron phase timers (a dozen per step, the backward split into
      compute and all-grads-sync), the telemetry sampler thread sampling every

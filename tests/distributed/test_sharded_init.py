@@ -2,7 +2,7 @@
 single-process weights, a rank never materializes the whole model, and a Hugging Face import into
 sharded layouts gives the single-process logits.
 
-Each child runs the real `train.run.build_parallel_model` for a layout and returns the full value of
+Each child runs the real `train.build.build_parallel_model` for a layout and returns the full value of
 every parameter it holds (DTensor shards gathered with `full_tensor`); the test compares them with a
 plain single-process build (`torch.equal`: the values are a function of seed and name, so not even
 the order of floating-point operations may differ).
