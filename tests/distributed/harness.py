@@ -4,11 +4,14 @@
     results = run_distributed(fn, 2, arg1, arg2, tmp_dir=tmp_path, timeout=120)
 
 `fn(rank, world_size, *args)` must be importable (module level) and its arguments and result
-picklable (torch.save). Each child runs with OMP_NUM_THREADS=1 and one torch thread, inside a gloo
-default process group (file:// rendezvous in tmp_dir) that the harness creates and destroys. The
-call returns [result of rank 0, result of rank 1, ...]; if a child raises, it raises RuntimeError
-carrying that child's traceback (the other children are terminated); past `timeout` seconds it
-terminates them all and raises TimeoutError.
+picklable (torch.save). The children are forked from one fork server per test session that has
+imported torch and the project once (a spawned child spent 3-5 s of CPU importing them, and every
+call starts 2-4 children); the server holds the environment of the first call, so a test that needs
+another environment variable sets it inside `fn`. Each child runs with OMP_NUM_THREADS=1 and one
+torch thread, inside a gloo default process group (file:// rendezvous in tmp_dir) that the harness
+creates and destroys. The call returns [result of rank 0, result of rank 1, ...]; if a child raises,
+it raises RuntimeError carrying that child's traceback (the other children are terminated); past
+`timeout` seconds it terminates them all and raises TimeoutError.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# imported once by the fork server, then shared by every child it forks (module doc)
+mp.set_forkserver_preload(["torch", "torch.distributed", "scalable_transformer.train.run", "harness"])
 
 
 def _child(
@@ -74,7 +80,7 @@ def run_distributed(
                 args=(fn, world_size, args, work, timeout),
                 nprocs=world_size,
                 join=False,
-                start_method="spawn",
+                start_method="forkserver",
             )
         finally:
             if previous is None:

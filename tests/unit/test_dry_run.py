@@ -249,3 +249,14 @@ def test_every_simulated_pipeline_rank_gets_its_prediction_after_a_search(monkey
     ranks = dry.verify(searched, cfg, cluster).dry_run["ranks"]
     assert [r["stage"] for r in ranks] == [0, 1, 2, 3]
     assert all(r["predicted_bytes"] and r["difference"] is not None for r in ranks)
+
+
+def test_a_dry_run_child_that_fails_or_runs_too_long_is_an_error_naming_why(monkeypatch):
+    """dry_run_isolated's child (forked from its server): an exception outside the engine ends it with
+    exit code 1 and the error's last lines; past WORKER_TIMEOUT_SECONDS it is killed."""
+    cfg = resolve(load_config("tiny-gpt", TINY), 1)
+    with pytest.raises(dry.DryRunError, match=r"exit code 1: .*ValueError: invalid literal for int"):
+        dry.dry_run_isolated(cfg, 1, "cpu", "eight")  # type: ignore[arg-type]
+    monkeypatch.setattr(dry, "WORKER_TIMEOUT_SECONDS", 0.01)
+    with pytest.raises(dry.DryRunError, match=r"took over 0\.01 s and was stopped"):
+        dry.dry_run_isolated(cfg, 1, "cpu")

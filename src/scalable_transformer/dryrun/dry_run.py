@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -394,6 +395,10 @@ def dry_run(cfg: Config, world_size: int, device_type: str = "cpu", devices_per_
 
 
 WORKER_TIMEOUT_SECONDS = 900
+# Each dry run runs in a child forked from one server process that has imported torch and this module
+# once: a fresh `python -c` child spent 5.7 s of a 7 s tiny dry run importing them (AMD EPYC), and a
+# search dry-runs several layouts. The server only imports; it never runs the engine or fake CUDA.
+_FORKS = multiprocessing.get_context("forkserver")
 
 
 def dry_run_isolated(
@@ -403,30 +408,42 @@ def dry_run_isolated(
     fake CUDA and whatever the engine leaves behind stay there, and a crash in the engine (fake CUDA
     reaches into libtorch) is an error here, not the end of `stx plan`. Adds the child's peak RSS."""
 
+    multiprocessing.set_forkserver_preload([__name__])  # no effect once the server runs
     with tempfile.TemporaryDirectory(prefix="stx-dry-run-") as tmp:
         config_path, result_path = Path(tmp) / "config.yaml", Path(tmp) / "result.json"
+        output_path = Path(tmp) / "output.txt"
         config_path.write_text(to_yaml(cfg), encoding="utf-8")
         args = [str(config_path), str(world_size), device_type, str(devices_per_node), str(result_path)]
-        code = f"from {__name__} import _worker_main; _worker_main({args!r})"
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, timeout=WORKER_TIMEOUT_SECONDS
-            )
-        except subprocess.TimeoutExpired as e:
-            raise DryRunError(f"the dry run took over {WORKER_TIMEOUT_SECONDS} s and was stopped") from e
+        # the server holds the environment and directory it started in: the child takes this call's
+        child = _FORKS.Process(
+            target=_worker_main, args=(args, str(output_path), os.getcwd(), dict(os.environ)), daemon=True
+        )
+        child.start()
+        child.join(WORKER_TIMEOUT_SECONDS)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise DryRunError(f"the dry run took over {WORKER_TIMEOUT_SECONDS} s and was stopped")
         if not result_path.exists():
-            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-            raise DryRunError(f"the dry run's process ended with exit code {proc.returncode}: {tail}")
+            text = output_path.read_text(errors="replace") if output_path.exists() else ""
+            tail = " | ".join(text.strip().splitlines()[-3:])
+            raise DryRunError(f"the dry run's process ended with exit code {child.exitcode}: {tail}")
         result = json.loads(result_path.read_text(encoding="utf-8"))
     if "error" in result:
         raise DryRunError(result["error"])
     return result
 
 
-def _worker_main(argv: list[str]) -> None:
+def _worker_main(argv: list[str], output: str, cwd: str, environ: dict[str, str]) -> None:
     """The child of `dry_run_isolated`: config path, world size, device type, devices per node, and
-    where to write the result (or {"error": ...})."""
+    where to write the result (or {"error": ...}); its stdout and stderr go to `output`."""
 
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    sink = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(sink, 1)
+    os.dup2(sink, 2)
     config_path, world, device_type, per_node, result_path = argv
     try:
         cfg = resolve(load_config(config_path), int(world))
@@ -434,6 +451,9 @@ def _worker_main(argv: list[str]) -> None:
         out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     except StxError as e:
         out = {"error": str(e)}
+    except BaseException:
+        traceback.print_exc()
+        raise
     Path(result_path).write_text(json.dumps(out), encoding="utf-8")
     # The result is written. Skip the interpreter's teardown: after a fake-CUDA run the autograd
     # engine's device thread outlives fake CUDA's guard, and destroying it at exit can abort in C++
