@@ -456,7 +456,8 @@ def _apply_rule(
 def megatron_defaults(args: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     """Megatron's defaults, where they differ from ours, for a command line that is silent on them:
     key -> (value, why); the caller applies each where no source set the key."""
-    names = {name.replace("-", "_") for name in args}
+    args = {name.replace("-", "_"): value for name, value in args.items()}
+    names = set(args)
     out = {
         path: (value, f"Megatron's default ({flag} not given)")
         for path, (value, flag) in MEGATRON_DEFAULTS.items()
