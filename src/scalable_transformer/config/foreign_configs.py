@@ -14,8 +14,7 @@ import contextlib
 import dataclasses
 import json
 import re
-import shlex
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -36,7 +35,9 @@ from .load import (
     norm_key,
     parse_yaml,
 )
+from .megatron_args import family_of_entry, megatron_defaults, translate_megatron_args
 from .schema import SECTIONS, check_value, section_fields
+from .shell_script import MARK, Script, read_script
 
 # Settings that name files on the machine the imported run came from: written as comments to fill in,
 # so that the imported config does not point at paths that do not exist here.
@@ -102,6 +103,7 @@ class Imported:
     model_type: str | None = None
     world_size: int | None = None
     sources: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # defaults taken, for the comments
 
 
 # --------------------------------------------------------------------------- reading the formats
@@ -109,7 +111,11 @@ class Imported:
 
 def read_deepspeed_json(path: Path) -> dict[str, Any]:
     """A DeepSpeed config as a dict; errors name the file (and the line of a JSON error)."""
-    text = _read_text(path, "DeepSpeed config")
+    return parse_deepspeed_json(_read_text(path, "DeepSpeed config"), str(path))
+
+
+def parse_deepspeed_json(text: str, path: str) -> dict[str, Any]:
+    """A DeepSpeed config's text as a dict; errors name `path` (and the line of a JSON error)."""
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
@@ -135,45 +141,74 @@ def read_neox_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def megatron_args_from_command(text: str, source: str) -> tuple[dict[str, Any], str | None]:
-    """(flags -> values, model family or None) of a Megatron command line or a shell script running one.
+@dataclasses.dataclass
+class MegatronCommand:
+    """The Megatron arguments of a command line or script (flags -> values, as argparse would see them),
+    the model family its entry point names (None for bare arguments), the script as read (its heredoc
+    files, the values it cannot give) and the line of the launch."""
 
-    Simple `NAME=value` / `NAME="..."` assignments of the script are expanded (scripts usually build the
-    command from them); flags before the entry script (`torchrun --nproc_per_node 8 pretrain_bert.py`)
-    belong to the launcher and are not Megatron's. A flag with no value is a switch (true); a flag with
-    several values (`--data-path 0.3 A 0.7 B`) keeps them joined by spaces, as Megatron's nargs do.
-    """
-    text = re.sub(r"\\\r?\n", " ", text)  # line continuations
-    variables: dict[str, str] = {}
-    for line in text.splitlines():
-        m = re.match(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)$", line)
-        if m:
-            with contextlib.suppress(ValueError):
-                words = shlex.split(_expand(m.group(2), variables), comments=True)
-                variables[m.group(1)] = " ".join(words)
-    try:
-        tokens = shlex.split(_expand(text, variables), comments=True)
-    except ValueError as e:
-        raise ConfigError(f"{source}: cannot split the command line: {e}") from None
-    scripts = [i for i, t in enumerate(tokens) if t.endswith(".py")]
-    family = None
-    if scripts:
-        name = Path(tokens[scripts[0]]).name
-        family = "bert" if "bert" in name else "gpt" if "gpt" in name else None
-        tokens = tokens[scripts[0] + 1 :]
+    flags: dict[str, Any]
+    family: str | None
+    script: Script
+    line: int = 0
+
+
+def read_megatron_command(text: str, source: str) -> MegatronCommand:
+    """The Megatron arguments of the command that runs `pretrain_*.py` in a shell script or command
+    line, read as bash would expand them (config/shell_script.py: nothing is run); flags before the
+    entry point belong to the launcher (torchrun, deepspeed, python -m ...). Bare arguments
+    (`--num-layers 24 ...`, no entry point) are read as they are."""
+    script = read_script(text, source)
+    runs = [c for c in script.commands if c.entry() is not None]
+    megatron = [c for c in runs if PurePosixPath(c.words[c.entry() or 0]).name.startswith("pretrain_")]
+    if not runs and script.commands and script.commands[0].words[0].startswith("--"):
+        return MegatronCommand(_flags(script.commands[0].words, source), None, script)
+    if not megatron:
+        found = ", ".join(f"line {c.line}: {c.words[c.entry() or 0]}" for c in runs)
+        raise ConfigError(
+            f"{source}: no line runs a Megatron pretrain_*.py entry point"
+            + (f" (found {found})" if found else "; no Megatron arguments (--name value ...) found")
+        )
+    certain = [c for c in megatron if c.uncertain is None]
+    if len(certain) > 1:
+        lines = ", ".join(str(c.line) for c in certain)
+        raise ConfigError(f"{source}: lines {lines} each run a Megatron entry point; import one command")
+    if not certain:
+        c = megatron[0]
+        raise ConfigError(
+            f"{source}:{c.line}: the line running Megatron is {c.uncertain}; import it as a command line"
+        )
+    command = certain[0]
+    k = command.entry() or 0
+    family = family_of_entry(command.words[k], command.line, source)
+    return MegatronCommand(_flags(command.words[k + 1 :], source), family, script, command.line)
+
+
+def megatron_args_from_command(text: str, source: str) -> tuple[dict[str, Any], str | None]:
+    """(flags -> values, model family or None) of a Megatron command line or a shell script running one
+    (`read_megatron_command`)."""
+    command = read_megatron_command(text, source)
+    return command.flags, command.family
+
+
+def _flags(words: list[str], source: str) -> dict[str, Any]:
+    """argparse's view of the words: a flag with no value is a switch (true); a flag with several values
+    (`--data-path 0.3 A 0.7 B`) keeps them joined by spaces, as Megatron's nargs do; the last of a
+    repeated flag wins."""
     flags: dict[str, Any] = {}
     current: str | None = None
-    for token in tokens:
-        if token.startswith("--"):
-            name, eq, value = token[2:].partition("=")
+    for word in words:
+        if word.startswith("--"):
+            name, eq, value = word[2:].partition("=")
             current = None if eq else name
+            flags.pop(name, None)  # a repeated flag: argparse keeps the last
             flags[name] = _scalar(value) if eq else True
         elif current is not None:
             previous = flags[current]
-            flags[current] = _scalar(token) if previous is True else f"{previous} {token}"
+            flags[current] = _scalar(word) if previous is True else f"{previous} {word}"
     if not flags:
         raise ConfigError(f"{source}: no Megatron arguments (--name value ...) found")
-    return flags, family
+    return flags
 
 
 _DUMP_START = re.compile(r"-+ arguments -+")
@@ -210,14 +245,12 @@ def megatron_args_from_log(text: str, source: str) -> tuple[dict[str, Any], str 
     return args, family
 
 
-def _expand(text: str, variables: dict[str, str]) -> str:
-    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
-
-
 def _scalar(text: str) -> Any:
     """A command-line or dump value as the YAML loader would read it (numbers, true/false), else text."""
     if text in ("True", "False"):
         return text == "True"
+    if MARK in text:  # a piece a script leaves unknown: kept as text, for the error that names it
+        return text
     try:
         value = parse_yaml(text, "value")
     except ConfigError:
@@ -313,12 +346,13 @@ def import_configs(sources: ImportSources) -> Imported:
         _add(result, read_neox_yaml(sources.neox), str(sources.neox))
     family: str | None = None
     if sources.megatron_args is not None:
-        args, family = megatron_args_from_command(sources.megatron_args, "the Megatron command line")
-        _add(result, args, "the Megatron command line")
+        command = read_megatron_command(sources.megatron_args, "the Megatron command line")
+        family = _add_megatron(result, command, "the Megatron command line")
     elif sources.megatron_args_file is not None:
         name = str(sources.megatron_args_file)
-        args, family = megatron_args_from_command(_read_text(sources.megatron_args_file, "script"), name)
-        _add(result, args, name)
+        command = read_megatron_command(_read_text(sources.megatron_args_file, "script"), name)
+        family = _add_megatron(result, command, name)
+        _check_script_shape(result, command, name)
     elif sources.from_log is not None:
         name = str(sources.from_log)
         args, family = megatron_args_from_log(_read_text(sources.from_log, "Megatron log"), name)
@@ -327,6 +361,44 @@ def import_configs(sources: ImportSources) -> Imported:
         result.values["model.type"] = (family, "the Megatron entry script")
     result.model_type = family
     return result
+
+
+def _add_megatron(result: Imported, command: MegatronCommand, source: str) -> str | None:
+    """Carry a Megatron command's arguments (megatron_args.py decides each), the DeepSpeed config its
+    script writes with a heredoc, and Megatron's defaults where nothing set the key; returns its family."""
+    translated = translate_megatron_args(command.flags, source, command.script, _known)
+    _add(result, translated.mapping, source)
+    result.ignored += [ConfigWarning(source, flag, why) for flag, _, why in translated.ignored]
+    result.skipped += [Skipped(flag, value, source, why) for flag, value, why in translated.not_carried]
+    ds_path = command.flags.get("deepspeed_config", command.flags.get("deepspeed-config"))
+    if isinstance(ds_path, str) and ds_path in command.script.files:
+        ds_source = f"{source} (the DeepSpeed config its heredoc writes to {ds_path})"
+        _add(result, parse_deepspeed_json(command.script.files[ds_path], ds_source), ds_source)
+    elif ds_path is not None and not translated.not_carried_has("--deepspeed_config"):
+        why = "the run's DeepSpeed config: give it with --deepspeed (the script does not write it)"
+        result.skipped.append(Skipped("--deepspeed_config", ds_path, source, why))
+    if command.family is not None:
+        for path, (value, why) in megatron_defaults(command.flags).items():
+            if path not in result.values:
+                result.values[path] = (value, why)
+                result.notes.append(f"{path}: {value!r}: {why}")
+    result.notes += [f"script default used: {d}" for d in command.script.defaults]
+    return command.family
+
+
+# The shape a Megatron entry point needs (Megatron requires these arguments; pretrain_gpt/bert read
+# --seq-length): an import of a script that leaves one out would be our default model, not theirs.
+_SHAPE = ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length")
+
+
+def _check_script_shape(result: Imported, command: MegatronCommand, source: str) -> None:
+    missing = [path for path in _SHAPE if path not in result.values]
+    if command.family is not None and missing:
+        raise ConfigError(
+            f"{source}: the command on line {command.line} does not give "
+            f"{', '.join('--' + p.split('.')[1].replace('_', '-') for p in missing)}: "
+            "Megatron requires the model's shape, and importing without it would give another model"
+        )
 
 
 # --------------------------------------------------------------------------- writing
@@ -350,6 +422,9 @@ def render_yaml(imported: Imported, base: str | None = None, name: str = "THIS_F
         lines += ["", "# Paths on the machine the imported run came from; set them for this one:"]
         for a in imported.paths:
             lines.append(f"#   {a.path}: {a.value}    ({a.source})")
+    if imported.notes:
+        lines += ["", "# Defaults taken where the source is silent:"]
+        lines += [f"#   {note}" for note in imported.notes]
     if imported.ignored:
         lines += ["", "# Accepted and ignored (no equivalent here):"]
         lines += [f"#   {w.key} ({w.source}): {w.reason}" for w in imported.ignored]
