@@ -6,12 +6,14 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from .deepspeed_json import classification_markdown as deepspeed_classification_markdown
 from .foreign_configs import neox_classification_markdown
 from .load import SPECIAL_KEYS, _hints
 from .schema import SECTIONS
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 NEOX_START, NEOX_END = "<!-- neox-classification:start -->", "<!-- neox-classification:end -->"
+DS_START, DS_END = "<!-- deepspeed-classification:start -->", "<!-- deepspeed-classification:end -->"
 
 
 def _type_name(hint) -> str:
@@ -53,7 +55,11 @@ def reference_markdown() -> str:
 
 def _blocks() -> list[tuple[str, str, Callable[[], str]]]:
 
-    return [(START, END, reference_markdown), (NEOX_START, NEOX_END, neox_classification_markdown)]
+    return [
+        (START, END, reference_markdown),
+        (NEOX_START, NEOX_END, neox_classification_markdown),
+        (DS_START, DS_END, deepspeed_classification_markdown),
+    ]
 
 
 def update_file(path: Path) -> bool:

@@ -21,6 +21,7 @@ import yaml
 
 from ..errors import ConfigError, ConfigWarning
 from ..files import atomic_output
+from . import deepspeed_json
 from .load import (
     IGNORED_KEYS,
     SPECIAL_KEYS,
@@ -282,6 +283,7 @@ def _known(key: str) -> bool:
         or k in SPECIAL_KEYS
         or k.lower() in IGNORED_KEYS
         or (k.lower() in UNSUPPORTED_KEYS)
+        or k in deepspeed_json.top_level_keys()
     )
 
 
@@ -308,22 +310,40 @@ def _add(result: Imported, mapping: dict[str, Any], source: str, dump: bool = Fa
         with grouped_config_warnings(emit=False) as ignored:
             assignments = assignments_from_mapping({key: value}, source)
         result.ignored += ignored
-        for a in assignments:
-            if a.path in PATH_FIELDS:
-                result.paths.append(a)
-                continue
-            section, name = a.path.split(".")
-            f = section_fields(section)[name]
-            where = f"{source}: '{a.path}'"
-            new = coerce(a.value, _hints(section)[name], where, f.metadata.get("choices", ()))
-            check_value(f, new, where)  # here, so the error names the file the value came from
-            old = result.values.get(a.path)
-            if old is not None and old[1] != source and old[0] != new:
-                raise ConfigError(
-                    f"{a.path} is {old[0]!r} in {old[1]} but {new!r} in {source}: make them agree (or leave "
-                    "it out of one)"
-                )
-            result.values[a.path] = (new, source)
+        _carry(result, assignments, source)
+
+
+def _carry(result: Imported, assignments: list[Assignment], source: str) -> None:
+    """Check each value against its key (the error names the file it came from) and carry it over; two
+    sources giving one key different values is an error. A None (DeepSpeed's batch keys a file leaves
+    out: derived at resolve) gives way to a value another source gives."""
+    for a in assignments:
+        if a.path in PATH_FIELDS:
+            result.paths.append(a)
+            continue
+        section, name = a.path.split(".")
+        f = section_fields(section)[name]
+        where = f"{source}: '{a.path}'"
+        new = coerce(a.value, _hints(section)[name], where, f.metadata.get("choices", ()))
+        check_value(f, new, where)  # here, so the error names the file the value came from
+        old = result.values.get(a.path)
+        if new is None and old is not None and old[1] != source:
+            continue
+        if old is not None and old[1] != source and old[0] is not None and old[0] != new:
+            raise ConfigError(
+                f"{a.path} is {old[0]!r} in {old[1]} but {new!r} in {source}: make them agree (or leave "
+                "it out of one)"
+            )
+        result.values[a.path] = (new, source)
+
+
+def _add_deepspeed(result: Imported, data: dict[str, Any], source: str) -> None:
+    """A DeepSpeed file, read whole as DeepSpeed reads it (deepspeed_json): every key carried, listed as
+    ignored with its reason, or refused; an unknown key is an error naming the nearest valid one."""
+    result.sources.append(source)
+    translation = deepspeed_json.translate(data, source)
+    result.ignored += [ConfigWarning(source, key, why) for key, (_, why) in translation.ignored.items()]
+    _carry(result, [Assignment(path, value, source) for path, value in translation.assignments], source)
 
 
 def import_configs(sources: ImportSources) -> Imported:
@@ -341,7 +361,7 @@ def import_configs(sources: ImportSources) -> Imported:
         name, model = sources.hf_model
         _add(result, {"model": model}, name)
     if sources.deepspeed is not None:
-        _add(result, read_deepspeed_json(sources.deepspeed), str(sources.deepspeed))
+        _add_deepspeed(result, read_deepspeed_json(sources.deepspeed), str(sources.deepspeed))
     if sources.neox is not None:
         _add(result, read_neox_yaml(sources.neox), str(sources.neox))
     family: str | None = None
@@ -373,7 +393,7 @@ def _add_megatron(result: Imported, command: MegatronCommand, source: str) -> st
     ds_path = command.flags.get("deepspeed_config", command.flags.get("deepspeed-config"))
     if isinstance(ds_path, str) and ds_path in command.script.files:
         ds_source = f"{source} (the DeepSpeed config its heredoc writes to {ds_path})"
-        _add(result, parse_deepspeed_json(command.script.files[ds_path], ds_source), ds_source)
+        _add_deepspeed(result, parse_deepspeed_json(command.script.files[ds_path], ds_source), ds_source)
     elif ds_path is not None and not translated.not_carried_has("--deepspeed_config"):
         why = "the run's DeepSpeed config: give it with --deepspeed (the script does not write it)"
         result.skipped.append(Skipped("--deepspeed_config", ds_path, source, why))
@@ -625,6 +645,9 @@ def classify_foreign_key(name: str) -> tuple[str, str] | None:
         return "mapped", (SPECIAL_KEYS[k].__doc__ or "").strip().splitlines()[0]
     if k in field_index():
         return "mapped", f"`{field_index()[k]}`"
+    rule = deepspeed_json.DEEPSPEED_KEYS.get(k)
+    if rule is not None and rule.kind == "carried":
+        return "mapped", f"DeepSpeed: {rule.detail} (docs/CONFIG.md, the DeepSpeed table)"
     if k.lower() in IGNORED_KEYS:
         return "ignored", IGNORED_KEYS[k.lower()]
     if k.lower() in UNSUPPORTED_KEYS:

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, ConfigWarning
+from . import deepspeed_json
 from .schema import SECTIONS, Config, check_value, section_fields
 
 
@@ -78,175 +79,33 @@ def _flag(path: str, on: Any, off: Any = None):
     return expand
 
 
-def _precision_block(precision: str):
-    """DeepSpeed `fp16: {enabled, ...}` / `bf16: {enabled}` blocks, or a plain boolean (Megatron --fp16)."""
-    known = {
-        "enabled": None,
-        "loss_scale": "train.loss_scale",
-        "initial_scale_power": "train.initial_scale_power",
-        "loss_scale_window": "train.loss_scale_window",
-        "hysteresis": "train.hysteresis",
-        "min_loss_scale": "train.min_loss_scale",
-        "auto_cast": None,
-        "consecutive_hysteresis": None,
-        "immediate_grad_update": None,
-        "fp16_master_weights_and_grads": None,
-    }
+def _megatron_precision(precision: str):
+    """Megatron's `--fp16` / `--bf16` switch (a DeepSpeed `fp16: {...}` block is read by deepspeed_json)."""
 
     def expand(value: Any, source: str, key: str) -> list[Assignment]:
-        """DeepSpeed block or Megatron switch: sets train.precision (and the fp16 loss-scale keys)."""
-        if isinstance(value, bool):
-            return [Assignment("train.precision", precision, source)] if value else []
-        if not isinstance(value, dict):
+        """Megatron switch: true sets train.precision (a DeepSpeed block: see the DeepSpeed table)."""
+        if not isinstance(value, bool):
             raise ConfigError(
                 f"{source}: '{key}' must be true/false or a DeepSpeed block like "
                 f"{{enabled: true}}, got {value!r}"
             )
-        out: list[Assignment] = []
-        for sub, v in value.items():
-            k = norm_key(sub)
-            if k not in known:
-                raise ConfigError(_unknown(source, f"{key}.{sub}", k, list(known)))
-            if k == "enabled":
-                if v:
-                    out.append(Assignment("train.precision", precision, source))
-            elif (target := known[k]) is not None:
-                if k == "loss_scale" and v == 0:  # DeepSpeed: 0 means dynamic
-                    v = None
-                out.append(Assignment(target, v, source))
-            else:
-                warnings.warn(
-                    ConfigWarning(source, f"{key}.{sub}", "is a DeepSpeed fp16 knob with no equivalent here"),
-                    stacklevel=2,
-                )
-        return out
+        return [Assignment("train.precision", precision, source)] if value else []
 
     return expand
 
 
-def _ds_optimizer(value: Any, source: str, key: str) -> list[Assignment]:
-    """DeepSpeed/NeoX `optimizer: {type: Adam, params: {lr, betas, ...}}` or Megatron's `--optimizer adam`."""
-    if isinstance(value, str):
-        value = {"type": value}
-    if not isinstance(value, dict):
+def _megatron_optimizer(value: Any, source: str, key: str) -> list[Assignment]:
+    """Megatron's `--optimizer adam|sgd` (a DeepSpeed `optimizer: {type, params}` block: the DeepSpeed
+    table)."""
+    if not isinstance(value, str):
         raise ConfigError(f"{source}: '{key}' must be a block {{type: ..., params: {{...}}}}, got {value!r}")
-    extra = set(map(norm_key, value)) - {"type", "params"}
-    if extra:
-        raise ConfigError(_unknown(source, f"{key}.{sorted(extra)[0]}", sorted(extra)[0], ["type", "params"]))
-    types_ = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "fusedadam": "adam", "cpu_adam": "adam"}
-    t = str(value.get("type", "adam")).lower()
-    if t not in types_:
-        raise ConfigError(
-            f"{source}: '{key}.type' = {value.get('type')!r} is not supported; "
-            f"valid: {', '.join(sorted(types_))}"
-        )
-    out = [Assignment("optim.optimizer", types_[t], source)]
-    params_map = {
-        "lr": "optim.lr",
-        "eps": "optim.adam_eps",
-        "weight_decay": "optim.weight_decay",
-        "adam_w_mode": "optim.adam_w_mode",
-        "momentum": "optim.sgd_momentum",
-    }
-    for sub, v in (value.get("params") or {}).items():
-        k = norm_key(sub)
-        if k == "betas":
-            if not (isinstance(v, list | tuple) and len(v) == 2):
-                raise ConfigError(f"{source}: '{key}.params.betas' must be a list of two numbers, got {v!r}")
-            out += [
-                Assignment("optim.adam_beta1", v[0], source),
-                Assignment("optim.adam_beta2", v[1], source),
-            ]
-        elif k in params_map:
-            out.append(Assignment(params_map[k], v, source))
-        else:
-            raise ConfigError(_unknown(source, f"{key}.params.{sub}", k, [*params_map, "betas"]))
-    return out
+    return assignments_from_mapping({"optimizer": {"type": value}}, source)
 
 
-def _ds_scheduler(value: Any, source: str, key: str) -> list[Assignment]:
-    """DeepSpeed `scheduler: {type: WarmupLR, params: {...}}`."""
-    if not isinstance(value, dict) or str(value.get("type", "")).lower() != "warmuplr":
-        raise ConfigError(
-            f"{source}: '{key}' supports only DeepSpeed's {{type: WarmupLR, params: {{...}}}}; "
-            f"for decay use optim.lr_decay_style (got {value!r})"
-        )
-    params_map = {
-        "warmup_min_lr": "optim.warmup_min_lr",
-        "warmup_max_lr": "optim.lr",
-        "warmup_num_steps": "optim.lr_warmup_iters",
-        "warmup_type": "optim.warmup_type",
-    }
-    out = [Assignment("optim.scheduler", "warmup_lr", source)]
-    for sub, v in (value.get("params") or {}).items():
-        k = norm_key(sub)
-        if k not in params_map:
-            raise ConfigError(_unknown(source, f"{key}.params.{sub}", k, list(params_map)))
-        out.append(Assignment(params_map[k], v, source))
-    return out
-
-
-def _offload_device(value: Any, source: str, key: str) -> bool:
-    """DeepSpeed `offload_*: {device: cpu|none, pin_memory: ...}` -> on/off (NVMe has no equivalent)."""
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, dict):
-        raise ConfigError(f"{source}: '{key}' must be a block like {{device: cpu}}, got {value!r}")
-    device = str(value.get("device", "cpu")).lower()
-    if device not in ("cpu", "none"):
-        raise ConfigError(
-            f"{source}: '{key}.device' = {device!r}: only 'cpu' (FSDP2 CPU offload) or 'none' are "
-            "supported; NVMe offload has no PyTorch equivalent"
-        )
-    return device == "cpu"
-
-
-def _ds_zero(value: Any, source: str, key: str) -> list[Assignment]:
-    """DeepSpeed `zero_optimization` block: the stage is honoured; bucket/overlap knobs are tuning only."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{source}: '{key}' must be a block like {{stage: 1}}, got {value!r}")
-    out = []
-    for sub, v in value.items():
-        k = norm_key(sub)
-        if k == "stage":
-            out.append(Assignment("parallel.zero_stage", v, source))
-            if isinstance(v, int) and v >= 2:
-                # DeepSpeed partitions the gradients of every micro-batch (its
-                # reduce_scatter / contiguous_gradients path), which is what these users expect
-                out.append(Assignment("parallel.reduce_each_micro_batch", True, source))
-        elif k in ("offload_optimizer", "offload_param"):
-            out.append(Assignment(f"parallel.{k}", _offload_device(v, source, f"{key}.{sub}"), source))
-        elif k in ("cpu_offload", "cpu_offload_params"):  # DeepSpeed's older boolean spellings
-            target = "offload_optimizer" if k == "cpu_offload" else "offload_param"
-            out.append(Assignment(f"parallel.{target}", bool(v), source))
-        else:
-            warnings.warn(
-                ConfigWarning(source, f"{key}.{sub}", "is a DeepSpeed tuning knob with no equivalent here"),
-                stacklevel=2,
-            )
-    return out
-
-
-def _ds_activation_checkpointing(value: Any, source: str, key: str) -> list[Assignment]:
-    """DeepSpeed `activation_checkpointing` block (partition_activations, cpu_checkpointing), or a flat
-    `activation_checkpointing: none|full|selective` (`parallel.activation_checkpointing`)."""
-    if not isinstance(value, dict):
-        return [Assignment("parallel.activation_checkpointing", value, source)]
-    out = []
-    for sub, v in value.items():
-        k = norm_key(sub)
-        if k == "partition_activations":
-            out.append(Assignment("parallel.distribute_saved_activations", v, source))
-        elif k == "cpu_checkpointing":
-            out.append(Assignment("parallel.cpu_checkpointing", v, source))
-        elif v not in (False, None):
-            warnings.warn(
-                ConfigWarning(
-                    source, f"{key}.{sub}", "is a DeepSpeed buffer/profiling knob with no equivalent here"
-                ),
-                stacklevel=2,
-            )
-    return out
+def _flat_activation_checkpointing(value: Any, source: str, key: str) -> list[Assignment]:
+    """`activation_checkpointing: none|full|selective` (`parallel.activation_checkpointing`); DeepSpeed's
+    block (partition_activations, cpu_checkpointing): the DeepSpeed table."""
+    return [Assignment("parallel.activation_checkpointing", value, source)]
 
 
 def _initial_loss_scale(value: Any, source: str, key: str) -> list[Assignment]:
@@ -293,13 +152,10 @@ SPECIAL_KEYS = {
     ),
     "normalization": _megatron_value("model.norm", {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}),
     "checkpoint_activations": _flag("parallel.activation_checkpointing", "full", "none"),
-    "fp16": _precision_block("fp16"),
-    "bf16": _precision_block("bf16"),
-    "optimizer": _ds_optimizer,
-    "scheduler": _ds_scheduler,
-    "zero_optimization": _ds_zero,
-    "activation_checkpointing": _ds_activation_checkpointing,
-    "gradient_clipping": _flag_value("optim.clip_grad"),
+    "fp16": _megatron_precision("fp16"),
+    "bf16": _megatron_precision("bf16"),
+    "optimizer": _megatron_optimizer,
+    "activation_checkpointing": _flat_activation_checkpointing,
     "min_scale": _flag_value("train.min_loss_scale", "Megatron/NeoX"),
     "initial_loss_scale": _initial_loss_scale,
 }
@@ -369,19 +225,9 @@ IGNORED_KEYS: dict[str, str] = {
     "attention_softmax_in_fp32": "is on anyway (autocast runs softmax in fp32)",
     "apply_query_key_layer_scaling": "is an fp16 overflow workaround, needless with softmax in fp32",
     "fp16_lm_cross_entropy": "would compute the loss in fp16 (the loss is computed in fp32)",
-    **dict.fromkeys(
-        ("fp32_allreduce", "accumulate_allreduce_grads_in_fp32", "communication_data_type"),
-        "chooses the gradient all-reduce dtype (not configurable here: FSDP2/DDP's own)",
-    ),
-    "prescale_gradients": "chooses when gradients are divided by dp (the mean is the same)",
-    "gradient_predivide_factor": "chooses when gradients are divided by dp (the mean is the same)",
-    "dump_state": "is a DeepSpeed debugging aid",
-    "flops_profiler": "is DeepSpeed's profiler (stx reports TFLOPs/MFU from the analytic count)",
-    "zero_allow_untested_optimizer": "is a DeepSpeed safety switch (every optimizer here works with every "
-    "ZeRO stage)",
-    "zero_force_ds_cpu_optimizer": "is a DeepSpeed safety switch",
-    "memory_breakdown": "is a DeepSpeed debugging aid (stx logs memory every log_interval)",
-    "comms_logger": "is a DeepSpeed debugging aid",
+    **dict.fromkeys(("fp32_allreduce", "accumulate_allreduce_grads_in_fp32"), deepspeed_json.ALLREDUCE_DTYPE),
+    # DeepSpeed's own top-level keys (GPT-NeoX forwards them): the DeepSpeed table says why
+    **deepspeed_json.top_level_rules("ignored"),
     "cpu_torch_adam": "chooses the CPU Adam kernel (torch's AdamW runs on the CPU here)",
 }
 
@@ -400,9 +246,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "rpe_max_distance": "relative position embeddings are not supported; model.position_embedding_type: "
     "learned, sinusoidal or rotary",
     "sparsity": "sparse attention is not supported; attention is dense",
-    "sparse_attention": "sparse attention is not supported; attention is dense",
-    "sparse_gradients": "sparse embedding gradients are not supported",
-    "amp": "Apex AMP is not supported; use train.precision (or a DeepSpeed fp16/bf16 block)",
+    **deepspeed_json.top_level_rules("refused"),
     "reset_position_ids": "resetting positions at document ends is not supported (samples span documents)",
     "reset_attention_mask": "masking attention at document ends is not supported (samples span documents)",
     "eod_mask_loss": "masking the loss on end-of-document tokens is not supported",
@@ -416,13 +260,10 @@ def _asks_for_nothing(value: Any) -> bool:
 
 
 def valid_flat_keys() -> list[str]:
-    return sorted({*SECTIONS, *field_index(), *SPECIAL_KEYS, "base"})
+    return sorted({*SECTIONS, *field_index(), *SPECIAL_KEYS, *deepspeed_json.top_level_keys(), "base"})
 
 
-def _unknown(source: str, shown: str, key: str, candidates: list[str]) -> str:
-    near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    hint = f"; did you mean '{near[0]}'?" if near else ""
-    return f"{source}: unknown key '{shown}'{hint}"
+_unknown = deepspeed_json.unknown_key
 
 
 # --------------------------------------------------------------------------- YAML
@@ -530,9 +371,12 @@ def assignments_from_mapping(data: Any, source: str) -> list[Assignment]:
         raise ConfigError(
             f"{source}: the top level must be a mapping of keys to values, got {type(data).__name__}"
         )
-    out: list[Assignment] = []
+    deepspeed = {k: v for k, v in data.items() if _speaks_deepspeed(norm_key(k), v, data)}
+    out = _deepspeed_assignments(deepspeed, source) if deepspeed else []
     for raw_key, value in data.items():
         key = norm_key(raw_key)
+        if raw_key in deepspeed:
+            continue
         if key in SECTIONS and not isinstance(value, dict):
             raise ConfigError(
                 f"{source}: '{raw_key}' is a section and must be a mapping of its keys "
@@ -576,6 +420,38 @@ def assignments_from_mapping(data: Any, source: str) -> list[Assignment]:
         else:
             raise ConfigError(_unknown(source, str(raw_key), key, valid_flat_keys()))
     return out
+
+
+# Keys DeepSpeed shares with Megatron's switches or our own flat keys, in the form that is not DeepSpeed's
+_NOT_DEEPSPEED_FORM = {
+    "fp16": lambda v: not isinstance(v, dict),  # Megatron's --fp16
+    "bf16": lambda v: not isinstance(v, dict),
+    "optimizer": lambda v: not isinstance(v, dict),  # Megatron's --optimizer adam
+    "activation_checkpointing": lambda v: not isinstance(v, dict),  # ours: none|full|selective
+    "scheduler": lambda v: not isinstance(v, dict),  # ours: optim.scheduler
+    "tensorboard": lambda v: not isinstance(v, dict),  # ours: logging.tensorboard
+}
+
+
+def _speaks_deepspeed(key: str, value: Any, data: dict) -> bool:
+    """Whether a top-level key is read as DeepSpeed's (deepspeed_json's table, over the whole file):
+    DeepSpeed's keys in DeepSpeed's form. `gradient_accumulation_steps` is our flat key too: it joins
+    DeepSpeed's batch triple only beside train_batch_size or train_micro_batch_size_per_gpu."""
+    if key not in deepspeed_json.top_level_keys() or key in SECTIONS:
+        return False
+    if key in _NOT_DEEPSPEED_FORM and _NOT_DEEPSPEED_FORM[key](value):
+        return False
+    if key == "gradient_accumulation_steps":
+        return bool({"train_batch_size", "train_micro_batch_size_per_gpu"} & {norm_key(k) for k in data})
+    return True
+
+
+def _deepspeed_assignments(data: dict, source: str) -> list[Assignment]:
+    """A DeepSpeed mapping's assignments; its ignored keys print one warning line each (grouped)."""
+    translation = deepspeed_json.translate(data, source)
+    for key, why in translation.warnings.items():
+        warnings.warn(ConfigWarning(source, key, why), stacklevel=3)
+    return [Assignment(path, value, source) for path, value in translation.assignments]
 
 
 def parse_override(text: str) -> list[Assignment]:

@@ -296,8 +296,9 @@ class OptimConfig:
     scheduler: str = opt(
         "megatron",
         "megatron: warmup then decay (lr_decay_style); warmup_lr: DeepSpeed's WarmupLR "
-        "(warmup from warmup_min_lr to lr, then constant).",
-        choices=("megatron", "warmup_lr"),
+        "(warmup from warmup_min_lr to lr, then constant); warmup_decay_lr: DeepSpeed's WarmupDecayLR "
+        "(WarmupLR's warmup, then linear decay to warmup_min_lr at lr_decay_iters).",
+        choices=("megatron", "warmup_lr", "warmup_decay_lr"),
     )
     lr_decay_style: str = opt(
         "linear",
@@ -398,6 +399,12 @@ class TrainConfig:
         "Samples per optimizer step = micro_batch_size * gradient_accumulation_steps * dp.",
         aliases=("global-batch-size", "train_batch_size"),
         gt=0,
+    )
+    derive_micro_batch_size: bool = opt(
+        False,
+        "Derive micro_batch_size when resolving, as global_batch_size / (gradient_accumulation_steps "
+        "(default 1) x dp), as DeepSpeed does for a config giving train_batch_size without "
+        "train_micro_batch_size_per_gpu (a DeepSpeed file sets it).",
     )
     seed: int = opt(
         1234, "Seed of python, numpy and torch RNGs; same seed gives the same losses.", aliases=("seed",)

@@ -15,7 +15,7 @@ import dataclasses
 from ..errors import ConfigError
 from . import rules
 from .model_shapes import default_ffn_hidden_size, family_options
-from .schema import RESOLVED_SECTIONS, SECTIONS, Config, ResolvedConfig, check_fields, freeze
+from .schema import RESOLVED_SECTIONS, SECTIONS, Config, ResolvedConfig, TrainConfig, check_fields, freeze
 
 
 def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
@@ -40,7 +40,9 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     p.dp = rules.infer_dp(cfg, world_size)
     rules.check_world_size(cfg, world_size)
 
-    # batch sizes: global = micro x accumulation x dp, as DeepSpeed checks it
+    # batch sizes: global = micro x accumulation x dp, as DeepSpeed checks it (and derives the one left out)
+    if t.derive_micro_batch_size:
+        t.micro_batch_size = _derived_micro_batch(t, p.dp)
     per_step = t.micro_batch_size * p.dp
     if t.gradient_accumulation_steps is None:
         if t.global_batch_size is None:
@@ -71,6 +73,27 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     rules.check_data(cfg.data)
     rules.check_sample_index(cfg)
     return _derived(_frozen(cfg), world_size)
+
+
+def _derived_micro_batch(t: TrainConfig, dp: int) -> int:
+    """DeepSpeed's micro batch where a file gives train_batch_size without it: train_batch_size /
+    (gradient_accumulation_steps x dp), accumulation 1 when that is not given either."""
+    if t.global_batch_size is None:
+        raise ConfigError(
+            "train.derive_micro_batch_size needs train.global_batch_size (DeepSpeed: "
+            "train_micro_batch_size_per_gpu or train_batch_size must be given)"
+        )
+    if t.gradient_accumulation_steps is None:
+        t.gradient_accumulation_steps = 1
+    per_micro = t.gradient_accumulation_steps * dp
+    if t.global_batch_size % per_micro:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps}) x dp ({dp}) = {per_micro} "
+            "to derive train.micro_batch_size (DeepSpeed: train_batch_size = "
+            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size)"
+        )
+    return t.global_batch_size // per_micro
 
 
 def with_vocabulary(cfg: ResolvedConfig, configured: int | None, tokenizer_vocab: int) -> ResolvedConfig:

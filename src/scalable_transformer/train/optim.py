@@ -164,7 +164,7 @@ def _megatron_lr(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
-def _warmup_lr(iteration: int, cfg: OptimConfig) -> float:
+def _warmup_lr(iteration: int, cfg: OptimConfig, decay_total: int | None = None) -> float:
     if cfg.lr < 0:
         raise ConfigError(f"optim.lr must be >= 0, got {cfg.lr}")
     if cfg.warmup_min_lr < 0:
@@ -176,7 +176,7 @@ def _warmup_lr(iteration: int, cfg: OptimConfig) -> float:
     if cfg.lr_warmup_fraction is not None:
         raise ConfigError(
             "optim.lr_warmup_fraction applies to scheduler 'megatron' only; with "
-            "optim.scheduler='warmup_lr' set optim.lr_warmup_iters"
+            f"optim.scheduler={cfg.scheduler!r} set optim.lr_warmup_iters"
         )
     if cfg.warmup_type not in ("log", "linear"):
         raise ConfigError(f"optim.warmup_type must be 'log' or 'linear', got {cfg.warmup_type!r}")
@@ -185,7 +185,9 @@ def _warmup_lr(iteration: int, cfg: OptimConfig) -> float:
     # step, so step i (i >= 1) runs with gamma(last_batch_iteration = i - 1).
     warmup = max(2, cfg.lr_warmup_iters)
     last = max(iteration - 1, 0)
-    if last >= warmup:
+    if last >= warmup and decay_total is not None:  # WarmupDecayLR: linear to warmup_min_lr at the total
+        gamma = max(0.0, (decay_total - last) / max(1.0, decay_total - warmup))
+    elif last >= warmup:
         gamma = 1.0
     elif cfg.warmup_type == "log":
         gamma = math.log(last + 1) / math.log(warmup)
@@ -211,6 +213,8 @@ def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
       so step `it` sees last_batch_iteration = it - 1; steps 0 and 1 both run at warmup_min_lr);
       gamma = log(s + 1) / log(N) (log) or s / N (linear) while s < N, else 1;
       lr = warmup_min_lr + gamma * (lr - warmup_min_lr). Log reaches the peak at step N, linear at N + 1.
+    scheduler 'warmup_decay_lr' (DeepSpeed `WarmupDecayLR`): as 'warmup_lr' while s < N, then
+      gamma = max(0, (T - s) / max(1, T - N)), T = lr_decay_iters (default train_iters).
 
     Raises ConfigError (a ValueError) naming the config key for impossible settings.
     """
@@ -220,7 +224,11 @@ def lr_at(iteration: int, cfg: OptimConfig, train_iters: int) -> float:
         return _megatron_lr(iteration, cfg, train_iters)
     if cfg.scheduler == "warmup_lr":
         return _warmup_lr(iteration, cfg)
-    raise ConfigError(f"optim.scheduler must be 'megatron' or 'warmup_lr', got {cfg.scheduler!r}")
+    if cfg.scheduler == "warmup_decay_lr":
+        return _warmup_lr(iteration, cfg, cfg.lr_decay_iters or train_iters)
+    raise ConfigError(
+        f"optim.scheduler must be 'megatron', 'warmup_lr' or 'warmup_decay_lr', got {cfg.scheduler!r}"
+    )
 
 
 class IterationLR(LRScheduler):
