@@ -24,9 +24,10 @@ lint: setup
 test: lint
 	$(PY) -m pytest
 
-# the inner loop: lint and the unit tests (no processes started, no daemons)
+# the inner loop: lint and the unit tests but their slowest (marked slow: a dry run, a CPU measurement, a
+# subprocess; CI runs them all), no daemons
 test-fast: lint
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -m "not slow"
 
 docs: setup
 	$(VENV)/bin/stx config docs --update README.md docs/CONFIG.md

@@ -39,6 +39,7 @@ def test_layout_rules_import_neither_torch_nor_models():
     assert out.stdout.strip().startswith("dp=2 tp=8 pp=4 zero")
 
 
+@pytest.mark.slow
 def test_the_planner_predicts_a_table_gpu_without_torch():
     """plan/ is torch-free (its import contract in pyproject.toml): a search on a table device's
     cluster loads neither torch nor the measuring side (calibrate/, dryrun/)."""

@@ -135,6 +135,7 @@ def test_tiny_bert_as_it_ships_exports_to_megatron_bert_with_our_logits(tmp_path
     assert len(predictions) == 5 and all("[MASK]" not in p["sequence"] for p in predictions)
 
 
+@pytest.mark.slow
 def test_bert_345m_defaults_map_to_megatron_bert_with_our_logits():
     """bert-345m's model as the preset defines it (24 x 1024, pre-LN, binary head), built in fp32."""
     from scalable_transformer.checkpoint.export import hf_mapping

@@ -73,6 +73,7 @@ def test_exit_status_output_threads_and_atexit_survive(tmp_path: Path, group: st
     assert (tmp_path / "teardown").exists() == (group == "none")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", ["group", "none"])
 def test_an_uncaught_error_and_a_usage_exit_keep_their_status(tmp_path: Path, group: str) -> None:
     proc = run_child(tmp_path, group, "raise")

@@ -400,6 +400,7 @@ class Interrupting(FakeScheduler):
         raise KeyboardInterrupt  # the sweep is stopped while its jobs are queued
 
 
+@pytest.mark.slow
 def test_a_restarted_batch_sweep_reattaches_instead_of_resubmitting(tmp_path):
     from scalable_transformer.bench.results import ResultsStore
     from scalable_transformer.bench.sweep_batch import run_batch_sweep, sweep_status

@@ -175,6 +175,7 @@ def test_tokenizer_without_bert_tokens(tmp_path, tok):
 # ---------------------------------------------------------------- the embedded corpus as indexed datasets
 
 
+@pytest.mark.slow
 def test_embedded_corpus_is_preprocessed_once(cache, tok, bert_sets):
     prefix = embedded_dataset_prefix(tok, "bert")
     assert prefix.startswith(str(cache / "datasets")) and tok.fingerprint in prefix

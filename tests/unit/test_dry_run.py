@@ -148,6 +148,7 @@ def gpu_step_dry_runs():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA is for CPU-only builds")
 @pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
 def test_a_gpu_step_reads_nothing_on_the_host_between_logging_steps(gpu_step_dry_runs, layout):

@@ -321,6 +321,7 @@ def test_the_optimizer_phase_moves_the_bytes_of_torchs_foreach_passes(optimizer,
     assert st.classes["optimizer"]["memory_bound"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_builtin_gpu_profiles_are_what_the_builder_makes_of_the_kernel_data(tmp_path, monkeypatch):
     """plan/profiles/*.yaml are benchmarks/build_gpu_profiles.py's output from benchmarks/data/gpu_kernels
     (public kernel data and the stx calibrate profiles in measured/): a profile edited by hand, or data

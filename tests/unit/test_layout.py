@@ -148,6 +148,7 @@ def test_explicit_and_even_stage_splits():
         stage_layer_counts(8, 2, "0,8")
 
 
+@pytest.mark.slow
 def test_bad_layout_fails_before_the_process_group(tmp_path):
     """Under a launcher's environment (WORLD_SIZE=2, no rendezvous reachable), a bad layout exits 2
     with the message at once: a process group init would instead wait for the missing peer."""

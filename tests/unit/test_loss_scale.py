@@ -221,6 +221,7 @@ def _agreement_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_found_inf_agreed_across_ranks(tmp_path):
     mp.spawn(_agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)

@@ -134,6 +134,7 @@ def test_bert_175b_zero0_tp16_and_tp32_say_oom_and_why(tp: int) -> None:
     assert result.peak_memory_bytes > 40 * 2**30
 
 
+@pytest.mark.slow
 def test_search_on_64_a100_40gb_finds_bert_175b_layouts_that_fit() -> None:
     results = search_layouts(load_config("bert-175b"), table_cluster("a100-40gb", 8, 8))
     fit = [r for r in results if r.fits]
@@ -175,6 +176,7 @@ def test_human_output_names_units_convention_and_peak(capsys) -> None:
     assert "megatron convention" in out and "peak 312.0 TFLOP/s fp16" in out
 
 
+@pytest.mark.slow
 def test_emitted_sweep_is_read_by_stx_sweep(tmp_path: Path, capsys) -> None:
     sweep = tmp_path / "plan-sweep.yaml"
     argv = ["plan", "bert-175b", "--nodes", "8", "--gpus-per-node", "8", "--device", "a100-40gb"]
@@ -187,6 +189,7 @@ def test_emitted_sweep_is_read_by_stx_sweep(tmp_path: Path, capsys) -> None:
     assert {m.cfg.parallel.tp for m in members if m.cfg} <= {1, 2, 4, 8, 16, 32, 64}
 
 
+@pytest.mark.slow
 def test_stx_plan_imports_no_torch_for_gpus() -> None:
     code = (
         "import sys\n"
@@ -245,6 +248,7 @@ def test_sweep_members_and_axes_are_exclusive(tmp_path: Path) -> None:
         load_sweep(sweep)
 
 
+@pytest.mark.slow
 def test_world_size_spans_whole_nodes_and_search_json_lists_top_fit_and_oom(capsys) -> None:
     argv = ["plan", "bert-175b", "--world-size", "64", "--device", "a100-40gb", "--search", "--top", "2"]
     assert main(argv) == 0

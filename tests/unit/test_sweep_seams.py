@@ -93,6 +93,7 @@ class ScriptedLauncher:
         return LaunchResult(None, "still loading\n", True, timeout_seconds)
 
 
+@pytest.mark.slow
 def test_run_sweep_records_what_the_launcher_reports(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
     launcher = ScriptedLauncher()
