@@ -148,7 +148,9 @@ def test_sweep_interrupted_resumed_and_reported(tmp_path: Path) -> None:
     for key, r in got.items():
         text = cells[key]
         if r["status"] == "ok":
-            sps, tflops = text.split(", ")
+            # a member measured more than 2x off its prediction is flagged (stx report --suspect-factor):
+            # on a loaded machine a tiny member can be, which is the flag working, not a wrong cell
+            sps, tflops = text.removesuffix(" [suspect]").split(", ")
             assert sps.endswith(" samples/s") and tflops.endswith(" TFLOPs/dev")
             assert float(sps.split()[0]) == pytest.approx(r["samples_per_second"], rel=0.01, abs=0.006)
             assert float(tflops.split()[0]) == pytest.approx(r["tflops_per_device"], rel=0.01)
