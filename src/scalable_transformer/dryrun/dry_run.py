@@ -28,7 +28,6 @@ import resource
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -436,7 +435,8 @@ def dry_run_isolated(
 
 def _worker_main(argv: list[str], output: str, cwd: str, environ: dict[str, str]) -> None:
     """The child of `dry_run_isolated`: config path, world size, device type, devices per node, and
-    where to write the result (or {"error": ...}); its stdout and stderr go to `output`."""
+    where to write the result (or {"error": ...}); its stdout and stderr go to `output`, where
+    multiprocessing's bootstrap prints the traceback of any other exception."""
 
     os.chdir(cwd)
     os.environ.clear()
@@ -451,9 +451,6 @@ def _worker_main(argv: list[str], output: str, cwd: str, environ: dict[str, str]
         out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     except StxError as e:
         out = {"error": str(e)}
-    except BaseException:
-        traceback.print_exc()
-        raise
     Path(result_path).write_text(json.dumps(out), encoding="utf-8")
     # The result is written. Skip the interpreter's teardown: after a fake-CUDA run the autograd
     # engine's device thread outlives fake CUDA's guard, and destroying it at exit can abort in C++
