@@ -66,6 +66,8 @@ _ZERO_TUNING = "is a DeepSpeed tuning knob with no equivalent here"
 _FP16_KNOB = "is a DeepSpeed fp16 knob with no equivalent here"
 _ACT_BUFFER = "is a DeepSpeed buffer/profiling knob with no equivalent here"
 _NVME = "tunes NVMe offload (not supported: offload goes to CPU memory, FSDP2's CPU offload)"
+_GATHER_16BIT = "consolidates 16-bit weights at save (stx export writes whole Hugging Face checkpoints)"
+_ZEROPP_WEIGHTS = "quantizes ZeRO++ weight communication (communication here is in full precision)"
 _PIN = "pins the offloaded tensors' host memory (FSDP2's CPU offload pins its own)"
 _MONITOR = (
     "is a DeepSpeed monitoring backend (stx logs to its run directory; TensorBoard: logging.tensorboard_dir)"
@@ -233,21 +235,13 @@ DEEPSPEED_KEYS: dict[str, Rule] = {
     "zero_optimization.cpu_offload": _carried("parallel.offload_optimizer (DeepSpeed's older name)"),
     "zero_optimization.cpu_offload_param": _carried("parallel.offload_param (DeepSpeed's older name)"),
     "zero_optimization.cpu_offload_use_pin_memory": _ignored(_PIN, loud=True),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _ignored(
-        "consolidates 16-bit weights at save (stx export writes whole Hugging Face checkpoints)", loud=True
-    ),
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _ignored(
-        "consolidates 16-bit weights at save (stx export writes whole Hugging Face checkpoints)", loud=True
-    ),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _ignored(_GATHER_16BIT, loud=True),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _ignored(_GATHER_16BIT, loud=True),
     "zero_optimization.zero_hpz_partition_size": _ignored(
         "keeps a secondary weight copy per node (ZeRO++ hpZ: less communication, the same model)", loud=True
     ),
-    "zero_optimization.zero_quantized_weights": _ignored(
-        "quantizes ZeRO++ weight communication (communication here is in full precision)", loud=True
-    ),
-    "zero_optimization.zero_quantized_nontrainable_weights": _ignored(
-        "quantizes ZeRO++ weight communication (communication here is in full precision)", loud=True
-    ),
+    "zero_optimization.zero_quantized_weights": _ignored(_ZEROPP_WEIGHTS, loud=True),
+    "zero_optimization.zero_quantized_nontrainable_weights": _ignored(_ZEROPP_WEIGHTS, loud=True),
     "zero_optimization.zero_quantized_gradients": _ignored(
         "quantizes ZeRO++ gradient communication (communication here is in full precision)", loud=True
     ),
