@@ -113,6 +113,19 @@ def test_a_stop_signal_on_one_rank_stops_all_after_one_step_and_resumes_bitwise(
     assert "goodput: " in report.stdout
 
 
+def test_a_stop_signal_after_the_last_step_ends_a_complete_run_not_a_resumable_one(tmp_path: Path) -> None:
+    """A time limit's SIGUSR1 that lands in the last step: the run is complete (exit 0, its summary a
+    finished segment). Before, it exited 75 "to be resumed", and in a --requeue chain (CI saw it) the
+    next job found nothing to train and ended the chain without a segment of its own."""
+    common = ["checkpoint.save=ckpt", f"logging.run_dir={tmp_path}", "logging.run_name=last"]
+    (run,) = train(tmp_path, ["--signal-at", f"0:{ITERS}:SIGUSR1"], common)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "stopped by" not in run.stdout
+    summary = json.loads((tmp_path / "last" / "summary.json").read_text())
+    assert summary["stopped_by_signal"] is None and "resume_from" not in summary
+    assert [(s["last_iteration"], s["stopped_by"]) for s in summary["segments"]] == [(ITERS, None)]
+
+
 def test_a_nonfinite_step_stops_the_run_naming_it_and_auto_resumes_from_the_last_good_save(
     tmp_path: Path,
 ) -> None:

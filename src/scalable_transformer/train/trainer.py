@@ -323,7 +323,9 @@ class Trainer:
             measure.step_done(self.iteration, result)
             if not h.model_state_bytes:  # the optimizer state exists from the first step on
                 h.model_state_bytes = model_state_bytes(self.model, self.optimizer)
-            h.stopped_by = self.stop_signals.agreed(self.iteration)  # every rank stops after the same step
+            stop = self.stop_signals.agreed(self.iteration)  # every rank stops after the same step
+            # a signal agreed after the last step stops nothing: the run is complete, not to be resumed
+            h.stopped_by = stop if self.iteration < cfg.train.train_iters else None
             if self.iteration % log_every == 0 or self.iteration == cfg.train.train_iters or h.stopped_by:
                 self._log()
             # evaluation and callbacks (checkpoint saves) are not training throughput
