@@ -133,7 +133,40 @@ class ModelConfig:
     )
     norm: str = opt("layernorm", "Normalisation layer.", choices=("layernorm", "rmsnorm"))
     position_embedding_type: str = opt(
-        "learned", "Position encoding.", choices=("learned", "sinusoidal", "rotary"), aliases=("pos-emb",)
+        "learned",
+        "Position encoding. alibi: no position table, a per-head linear bias on attention scores "
+        "(BLOOM, MPT, NeoX pos_emb: alibi).",
+        choices=("learned", "sinusoidal", "rotary", "alibi"),
+        aliases=("pos-emb",),
+    )
+    rotary_percent: float = opt(
+        1.0,
+        "Fraction of each head's dimensions rotary positions rotate (rotary only); the rest pass "
+        "unchanged. GPT-NeoX/Pythia 0.25 (NeoX rotary_pct, HF partial_rotary_factor, Megatron "
+        "--rotary-percent).",
+        aliases=("rotary_pct", "rotary-percent", "partial_rotary_factor"),
+        gt=0,
+        le=1,
+    )
+    parallel_residual: bool = opt(
+        False,
+        "GPT-J/GPT-NeoX block: attention and MLP read the same block input (each through its own "
+        "norm) and both outputs are added to the residual at once (NeoX gpt_j_residual, HF "
+        "use_parallel_residual).",
+        aliases=("gpt_j_residual", "use_parallel_residual"),
+    )
+    add_qkv_bias: bool | None = opt(
+        None,
+        "Biases on the query/key/value projection; default add_bias_linear. true with "
+        "add_bias_linear = false is Qwen2's attention (Megatron --add-qkv-bias).",
+        aliases=("add-qkv-bias",),
+    )
+    sliding_window: int | None = opt(
+        None,
+        "Causal attention sees at most this many tokens back, itself included (Mistral's "
+        "sliding_window); None: the whole sequence. Attention FLOPs are counted with the window.",
+        aliases=("sliding-window", "window-size"),
+        gt=0,
     )
     rotary_base: int = opt(
         10000,
