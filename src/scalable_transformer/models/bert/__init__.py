@@ -10,6 +10,7 @@ from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.models.bert import hf
 from scalable_transformer.models.bert.model import BertLMHead, BertModel, bert_loss, bert_metric_names
 from scalable_transformer.models.spec import (
+    IGNORE_INDEX,
     DataSpec,
     HFMapping,
     ModelSpec,
@@ -36,9 +37,13 @@ def _output_shapes(cfg: ModelConfig, micro_batch: int) -> tuple[tuple[int, ...],
 
 
 def _pack_target(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """labels [b, s] and nsp_labels [b] as one [b, s + 1] tensor: the schedule splits one target."""
+    """labels [b, s] and nsp_labels [b] as one [b, s + 1] tensor: the schedule splits one target.
+    Without a binary head (no nsp_labels) the last column is IGNORE_INDEX, which bert_loss never reads."""
     labels_bs = batch["labels"]
-    return torch.cat([labels_bs, batch["nsp_labels"][:, None].to(labels_bs.dtype)], dim=1)
+    nsp_b = batch.get("nsp_labels")
+    if nsp_b is None:
+        nsp_b = torch.full(labels_bs.shape[:1], IGNORE_INDEX, device=labels_bs.device)
+    return torch.cat([labels_bs, nsp_b[:, None].to(labels_bs.dtype)], dim=1)
 
 
 def _unpack_target(target_bt: torch.Tensor) -> dict[str, torch.Tensor]:
