@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from scalable_transformer.config.schema import OptimConfig
-from scalable_transformer.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
+from scalable_transformer.config.schedule import lr_at
+from scalable_transformer.config.schema import Config, OptimConfig, TrainConfig
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.train.optim import build_optimizer, build_scheduler, param_groups
 
 LR, MIN_LR = 1e-3, 1e-4
 
@@ -372,6 +374,11 @@ def test_bad_schedule_settings_raise_naming_the_key(overrides, key):
         lr_at(0, cfg, train_iters=20)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         build_scheduler(build_optimizer(tiny_lm(), dataclasses.replace(cfg, lr=1e-3)), cfg, train_iters=20)
+    # and when the config is resolved, the one check `stx plan`, its dry run and `stx train` share (a
+    # schedule `stx plan` let pass once stopped the dry run and the run)
+    whole = Config(optim=cfg, train=TrainConfig(train_iters=20))
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        resolve(whole)
 
 
 @pytest.mark.parametrize(

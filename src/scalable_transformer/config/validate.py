@@ -15,6 +15,7 @@ import dataclasses
 from ..errors import ConfigError
 from . import rules
 from .model_shapes import default_ffn_hidden_size, family_options
+from .schedule import check_schedule
 from .schema import RESOLVED_SECTIONS, SECTIONS, Config, ResolvedConfig, TrainConfig, check_fields, freeze
 
 
@@ -64,6 +65,7 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
             f"({t.gradient_accumulation_steps}) x dp ({p.dp}) = {expected}"
         )
 
+    check_schedule(o, t.train_iters)  # here, so plan, dry run and train refuse the same schedules
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     rules.check_optim(o)
