@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from scalable_transformer.bench.sweep_types import SweepOptions
-from scalable_transformer.cli import build_parser
+from scalable_transformer.cli import parse_command_line
 from scalable_transformer.cli.config import ConfigOptions
 from scalable_transformer.cli.flops import flops_options
 from scalable_transformer.cli.parsers import report_parsers
@@ -22,7 +22,7 @@ from scalable_transformer.metrics.calculator import FlopsOptions, calculate
 
 
 def parse(*argv: str):
-    return build_parser().parse_args(list(argv))
+    return parse_command_line(list(argv))
 
 
 def test_train_and_config_options() -> None:
@@ -38,6 +38,26 @@ def test_train_and_config_options() -> None:
     assert ConfigOptions.from_args(parse("config", "docs", "--update", "README.md")).update == ("README.md",)
     with pytest.raises(ValueError, match="one argument"):
         ConfigOptions.from_args(parse("config", "from-hf"))
+
+
+def test_overrides_may_follow_options_and_anything_else_is_still_refused(capsys) -> None:
+    # argparse's nargs="*" stops at the first option: a plan typed as users type it lost its overrides
+    opts = ConfigOptions.from_args(
+        parse("config", "validate", "gpt-13b", "--world-size", "64", "parallel.tp=4", "parallel.pp=2")
+    )
+    assert (opts.config, opts.overrides, opts.world_size) == (
+        "gpt-13b",
+        ("parallel.tp=4", "parallel.pp=2"),
+        64,
+    )
+    args = parse(
+        "plan", "gpt-13b", "--world-size", "64", "parallel.tp=4", "--device", "a100-80gb", "train.x=1"
+    )
+    assert args.items == ["gpt-13b", "parallel.tp=4", "train.x=1"]
+    for argv in (("plan", "gpt-13b", "--bogus"), ("env", "parallel.tp=4")):
+        with pytest.raises(SystemExit) as e:
+            parse(*argv)
+        assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_options_are_frozen() -> None:

@@ -145,13 +145,26 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The command line, with overrides allowed after options as well as before them (`stx plan
+    gpt-13b --world-size 64 parallel.tp=4`): argparse's nargs="*" positional stops at the first option,
+    so what follows it is added to the command's CONFIG|key=value items here."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not isinstance(getattr(args, "items", None), list) or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.items += extra
+    return args
+
+
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not {"-h", "--help"} & set(argv[1:2]):
         # `stx report` has three forms with their own options (see REPORT_USAGE): parsed in cli/report.py.
         args = argparse.Namespace(fn=parsers.command("report", "run"), args=argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(argv)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _terminate) for sig in STOP_SIGNALS}
