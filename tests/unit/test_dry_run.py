@@ -175,6 +175,20 @@ def test_every_pipeline_rank_is_simulated():
     assert ("pp", "send") in kinds and ("pp", "recv") in kinds
 
 
+def test_each_pipeline_rank_runs_as_if_it_were_the_only_one():
+    """tp 2 x pp 2 with sequence parallelism: the second pipeline rank dry-run in the same process got
+    DTensor specs torch had cached for the first, whose process groups were gone ("Could not resolve
+    the process group registered under the name 7"; gpt-13b tp4 x pp2 on 64 ranks failed so). In the
+    dry run's child each rank runs in its own process now."""
+    overrides = [*TINY, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    cfg = resolve(load_config("tiny-gpt", [*overrides, "train.gradient_accumulation_steps=2"]), 4)
+    result = dry.dry_run_isolated(cfg, 4, "cuda")  # as stx plan --dry-run runs it
+    assert [(r["rank"], r["stage"]) for r in result["ranks"]] == [(0, 0), (2, 1)]
+    assert all(r["peak_memory_bytes"] > 0 for r in result["ranks"])
+    second = {(c["group"], c["kind"]) for c in result["ranks_detail"][1]["collectives"]}
+    assert ("pp", "recv") in second and any(group == "tp" for group, _ in second), second
+
+
 def test_zero1_reports_every_dp_rank_optimizer_shard():
     cfg = resolve(load_config("tiny-gpt", [*TINY, "parallel.zero_stage=1"]), 4)
     result = dry.dry_run(cfg, 4, "cpu")

@@ -1,4 +1,5 @@
-"""`stx plan --dry-run`: the real engine at the target world size, on fake tensors, in this process.
+"""`stx plan --dry-run`: the real engine at the target world size, on fake tensors, in a child process
+(each simulated rank in a process of its own forked from it).
 
 For one representative rank of every memory class of a layout (each pipeline rank; under ZeRO-1 also
 the data-parallel rank whose optimizer shard is largest), the dry run joins a fake process group of
@@ -24,7 +25,9 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import pickle
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -260,10 +263,8 @@ def run_rank(
             raise
         except Exception as e:
             where = trace.phase + (f" ({trace.where_module()})" if trace.where_module() else "")
-            first_line = (str(e).strip().splitlines() or [""])[0][:400]
             raise DryRunError(
-                f"rank {rank}: the engine failed in phase {where} of step {trace.step}: "
-                f"{type(e).__name__}: {first_line}"
+                f"rank {rank}: the engine failed in phase {where} of step {trace.step}: {_what_failed(e)}"
             ) from e
         peak = trace.peak
         plain_step, logging_step = PLAIN_STEP, DRY_RUN_STEPS
@@ -280,6 +281,21 @@ def run_rank(
             zero1_shard_numel=_zero1_partition(optimizer) if cfg.parallel.zero_stage == 1 else None,
             saved_for_backward_bytes=trace.saved_for_backward(),
         )
+
+
+def _what_failed(error: BaseException) -> str:
+    """The error's first line and, when it wraps another (torch's pipelining re-raises a stage's
+    error as "[Stage 1] failed to run forward:" followed by its arguments), the innermost one's: the
+    cause a user can act on."""
+
+    def first_line(e: BaseException) -> str:
+        return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:400]
+
+    root, seen = error, {id(error)}
+    while (inner := root.__cause__ or root.__context__) is not None and id(inner) not in seen:
+        root = inner
+        seen.add(id(root))
+    return first_line(error) if root is error else f"{first_line(error)} caused by {first_line(root)}"
 
 
 def _tag_model_states(trace: Any, model: Any, optimizer: Any) -> None:
@@ -366,14 +382,22 @@ def representative_ranks(cfg: Config) -> list[int]:
     return [pp_rank * p.dp * p.tp for pp_rank in range(p.pp)]
 
 
-def dry_run(cfg: Config, world_size: int, device_type: str = "cpu", devices_per_node: int = 8) -> DryRun:
-    """Dry-run a resolved config's layout on `world_size` fake ranks, in this process (see the module
-    docstring; `dry_run_isolated` runs it in a child process)."""
+def dry_run(
+    cfg: Config,
+    world_size: int,
+    device_type: str = "cpu",
+    devices_per_node: int = 8,
+    fork_ranks: bool = False,
+) -> DryRun:
+    """Dry-run a resolved config's layout on `world_size` fake ranks in this process (see the module
+    docstring; `dry_run_isolated` runs it in a child, with `fork_ranks`: each rank in a child of that
+    child, `_in_own_process`, which only a process that has not run autograd may do)."""
     start = time.perf_counter()
     p = cfg.parallel
 
     def one(rank: int) -> RankDryRun:
-        return run_rank(cfg, world_size, rank, device_type, devices_per_node)
+        args = (cfg, world_size, rank, device_type, devices_per_node)
+        return _in_own_process(run_rank, *args) if fork_ranks else run_rank(*args)
 
     runs = [one(rank) for rank in representative_ranks(cfg)]
     notes = []
@@ -391,6 +415,38 @@ def dry_run(cfg: Config, world_size: int, device_type: str = "cpu", devices_per_
                     )
         runs += [one(rank) for rank in extra]
     return DryRun(runs, time.perf_counter() - start, device_type, world_size, notes)
+
+
+def _in_own_process(fn: Any, *args: Any) -> Any:
+    """fn(*args) in a child forked from this process, which must not have run autograd (torch refuses
+    autograd in a fork of a process that did) and runs no engine itself: torch keeps state
+    across runs that a second rank must not see (DTensor reuses op specs whose mesh compares equal to
+    the new rank's but holds the last rank's process groups: "Could not resolve the process group
+    registered under the name 41" once a second pipeline rank with sequence parallelism ran in the
+    same process). Its result, or the exception it raised, comes back pickled through a pipe."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(read_fd)
+        try:
+            outcome: tuple[str, Any] = ("result", fn(*args))
+        except BaseException as e:  # everything goes back to the parent, which raises it
+            outcome = ("error", e if isinstance(e, StxError) else DryRunError(f"{type(e).__name__}: {e}"))
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(pickle.dumps(outcome))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no teardown (see _worker_main)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise DryRunError(f"the dry run's process for one rank ended with status {status} and no result")
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise value
+    return value
 
 
 WORKER_TIMEOUT_SECONDS = 900
@@ -420,7 +476,8 @@ def dry_run_isolated(
         child.start()
         child.join(WORKER_TIMEOUT_SECONDS)
         if child.is_alive():
-            child.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
             child.join()
             raise DryRunError(f"the dry run took over {WORKER_TIMEOUT_SECONDS} s and was stopped")
         if not result_path.exists():
@@ -438,6 +495,7 @@ def _worker_main(argv: list[str], output: str, cwd: str, environ: dict[str, str]
     where to write the result (or {"error": ...}); its stdout and stderr go to `output`, where
     multiprocessing's bootstrap prints the traceback of any other exception."""
 
+    os.setpgid(0, 0)  # its own process group: a timeout stops the rank processes it forks too
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -447,8 +505,12 @@ def _worker_main(argv: list[str], output: str, cwd: str, environ: dict[str, str]
     config_path, world, device_type, per_node, result_path = argv
     try:
         cfg = resolve(load_config(config_path), int(world))
-        out = dry_run(cfg, int(world), device_type, int(per_node)).to_dict()
-        out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out = dry_run(cfg, int(world), device_type, int(per_node), fork_ranks=True).to_dict()
+        # each rank ran in a child of this process (_in_own_process): the largest of them and this
+        peak_kib = max(
+            resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
+        out["process_peak_rss_bytes"] = peak_kib * 1024
     except StxError as e:
         out = {"error": str(e)}
     Path(result_path).write_text(json.dumps(out), encoding="utf-8")
