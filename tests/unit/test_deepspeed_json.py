@@ -1,7 +1,7 @@
-"""DeepSpeed JSON configs (config/deepspeed_json.py) on the files Megatron-DeepSpeed ships
-(tests/fixtures/upstream/deepspeed, SOURCES.md): every key accounted for, the batch triple derived as
-DeepSpeed derives it over a base preset, the scheduler replacing the preset's schedule, max_grad_norm as
-the clip value, and an unknown key naming its nearest valid key."""
+"""DeepSpeed JSON configs (config/deepspeed_json.py) on the files Megatron-DeepSpeed ships (read from its
+snapshot at a pinned commit: tests/upstream.py, SOURCES.md): every key accounted for, the batch triple
+derived as DeepSpeed derives it over a base preset, the scheduler replacing the preset's schedule,
+max_grad_norm as the clip value, and an unknown key naming its nearest valid key."""
 
 from __future__ import annotations
 
@@ -18,9 +18,15 @@ from scalable_transformer.config.foreign_configs import ImportSources, import_co
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.errors import ConfigError
+from upstream import MEGATRON_DEEPSPEED, Upstream, read_upstream, upstream_file
 
-UPSTREAM = Path(__file__).parents[1] / "fixtures" / "upstream" / "deepspeed"
-FIXTURES = sorted(UPSTREAM.glob("*.json"))
+ZERO1_BASELINE = Upstream(
+    *MEGATRON_DEEPSPEED, "examples_deepspeed/curriculum_learning/ds_zero_stage_1_config_baseline.json"
+)
+UNIVERSAL_CHECKPOINTING = Upstream(
+    *MEGATRON_DEEPSPEED, "examples_deepspeed/universal_checkpointing/ds_config.json"
+)
+SHIPPED = [ZERO1_BASELINE, UNIVERSAL_CHECKPOINTING]
 
 
 def _leaf_keys(value: Any, prefix: str = "") -> set[str]:
@@ -30,8 +36,9 @@ def _leaf_keys(value: Any, prefix: str = "") -> set[str]:
     return {prefix.rstrip(".")}
 
 
-@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.name)
-def test_every_key_of_a_shipped_ds_config_is_accounted_for(path):
+@pytest.mark.parametrize("src", SHIPPED, ids=lambda s: s.path.split("/")[-2])
+def test_every_key_of_a_shipped_ds_config_is_accounted_for(src, tmp_path):
+    path = upstream_file(src, tmp_path)
     data = json.loads(path.read_text(encoding="utf-8"))
     translation = translate(data, str(path))
     carried, ignored = set(translation.carried), set(translation.ignored)
@@ -44,8 +51,8 @@ def test_every_key_of_a_shipped_ds_config_is_accounted_for(path):
         assert f"#   {key} (" in text
 
 
-def test_megatron_deepspeeds_zero1_baseline_carries_what_it_says():
-    path = UPSTREAM / "ds_zero_stage_1_config_baseline.json"
+def test_megatron_deepspeeds_zero1_baseline_carries_what_it_says(tmp_path):
+    path = upstream_file(ZERO1_BASELINE, tmp_path)
     imported = import_configs(ImportSources(deepspeed=path))
     values = {p: v for p, (v, _) in imported.values.items()}
     assert values["parallel.zero_stage"] == 1 and values["train.precision"] == "fp16"
@@ -110,7 +117,7 @@ def test_train_batch_and_micro_derive_the_accumulation(tmp_path):
 
 
 def test_train_batch_and_accumulation_derive_the_micro_batch(tmp_path):
-    data = json.loads((UPSTREAM / "ds_zero_stage_1_config_baseline.json").read_text(encoding="utf-8"))
+    data = json.loads(read_upstream(ZERO1_BASELINE))
     path = _on_preset(tmp_path, data)
     assert _batch(path, 32) == (512, 16, 1)
     assert _batch(path, 64) == (512, 8, 1)

@@ -1,5 +1,5 @@
 """`stx config import --megatron-args-file` on the launch scripts Megatron-LM and Megatron-DeepSpeed ship
-(tests/fixtures/upstream/megatron, sources in tests/fixtures/upstream/SOURCES.md): each imports with the
+(read from the projects' snapshots at pinned commits: tests/upstream.py, SOURCES.md): each imports with the
 model and layout the file says, every argument carried, ignored with its reason or refused; values only
 running the script gives are named, never guessed (config/shell_script.py, config/megatron_args.py)."""
 
@@ -24,14 +24,28 @@ from scalable_transformer.config.model_shapes import total_params
 from scalable_transformer.config.shell_script import read_script
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.errors import ConfigError
-
-UPSTREAM = Path(__file__).parents[1] / "fixtures" / "upstream" / "megatron"
-LM = UPSTREAM / "megatron-lm"
-DS = UPSTREAM / "megatron-deepspeed"
+from upstream import MEGATRON_DEEPSPEED, MEGATRON_LM, Upstream, upstream_file
 
 
-def _import(path: Path, tmp_path: Path, capsys) -> object:
+def _lm(path: str) -> Upstream:
+    return Upstream(*MEGATRON_LM, path)
+
+
+def _ds(path: str) -> Upstream:
+    return Upstream(*MEGATRON_DEEPSPEED, path)
+
+
+BERT_340M = _lm("examples/bert/train_bert_340m_distributed.sh")
+GPT3_175B = _lm("examples/gpt3/train_gpt3_175b_distributed.sh")
+LLAMA3_8B = _lm("examples/llama/train_llama3_8b_h100_fp8.sh")
+DS_GPT = _ds("examples/pretrain_gpt_distributed_with_mp.sh")
+DS_BERT = _ds("examples/pretrain_bert_distributed_with_mp.sh")
+DS_LLAMA2 = _ds("examples_deepspeed/pretrain_llama2_distributed.sh")
+
+
+def _import(src: Upstream, tmp_path: Path, capsys) -> object:
     """The config `stx config import` writes for a script, loaded back (the file a user gets)."""
+    path = upstream_file(src, tmp_path)
     out = tmp_path / "c.yaml"
     code = main(["config", "import", "--megatron-args-file", str(path), "-o", str(out)])
     assert code == 0, capsys.readouterr().err
@@ -41,16 +55,16 @@ def _import(path: Path, tmp_path: Path, capsys) -> object:
 # file -> family, layers, hidden, heads, ffn (None: derived 4h), seq, tp, pp, sequence parallel,
 # precision, query groups (None: multi-head)
 SHAPES = {
-    LM / "train_bert_340m_distributed.sh": ("bert", 24, 1024, 16, None, 512, 8, 16, False, "fp16", None),
-    LM / "train_gpt3_175b_distributed.sh": ("gpt", 96, 12288, 96, None, 2048, 8, 16, False, "fp16", None),
-    LM / "train_llama3_8b_h100_fp8.sh": ("gpt", 32, 4096, 32, 14336, 8192, 1, 1, False, "bf16", 8),
-    DS / "pretrain_gpt_distributed_with_mp.sh": ("gpt", 24, 1024, 16, None, 1024, 2, 2, True, "fp16", None),
-    DS / "pretrain_bert_distributed_with_mp.sh": ("bert", 24, 1024, 16, None, 512, 2, 2, False, "fp16", None),
-    DS / "pretrain_llama2_distributed.sh": ("gpt", 24, 2048, 16, 5504, 2048, 2, 2, False, "bf16", 4),
+    BERT_340M: ("bert", 24, 1024, 16, None, 512, 8, 16, False, "fp16", None),
+    GPT3_175B: ("gpt", 96, 12288, 96, None, 2048, 8, 16, False, "fp16", None),
+    LLAMA3_8B: ("gpt", 32, 4096, 32, 14336, 8192, 1, 1, False, "bf16", 8),
+    DS_GPT: ("gpt", 24, 1024, 16, None, 1024, 2, 2, True, "fp16", None),
+    DS_BERT: ("bert", 24, 1024, 16, None, 512, 2, 2, False, "fp16", None),
+    DS_LLAMA2: ("gpt", 24, 2048, 16, 5504, 2048, 2, 2, False, "bf16", 4),
 }
 
 
-@pytest.mark.parametrize("path", list(SHAPES), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", list(SHAPES), ids=str)
 def test_each_upstream_script_imports_with_its_shape_and_layout(path, tmp_path, capsys):
     cfg = _import(path, tmp_path, capsys)
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -67,7 +81,7 @@ def test_each_upstream_script_imports_with_its_shape_and_layout(path, tmp_path, 
 
 
 def test_llama3_script_is_llama3(tmp_path, capsys):
-    cfg = _import(LM / "train_llama3_8b_h100_fp8.sh", tmp_path, capsys)
+    cfg = _import(LLAMA3_8B, tmp_path, capsys)
     m = cfg.model
     assert (m.norm, m.activation, m.position_embedding_type, m.rotary_base) == (
         "rmsnorm",
@@ -83,7 +97,7 @@ def test_llama3_script_is_llama3(tmp_path, capsys):
 
 
 def test_llama3_script_schedule_and_layout_as_megatron_reads_it(tmp_path, capsys):
-    cfg = _import(LM / "train_llama3_8b_h100_fp8.sh", tmp_path, capsys)
+    cfg = _import(LLAMA3_8B, tmp_path, capsys)
     # --train-samples 1953125000 at --global-batch-size 128: Megatron's train_iters = samples // batch
     assert cfg.train.train_iters == 1953125000 // 128 and cfg.train.global_batch_size == 128
     assert cfg.optim.lr_decay_iters == 1949218748 // 128 and cfg.optim.lr_warmup_iters == 3906252 // 128
@@ -96,7 +110,7 @@ def test_llama3_script_schedule_and_layout_as_megatron_reads_it(tmp_path, capsys
 
 
 def test_gpt3_175b_script_has_175b_parameters(tmp_path, capsys):
-    cfg = _import(LM / "train_gpt3_175b_distributed.sh", tmp_path, capsys)
+    cfg = _import(GPT3_175B, tmp_path, capsys)
     cfg.model.vocab_size = 50257  # the GPT-2 BPE vocabulary the script names (gpt2-vocab.json)
     n = total_params(resolve(cfg, world_size=8 * 16).model)
     assert abs(n - 175e9) / 175e9 < 0.005, n
@@ -111,13 +125,14 @@ def _file_flags(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "path",
-    [DS / "pretrain_gpt_distributed_with_mp.sh", DS / "pretrain_bert_distributed_with_mp.sh"],
-    ids=lambda p: p.name,
+    "src",
+    [DS_GPT, DS_BERT],
+    ids=str,
 )
-def test_a_string_variable_script_carries_every_argument(path):
+def test_a_string_variable_script_carries_every_argument(src, tmp_path):
     """Megatron-DeepSpeed keeps the arguments in strings (GPT_ARGS="--num-layers 24 ..."): each one is
     carried (to a value or a path comment), ignored with its reason or listed as not carried."""
+    path = upstream_file(src, tmp_path)
     command = read_megatron_command(path.read_text(encoding="utf-8"), str(path))
     assert set(command.flags) == _file_flags(path)
     translated = translate_megatron_args(command.flags, str(path), command.script, _known)
@@ -136,15 +151,15 @@ def test_a_string_variable_script_carries_every_argument(path):
 
 
 def test_a_heredoc_deepspeed_config_is_read(tmp_path, capsys):
-    path = DS / "pretrain_llama2_distributed.sh"
+    path = upstream_file(DS_LLAMA2, tmp_path)
     imported = import_configs(ImportSources(megatron_args_file=path))
     assert any("heredoc" in s for s in imported.sources)
     assert imported.values["train.global_batch_size"][0] == 32  # "train_batch_size": $GLOBAL_BATCH_SIZE
     assert imported.values["parallel.zero_stage"][0] == 0 and imported.values["train.precision"][0] == "bf16"
 
 
-def test_paths_the_script_leaves_to_its_caller_are_listed_not_guessed():
-    imported = import_configs(ImportSources(megatron_args_file=LM / "train_gpt3_175b_distributed.sh"))
+def test_paths_the_script_leaves_to_its_caller_are_listed_not_guessed(tmp_path):
+    imported = import_configs(ImportSources(megatron_args_file=upstream_file(GPT3_175B, tmp_path)))
     skipped = {s.key: s.why for s in imported.skipped}
     assert "$5 (a script argument" in skipped["--data-path"] and "$1" in skipped["--save"]
     text = render_yaml(imported)

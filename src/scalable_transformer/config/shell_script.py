@@ -22,7 +22,7 @@ it did (`Script.defaults`). Pathname expansion (globbing) is not done: a `*` sta
 Why not Python's shlex alone: shlex removes quotes before any expansion could happen, so it cannot
 tell `"$A"` (one word) from `$A` (split into words) or `'$A'` (no expansion), and it reads neither `$`
 expansions nor arrays, heredocs or `if`. bashlex (a Python port of bash's parser, 0.18) was tried on
-the six upstream scripts in tests/fixtures/upstream/megatron: it stops at `$((...))` with
+the six upstream scripts the tests read (tests/fixtures/upstream/SOURCES.md): it stops at `$((...))` with
 NotImplementedError("arithmetic expansion") on five of them, and it parses without expanding. The
 tokenizer here is therefore written by hand, for exactly
 the subset above; everything else in a script (commands other than the launch line, redirections) is
