@@ -142,7 +142,7 @@ def test_alibi_bias_falls_with_distance_by_each_heads_slope():
     cfg = tiny(position_embedding_type="alibi")
     model = build_model(cfg).eval()
     assert model.embedding.position is None and model.rotary is None
-    bias = model.layers[0].attention.core._bias(5, torch.device("cpu"), torch.float32)
+    bias = model.layers[0].attention.core.bias(5, torch.device("cpu"), torch.float32)
     assert bias.shape == (4, 5, 5)
     for head, slope in enumerate([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]):  # 4 heads: 2^(-8/4 (i + 1))
         torch.testing.assert_close(bias[head, 4, :], slope * torch.tensor([-4.0, -3.0, -2.0, -1.0, 0.0]))

@@ -221,9 +221,10 @@ class CoreAttention(nn.Module):
         if self.all_slopes is not None:
             self.slopes = self.all_slopes[start:stop]
 
-    def _bias(self, s: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """The [s, s] boolean mask (True: may attend) or [n, s, s] additive bias, None for plain
-        causal or full attention (SDPA's own is_causal is faster)."""
+    def bias(self, s: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [s, s] boolean mask (True: may attend) or [n, s, s] additive bias of a sliding window
+        or ALiBi, causality included; None for plain causal or full attention (SDPA's own is_causal
+        is faster). A model computes it once per forward for all its blocks (`shared_bias`)."""
         if self.slopes is None and (self.window is None or self.window >= s):
             return None
         i_s1 = torch.arange(s, device=device).unsqueeze(1)
@@ -240,11 +241,10 @@ class CoreAttention(nn.Module):
     def forward(
         self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, mask_b11s: torch.Tensor | None
     ) -> torch.Tensor:
-        bias = self._bias(q_bnsd.shape[-2], q_bnsd.device, q_bnsd.dtype)
-        if bias is not None:
-            if mask_b11s is not None:
-                raise ValueError("a sliding window or ALiBi with a padding mask is not built (GPT only)")
-            mask_b11s = bias
+        """mask_b11s: a padding mask (BERT), or the model's `shared_bias`, which holds causality;
+        None: this module's own bias (if any) is computed here."""
+        if mask_b11s is None:
+            mask_b11s = self.bias(q_bnsd.shape[-2], q_bnsd.device, q_bnsd.dtype)
         # SDPA's enable_gqa rather than repeating k/v heads: 2-7% faster here (CPU fp32, fwd+bwd,
         # b4 n8 g2 s256 d64: 12.7 vs 13.0 ms; b2 n16 g4 s512: 51.5 vs 55.4 ms) and no copies.
         return F.scaled_dot_product_attention(
@@ -253,7 +253,7 @@ class CoreAttention(nn.Module):
             v_bgsd,
             attn_mask=mask_b11s,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal and bias is None,
+            is_causal=self.causal and mask_b11s is None,
             enable_gqa=k_bgsd.shape[1] != q_bnsd.shape[1],
         )
 
@@ -358,6 +358,18 @@ class TransformerBlock(nn.Module):
             return self.dropout(self.mlp(self.norm2(x_bsh))) + attention_bsh + x_bsh
         x_bsh = x_bsh + self.dropout(self.attention(self.norm1(x_bsh), mask_b11s, rotary))
         return x_bsh + self.dropout(self.mlp(self.norm2(x_bsh)))
+
+
+def shared_bias(layers: nn.Module, seq: int, x_bsh: torch.Tensor) -> torch.Tensor | None:
+    """The attention bias (sliding window, ALiBi) of a causal model's blocks, computed once for all of
+    them (every block's is the same: one tensor for all blocks to save for backward, not one per block),
+    in the dtype attention runs in (autocast's, if on); None when they need none."""
+    core = next((m for m in layers.modules() if isinstance(m, CoreAttention)), None)
+    if core is None:
+        return None
+    device = x_bsh.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x_bsh.dtype
+    return core.bias(seq, device, dtype)
 
 
 def blocks_of(layers: nn.Module) -> Iterable[nn.Module]:
