@@ -302,3 +302,30 @@ def test_window_and_qkv_bias_settings_export_to_their_family():
 def tiny_llama(**overrides) -> ModelConfig:
     llama = dict(position_embedding_type="rotary", norm="rmsnorm", activation="swiglu", add_bias_linear=False)
     return dataclasses.replace(tiny(**llama), **overrides)
+
+
+# ---------------------------------------------------------------- the planner
+
+
+@pytest.mark.slow
+def test_planner_counts_the_parallel_residuals_one_saved_norm_input_as_the_dry_run_measures():
+    """Both norms of a parallel-residual block read the block input: one saved tensor instead of the
+    sequential block's two (x and x + attention). The planner's per-layer activation bytes drop by what
+    the engine, run on fake tensors, saves less."""
+    from scalable_transformer.dryrun import dry_run as dry
+    from scalable_transformer.plan.memory_model import activation_model, config_layer_bytes
+
+    base = [
+        "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
+        "model.ffn_hidden_size=1024", "model.seq_length=512", "model.max_position_embeddings=512",
+        "model.position_embedding_type=rotary", "train.micro_batch_size=4", "train.global_batch_size=4",
+    ]  # fmt: skip
+    measured, predicted = {}, {}
+    for parallel in (False, True):
+        cfg = resolve(load_config("tiny-gpt", [*base, f"model.parallel_residual={parallel}"]), 1)
+        rank = dry.dry_run(cfg, 1, "cpu").to_dict()["ranks"][0]
+        measured[parallel] = rank["memory_breakdown_bytes"]["activations"]
+        predicted[parallel] = 4 * config_layer_bytes(cfg, "none", activation_model(cfg, "cpu"))
+    saved, foreseen = measured[False] - measured[True], predicted[False] - predicted[True]
+    print(f"parallel residual saves {saved / 2**20:.2f} MiB measured, {foreseen / 2**20:.2f} MiB predicted")
+    assert saved > 0 and abs(foreseen - saved) <= 0.1 * saved
