@@ -329,3 +329,46 @@ def test_planner_counts_the_parallel_residuals_one_saved_norm_input_as_the_dry_r
     saved, foreseen = measured[False] - measured[True], predicted[False] - predicted[True]
     print(f"parallel residual saves {saved / 2**20:.2f} MiB measured, {foreseen / 2**20:.2f} MiB predicted")
     assert saved > 0 and abs(foreseen - saved) <= 0.1 * saved
+
+
+TRAIN = [
+    "model.type=gpt", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.seq_length=32", "model.position_embedding_type=rotary", "train.micro_batch_size=2",
+    "train.global_batch_size=2", "train.train_iters=2", "train.eval_interval=0", "train.eval_iters=1",
+    "logging.tensorboard=false",
+]  # fmt: skip
+LLAMA_BLOCK = ["model.norm=rmsnorm", "model.activation=swiglu", "model.add_bias_linear=false"]
+TRAINED = {
+    "GPTNeoXForCausalLM": [
+        "model.parallel_residual=true", "model.rotary_percent=0.25", "model.tie_word_embeddings=false",
+    ],
+    "MistralForCausalLM": [*LLAMA_BLOCK, "model.num_query_groups=2", "model.sliding_window=8"],
+    "Qwen2ForCausalLM": [*LLAMA_BLOCK, "model.add_qkv_bias=true", "model.sliding_window=8"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hf_class", list(TRAINED))
+def test_trained_model_exports_to_its_family_with_our_logits(hf_class, tmp_path):
+    """`stx export --format hf` of a trained checkpoint, read back by transformers' Auto class from the
+    files: config.json carries the setting (partial_rotary_factor, sliding_window, ...)."""
+    from scalable_transformer.checkpoint.export import export_hf, load_model
+    from scalable_transformer.train.run import run_training
+
+    ckpt = tmp_path / "ckpt"
+    overrides = [
+        *TRAIN,
+        *TRAINED[hf_class],
+        f"logging.run_dir={tmp_path / 'runs'}",
+        f"checkpoint.save={ckpt}",
+    ]
+    run_training(load_config(None, overrides))
+    out = export_hf(str(ckpt), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == hf_class
+    ours, cfg, _ = load_model(str(ckpt))
+    ids = torch.randint(0, cfg.vocab_size or 1, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(ids).logits - ours(ids)).abs().max().item()
+    print(f"{hf_class}: max |HF - ours| = {diff:.2e}")
+    assert diff <= 1e-5
