@@ -246,9 +246,23 @@ def test_qwen2_with_a_window_on_some_layers_is_refused_naming_it(tmp_path):
         model_overrides_from_hf(tmp_path)
 
 
-def test_olmo2_is_refused_naming_its_norm_placement(tmp_path):
-    transformers.Olmo2Config(**COMMON, intermediate_size=96).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match=r"'olmo2'.*post_feedforward_layernorm.*q_norm, k_norm"):
+NO_EQUIVALENT = {
+    "olmo2": (
+        lambda: transformers.Olmo2Config(**COMMON, intermediate_size=96),
+        r"'olmo2'.*post_feed.*q_norm, k_norm",
+    ),
+    "bloom": (
+        lambda: transformers.BloomConfig(vocab_size=500, hidden_size=64, n_layer=2),
+        "word_embeddings_layernorm",
+    ),
+    "mpt": (lambda: transformers.MptConfig(vocab_size=500, d_model=64, n_layers=2), r"norm_f: bias None"),
+}
+
+
+@pytest.mark.parametrize(("config", "named"), list(NO_EQUIVALENT.values()), ids=list(NO_EQUIVALENT))
+def test_families_without_an_equivalent_block_are_refused_naming_the_setting(config, named, tmp_path):
+    config().save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=named):
         model_overrides_from_hf(tmp_path)
 
 

@@ -37,6 +37,13 @@ _NO_EQUIVALENT = {
     "olmo2": "OLMo-2 normalizes the attention and MLP outputs inside the residual (post_attention_layernorm "
     "and post_feedforward_layernorm after each sublayer, none before) and normalizes q and k over all "
     "heads (q_norm, k_norm); blocks here normalize their inputs and have no q/k norm",
+    # ALiBi models: the engine's ALiBi (model.position_embedding_type: alibi) is BLOOM's and GPT-NeoX's,
+    # but neither family's block is one of ours
+    "bloom": "BLOOM normalizes the word embeddings before the first block (word_embeddings_layernorm); "
+    "pre-LN models here have no embedding norm (its ALiBi is model.position_embedding_type = alibi)",
+    "mpt": "MPT's LayerNorms have no bias (norm_1, norm_2, norm_f: bias None); LayerNorm here has one "
+    "(its ALiBi is model.position_embedding_type = alibi; MPT orders the slopes of a non-power-of-two "
+    "head count its own way)",
 }
 
 
