@@ -386,3 +386,47 @@ def test_trained_model_exports_to_its_family_with_our_logits(hf_class, tmp_path)
         diff = (hf(ids).logits - ours(ids)).abs().max().item()
     print(f"{hf_class}: max |HF - ours| = {diff:.2e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", [4, 6])
+def test_alibi_model_has_blooms_logits(heads):
+    """ALiBi against an independent implementation: transformers' BloomForCausalLM (the paper's slopes,
+    6 heads: not a power of two). BLOOM's block is ours with ALiBi (pre-LN, fused per-head qkv, tanh
+    GELU, biases); it also normalizes the word embeddings, a per-token map, so our (untied) embedding
+    table holds the normalized rows and our output matrix BLOOM's raw tied one."""
+    torch.manual_seed(0)
+    bloom_cfg = transformers.BloomConfig(vocab_size=500, hidden_size=96, n_layer=2, n_head=heads)
+    bloom = transformers.BloomForCausalLM(bloom_cfg).eval()
+    with torch.no_grad():
+        for key, param in bloom.named_parameters():
+            if key.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    cfg = tiny(
+        vocab_size=500, hidden_size=96, num_attention_heads=heads, ffn_hidden_size=384, seq_length=32,
+        max_position_embeddings=32, position_embedding_type="alibi", activation="openai-gelu",
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = build_model(cfg).eval()
+    t = bloom.transformer
+    ours = {
+        "embedding.word.weight": t.word_embeddings_layernorm(t.word_embeddings.weight),
+        "output.weight": t.word_embeddings.weight,
+        "final_norm.weight": t.ln_f.weight,
+        "final_norm.bias": t.ln_f.bias,
+    }
+    names = {
+        "norm1": "input_layernorm", "norm2": "post_attention_layernorm",
+        "attention.qkv": "self_attention.query_key_value", "attention.proj": "self_attention.dense",
+        "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h",
+    }  # fmt: skip
+    for i, block in enumerate(t.h):
+        for our_name, bloom_name in names.items():
+            for kind in ("weight", "bias"):
+                ours[f"layers.{i}.{our_name}.{kind}"] = block.get_parameter(f"{bloom_name}.{kind}")
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.load_state_dict({k: v.detach().clone() for k, v in ours.items()})
+        diff = (model(ids) - bloom(ids).logits).abs().max().item()
+    print(f"{heads} heads: max |ours - BLOOM| = {diff:.2e}")
+    assert diff <= 1e-5
