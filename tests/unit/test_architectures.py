@@ -285,15 +285,25 @@ def test_export_of_a_shape_no_family_holds_names_the_setting(overrides, named):
 
 
 @pytest.mark.slow
-def test_gpt2_and_bert_import_with_the_files_vocabulary_and_transformers_parameter_counts(tmp_path):
-    """GPT-2 small and BERT-base as transformers' config classes write them: our count is the one
-    transformers builds (GPT-2: 124,439,808, its published size), not Megatron's padded vocabulary."""
+def test_hf_configs_import_with_the_files_vocabulary_and_transformers_parameter_counts(tmp_path):
+    """GPT-2 small, BERT-base, Pythia-160M, Mistral-7B and Qwen2's default as transformers' config
+    classes write them: our count is the one transformers builds (GPT-2: 124,439,808, Pythia-160M:
+    162,322,944, their published sizes), not Megatron's padded vocabulary."""
     from scalable_transformer.cli.config import config_from_hf
 
+    pythia_160m = transformers.GPTNeoXConfig(
+        vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        intermediate_size=3072, max_position_embeddings=2048, use_parallel_residual=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+    )  # fmt: skip
     counts = {}
     for name, config, cls in [
         ("gpt2", transformers.GPT2Config(), transformers.GPT2LMHeadModel),
         ("bert", transformers.BertConfig(), transformers.BertForPreTraining),
+        ("pythia-160m", pythia_160m, transformers.GPTNeoXForCausalLM),
+        ("mistral-7b", transformers.MistralConfig(), transformers.MistralForCausalLM),  # v0.1's defaults
+        ("qwen2", transformers.Qwen2Config(), transformers.Qwen2ForCausalLM),
     ]:
         config.save_pretrained(tmp_path / name)
         model = config_from_hf(tmp_path / name)["model"]
@@ -303,6 +313,7 @@ def test_gpt2_and_bert_import_with_the_files_vocabulary_and_transformers_paramet
         counts[name] = count_parameters(cfg)
         assert counts[name] == built, name
     assert counts["gpt2"] == 124_439_808
+    assert counts["pythia-160m"] == 162_322_944  # EleutherAI's published count (issue 40)
 
 
 def test_window_and_qkv_bias_settings_export_to_their_family():
