@@ -258,8 +258,8 @@ def test_llama_shape_layouts_match_single_process(model, world, cases, llama_ref
 # The architectures imported configs name (issue 40), through tensor parallelism (with sequence
 # parallelism and selective recompute), the pipeline, FSDP2 with full recompute: a shrunk Pythia
 # (2 layers, parallel residual, rotary over a quarter of each head, untied), Qwen2's attention (q/k/v
-# bias only) with Mistral's sliding window shorter than the sequence, and ALiBi (each tp rank keeps its
-# heads' slopes).
+# bias only) with Mistral's sliding window shorter than the sequence, and with multi-query attention,
+# and ALiBi (each tp rank keeps its heads' slopes).
 ARCH_MODELS = {
     "pythia-2-layers": [
         "model.type=gpt",
@@ -275,6 +275,8 @@ ARCH_MODELS = {
         "model.add_qkv_bias=true",
         "model.sliding_window=8",
     ],
+    # one key/value group on tp 2: the q/k/v weight and bias replicated, each rank slicing its heads
+    "qwen2-mqa": [*LLAMA, "model.num_query_groups=1", "model.add_qkv_bias=true"],
     "alibi": ["model.type=gpt", "model.position_embedding_type=alibi"],
 }
 ARCH_TWO = {name: TWO[name] for name in ("tp2", "pp2-1f1b", "dp2-zero3-recompute-chunks")} | {
