@@ -253,3 +253,47 @@ def test_llama_shape_layouts_match_single_process(model, world, cases, llama_ref
     assert results[0] is not None
     for name, got in results[0].items():
         assert_same(name, got, llama_reference[model])
+
+
+# The architectures imported configs name (issue 40), through tensor parallelism (with sequence
+# parallelism and selective recompute), the pipeline, FSDP2 with full recompute: a shrunk Pythia
+# (2 layers, parallel residual, rotary over a quarter of each head, untied), Qwen2's attention (q/k/v
+# bias only) with Mistral's sliding window shorter than the sequence, and with multi-query attention,
+# and ALiBi (each tp rank keeps its heads' slopes).
+ARCH_MODELS = {
+    "pythia-2-layers": [
+        "model.type=gpt",
+        "model.num_layers=2",
+        "model.position_embedding_type=rotary",
+        "model.rotary_percent=0.25",
+        "model.parallel_residual=true",
+        "model.tie_word_embeddings=false",
+    ],
+    "qwen2-window-8": [
+        *LLAMA,
+        "model.num_query_groups=2",
+        "model.add_qkv_bias=true",
+        "model.sliding_window=8",
+    ],
+    # one key/value group on tp 2: the q/k/v weight and bias replicated, each rank slicing its heads
+    "qwen2-mqa": [*LLAMA, "model.num_query_groups=1", "model.add_qkv_bias=true"],
+    "alibi": ["model.type=gpt", "model.position_embedding_type=alibi"],
+}
+ARCH_TWO = {name: TWO[name] for name in ("tp2", "pp2-1f1b", "dp2-zero3-recompute-chunks")} | {
+    "tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]
+}
+
+
+@pytest.fixture(scope="module")
+def arch_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("arch-reference")
+    return {model: train(overrides, root / model) for model, overrides in ARCH_MODELS.items()}
+
+
+@pytest.mark.parametrize("model", list(ARCH_MODELS))
+def test_architectures_train_to_the_single_process_losses(model, arch_reference, tmp_path):
+    cases = {name: [*ARCH_MODELS[model], *overrides] for name, overrides in ARCH_TWO.items()}
+    results = run_distributed(_layouts, 2, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
+    assert results[0] is not None
+    for name, got in results[0].items():
+        assert_same(name, got, arch_reference[model])

@@ -17,6 +17,8 @@ import torch
 from harness import run_distributed
 from torch.distributed.tensor import DTensor
 
+from scalable_transformer.checkpoint.export import hf_mapping
+from scalable_transformer.checkpoint.hf_import import model_overrides_from_hf
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.peak_memory import peak_rss_bytes, process_rss_bytes, reset_peak_rss
@@ -222,6 +224,68 @@ def test_hf_import_into_shards_matches_one_process(layout, arch, tmp_path):
             assert torch.equal(r["weights"][key], value), f"rank {rank}: {key}"
         torch.testing.assert_close(r["logits"], want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["logits"][..., :500], hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _hf_family(arch: str):
+    """A randomly initialised transformers model of the families issue 40 adds (no download): Pythia's
+    block (parallel residual, rotary over a quarter of each head, untied), Mistral's with a sliding
+    window of 8 over a sequence of 32, Qwen2's with biases on q/k/v only; biases drawn (transformers
+    starts them at zero, which would hide a misplaced one)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=32)  # fmt: skip
+    if arch == "pythia":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+        hf_cfg = transformers.GPTNeoXConfig(
+            **common, use_parallel_residual=True, rope_parameters=rope, tie_word_embeddings=False
+        )
+        hf = transformers.GPTNeoXForCausalLM(hf_cfg)
+    elif arch == "mistral":
+        hf = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=8)
+        )
+    else:
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=2))
+    with torch.no_grad():
+        for key, param in hf.named_parameters():
+            if key.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("arch", ["pythia", "mistral", "qwen2"])
+def test_hf_model_through_tp2_and_back_keeps_its_logits(arch, tmp_path):
+    """transformers -> stx at tp 2 (checkpoint.init_from_hf into the shards) -> transformers (the
+    export mapping, `stx export --format hf`'s, on the weights the tp ranks hold): the same logits."""
+    hf = _hf_family(arch)
+    hf.save_pretrained(tmp_path / arch)
+    settings = model_overrides_from_hf(tmp_path / arch)
+    base = [
+        *(f"model.{k}={'null' if v is None else v}" for k, v in settings.items()),
+        "model.seq_length=32",
+        "model.hidden_dropout=0",
+        "model.attention_dropout=0",
+        f"checkpoint.init_from_hf={tmp_path / arch}",
+    ]
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    results = run_distributed(_hf_logits, 2, [*base, "parallel.tp=2"], ids, tmp_dir=tmp_path, timeout=300)
+    cfg = _config(base, 1).model
+    single = build_model(cfg).eval()
+    for rank, r in enumerate(results):
+        diff = (r["logits"] - want).abs().max().item()
+        print(f"{arch} rank {rank}: max |stx tp2 - HF| = {diff:.2e}")
+        assert r["logits"].shape == want.shape and diff <= 1e-4
+        single.load_state_dict(r["weights"])
+        exported = hf_mapping(cfg).to_hf(single, cfg)
+        assert type(exported) is type(hf)
+        with torch.no_grad():
+            back = exported(ids).logits
+        diff = (back - want).abs().max().item()
+        print(f"{arch} rank {rank}: max |HF -> stx tp2 -> HF - HF| = {diff:.2e}")
+        assert diff <= 1e-4
 
 
 # ---------------------------------------------------------------- half-precision FSDP gathers

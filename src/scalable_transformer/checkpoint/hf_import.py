@@ -1,6 +1,7 @@
 """Initialise our model from a local Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM,
-GPTNeoXForCausalLM, BertForPreTraining, MegatronBertForPreTraining: `checkpoint.init_from_hf`), the
-reverse of `stx export --format hf`; and `stx config from-hf`.
+MistralForCausalLM, Qwen2ForCausalLM, GPTNeoXForCausalLM, BertForPreTraining,
+MegatronBertForPreTraining: `checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and
+`stx config from-hf`.
 
 The weight mapping is not written a second time: it is the family's export mapping (`ModelSpec.hf`,
 models/<family>/hf.py) run backwards. A float64 copy of our model whose every element holds its own index is
@@ -31,6 +32,21 @@ from .export import hf_mapping
 _SHIFT = float(2**40)
 
 
+# Hugging Face families whose architecture has no equivalent here yet, with the settings that make it so.
+_NO_EQUIVALENT = {
+    "olmo2": "OLMo-2 normalizes the attention and MLP outputs inside the residual (post_attention_layernorm "
+    "and post_feedforward_layernorm after each sublayer, none before) and normalizes q and k over all "
+    "heads (q_norm, k_norm); blocks here normalize their inputs and have no q/k norm",
+    # ALiBi models: the engine's ALiBi (model.position_embedding_type: alibi) is BLOOM's and GPT-NeoX's,
+    # but neither family's block is one of ours
+    "bloom": "BLOOM normalizes the word embeddings before the first block (word_embeddings_layernorm); "
+    "pre-LN models here have no embedding norm (its ALiBi is model.position_embedding_type = alibi)",
+    "mpt": "MPT's LayerNorms have no bias (norm_1, norm_2, norm_f: bias None); LayerNorm here has one "
+    "(its ALiBi is model.position_embedding_type = alibi; MPT orders the slopes of a non-power-of-two "
+    "head count its own way)",
+}
+
+
 def _hf_classes() -> dict[str, str]:
     """Hugging Face config.model_type -> transformers class, for every family with a mapping."""
     return {m.model_type: m.hf_class for m in hf_mappings()}
@@ -49,6 +65,10 @@ def _hf_config(hf_dir: Path) -> Any:
         )
     hf_cfg = AutoConfig.from_pretrained(hf_dir)
     classes = _hf_classes()
+    if hf_cfg.model_type in _NO_EQUIVALENT:
+        raise CheckpointError(
+            f"{hf_dir}: model_type {hf_cfg.model_type!r}: {_NO_EQUIVALENT[hf_cfg.model_type]}"
+        )
     if hf_cfg.model_type not in classes:
         raise CheckpointError(
             f"{hf_dir}: model_type {hf_cfg.model_type!r} has no equivalent here; supported: "
@@ -70,7 +90,9 @@ def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
     wrong = [
         f"model.{key} = {getattr(cfg, key)!r} (the Hugging Face model has {value!r})"
         for key, value in want.items()
-        if key not in ("vocab_size", "bert_binary_head") and getattr(cfg, key) != value
+        # the padding of the vocabulary is ours to choose (import fills the file's rows)
+        if key not in ("vocab_size", "bert_binary_head", "make_vocab_size_divisible_by")
+        and getattr(cfg, key) != value
     ]
     assert cfg.vocab_size is not None
     if cfg.vocab_size != want["vocab_size"]:

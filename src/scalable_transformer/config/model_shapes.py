@@ -72,6 +72,11 @@ def qkv_width(m: ModelConfig) -> int:
     return (m.num_attention_heads + 2 * query_groups(m)) * (m.hidden_size // m.num_attention_heads)
 
 
+def qkv_bias(m: ModelConfig) -> bool:
+    """Whether the query/key/value projection has biases: add_qkv_bias, default add_bias_linear."""
+    return m.add_bias_linear if m.add_qkv_bias is None else m.add_qkv_bias
+
+
 def default_ffn_hidden_size(m: ModelConfig) -> int:
     """The derived MLP inner size: 4 h, or Llama's int(2/3 * 4 h) with swiglu (the parameters of an
     ungated 4 h MLP), rounded up to a multiple of model.ffn_multiple_of."""
@@ -119,7 +124,7 @@ def block_params(m: ModelConfig, tp: int = 1) -> BlockParams:
     h, f, qkv = m.hidden_size, m.ffn_hidden_size, qkv_width(m)
     up = 2 * f if gated_mlp(m) else f
     bias = 1 if m.add_bias_linear else 0
-    qkv_numel = h * qkv + bias * qkv
+    qkv_numel = h * qkv + (qkv if qkv_bias(m) else 0)
     qkv_local = qkv_numel if query_groups(m) % tp else qkv_numel // tp
     return BlockParams(
         attention=qkv_local + h * h // tp + bias * h,
@@ -205,7 +210,7 @@ def stage_params(
     for the same stages thousands of times)."""
     key = (
         m.type, m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.make_vocab_size_divisible_by,
-        m.num_attention_heads, m.num_query_groups, m.add_bias_linear,
+        m.num_attention_heads, m.num_query_groups, m.add_bias_linear, m.add_qkv_bias,
         m.max_position_embeddings, m.position_embedding_type, m.num_tokentypes, m.norm, m.activation,
         m.apply_residual_connection_post_layernorm, m.tie_word_embeddings, m.bert_binary_head,
         tp, pp, pp_rank, virtual, schedule, pipeline_layers,

@@ -22,6 +22,37 @@ V_SHAPED_SCHEDULES = ("zbv",)
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
+def _check_architecture(m: ModelConfig) -> None:
+    """The settings of GPT-J/NeoX, Mistral and BLOOM-style models (partial rotary, parallel residual,
+    sliding window, ALiBi) where they need each other."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    if m.rotary_percent != 1.0 and m.position_embedding_type != "rotary":
+        raise ConfigError(
+            f"model.rotary_percent ({m.rotary_percent}) is the rotated share of each head under rotary "
+            f"positions; model.position_embedding_type is {m.position_embedding_type}: set it to rotary "
+            "or rotary_percent to 1"
+        )
+    rotated = int(head_dim * m.rotary_percent)
+    if m.position_embedding_type == "rotary" and (rotated % 2 or rotated == 0):
+        raise ConfigError(
+            f"rotary position embeddings rotate channel pairs: int(head dim {head_dim} x "
+            f"model.rotary_percent {m.rotary_percent}) = {rotated} must be even and positive"
+        )
+    if m.parallel_residual and m.apply_residual_connection_post_layernorm:
+        raise ConfigError(
+            "model.parallel_residual (GPT-J/NeoX blocks) is pre-LN: set "
+            "model.apply_residual_connection_post_layernorm to false"
+        )
+    for key, named in (
+        ("sliding_window", m.sliding_window is not None),
+        ("position_embedding_type", m.position_embedding_type == "alibi"),
+    ):
+        if named and m.type != "gpt":
+            raise ConfigError(
+                f"model.{key} = {getattr(m, key)} is built for causal GPT models only; model.type is {m.type}"
+            )
+
+
 def check_model(m: ModelConfig) -> None:
     """The model's sizes agree with each other (derived sizes filled). The one place these rules live:
     models/ builds only from resolved configs."""
@@ -41,22 +72,7 @@ def check_model(m: ModelConfig) -> None:
             f"model.rope_scaling scales rotary frequencies; model.position_embedding_type is "
             f"{m.position_embedding_type}, set it to rotary or rope_scaling to false"
         )
-    # declared for the configs that name them (issue 40); refused until the engine builds them
-    pending = {
-        "rotary_percent": m.rotary_percent != 1.0,
-        "parallel_residual": m.parallel_residual,
-        "add_qkv_bias": m.add_qkv_bias is not None and m.add_qkv_bias != m.add_bias_linear,
-        "sliding_window": m.sliding_window is not None,
-        "position_embedding_type": m.position_embedding_type == "alibi",
-    }
-    for key, named in pending.items():
-        if named:
-            raise ConfigError(f"model.{key}={getattr(m, key)} is not built in the engine yet")
-    head_dim = m.hidden_size // m.num_attention_heads
-    if m.position_embedding_type == "rotary" and head_dim % 2:
-        raise ConfigError(
-            f"rotary position embeddings need an even head dimension; hidden_size / heads = {head_dim}"
-        )
+    _check_architecture(m)
     if m.position_embedding_type == "sinusoidal" and m.hidden_size % 2:
         raise ConfigError(f"sinusoidal positions need an even model.hidden_size, got {m.hidden_size}")
     if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:

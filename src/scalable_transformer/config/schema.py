@@ -625,7 +625,8 @@ class CheckpointConfig:
     init_from_hf: str | None = opt(
         None,
         "Start from the weights of a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM / "
-        "GPTNeoXForCausalLM / BertForPreTraining / MegatronBertForPreTraining directory "
+        "MistralForCausalLM / Qwen2ForCausalLM / GPTNeoXForCausalLM / BertForPreTraining / "
+        "MegatronBertForPreTraining directory "
         "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
         "settings.",
     )

@@ -58,6 +58,31 @@ def classic_block(name: str, positions: str, biases: str) -> list[Needs]:
 GPT = Needs("type", ("gpt",))
 
 
+def block_form(
+    name: str,
+    cfg: ModelConfig,
+    parallel: bool = False,
+    window: bool = False,
+    qkv_bias: tuple[bool, ...] | None = None,
+    rotary_percent: bool = False,
+) -> list[Needs]:
+    """The needs of the newer block settings, for an architecture that has (True) or lacks (False)
+    the parallel residual, a sliding window, partial rotary; qkv_bias: the q/k/v bias values it
+    holds (None: only add_bias_linear's, the same bias on every linear layer)."""
+    needs = []
+    if not parallel:
+        needs.append(Needs("parallel_residual", (False,), f"{name} blocks are sequential"))
+    if not window:
+        needs.append(Needs("sliding_window", (None,), f"{name} attends to the whole sequence"))
+    if not rotary_percent:
+        needs.append(Needs("rotary_percent", (1.0,), f"{name} rotates whole heads"))
+    allowed = (cfg.add_bias_linear,) if qkv_bias is None else qkv_bias
+    if (cfg.add_bias_linear if cfg.add_qkv_bias is None else cfg.add_qkv_bias) not in allowed:
+        why = "its q/k/v bias is that of its other linear layers" if qkv_bias is None else ""
+        needs.append(Needs("add_qkv_bias", allowed, why or f"{name}'s q/k/v bias is {_shown(allowed[0])}"))
+    return needs
+
+
 def pre_ln(name: str) -> Needs:
     return Needs("apply_residual_connection_post_layernorm", (False,), f"{name} is pre-LN")
 

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from scalable_transformer.config.model_shapes import gated_mlp, qkv_width, query_groups
+from scalable_transformer.config.model_shapes import gated_mlp, qkv_bias, qkv_width, query_groups
 from scalable_transformer.config.rules import check_model
 from scalable_transformer.config.schema import ModelConfig, check_section
 
 _CHOICES = {
     "activation": ("gelu", "openai-gelu", "geglu", "swiglu"),
     "norm": ("layernorm", "rmsnorm"),
-    "position_embedding_type": ("learned", "sinusoidal", "rotary"),
+    "position_embedding_type": ("learned", "sinusoidal", "rotary", "alibi"),
 }
 
 
@@ -132,8 +132,9 @@ class Embedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of rotate-half RoPE over the full head dim; no parameters. llama3_factor:
-    Llama 3.1's frequency scaling with that factor (`llama3_scaled`), None for plain RoPE."""
+    """cos/sin tables of rotate-half RoPE over the first `head_dim` channels of each head (all of them,
+    or the rotary part under partial rotary: `rotary_dim`); no parameters. llama3_factor: Llama 3.1's
+    frequency scaling with that factor (`llama3_scaled`), None for plain RoPE."""
 
     cos_pd: torch.Tensor
     sin_pd: torch.Tensor
@@ -169,27 +170,81 @@ def rotary_for(cfg: ModelConfig) -> RotaryEmbedding | None:
         return None
     assert cfg.max_position_embeddings is not None
     factor = cfg.rope_scaling_factor if cfg.rope_scaling else None
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return RotaryEmbedding(head_dim, cfg.rotary_base, cfg.max_position_embeddings, factor)
+    return RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, cfg.max_position_embeddings, factor)
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Channels of each head that rotary positions rotate: int(head_dim * rotary_percent), the first
+    ones (GPT-NeoX's rotary_ndims, HF GPTNeoX's and Megatron's rounding: truncated, not rounded)."""
+    return int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent)
 
 
 def apply_rotary(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_bnsd.chunk(2, dim=-1)
+    """Rotate-half RoPE over the first cos_sd.shape[-1] channels; the rest pass unchanged."""
+    rot = cos_sd.shape[-1]
+    x_rot, x_pass = (x_bnsd, None) if rot == x_bnsd.shape[-1] else (x_bnsd[..., :rot], x_bnsd[..., rot:])
+    x1, x2 = x_rot.chunk(2, dim=-1)
     rotated_bnsd = torch.cat([-x2, x1], dim=-1)
-    return x_bnsd * cos_sd.to(x_bnsd.dtype) + rotated_bnsd * sin_sd.to(x_bnsd.dtype)
+    out = x_rot * cos_sd.to(x_bnsd.dtype) + rotated_bnsd * sin_sd.to(x_bnsd.dtype)
+    return out if x_pass is None else torch.cat([out, x_pass], dim=-1)
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's per-head slopes (Press et al. 2022; BLOOM, MPT and GPT-NeoX compute the same): for a
+    power of two n, the geometric sequence 2^(-8/n), 2^(-16/n), ...; otherwise those of the largest
+    power of two below n, then every other slope of twice that power for the remaining heads."""
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * (i + 1) / closest) for i in range(closest)]
+    extra = [2.0 ** (-8.0 * (i + 1) / (2 * closest)) for i in range(2 * closest)][0::2]
+    return slopes + extra[: heads - closest]
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with dropout: the activation-heavy part (O(s^2) per head). k and v
-    may have fewer heads (g groups, grouped-query attention): each serves n / g consecutive q heads."""
+    """softmax(q k^T / sqrt(d) + bias) v with dropout: the activation-heavy part (O(s^2) per head). k
+    and v may have fewer heads (g groups, grouped-query attention): each serves n / g consecutive q
+    heads. window: causal attention sees at most that many positions, itself included (Mistral's
+    sliding window: key j is visible from query i when i - window < j <= i). slopes: ALiBi's slopes
+    of the heads this module computes (tensor parallelism keeps each rank's heads', see
+    parallel/tensor.py), a bias slope * (j - i) on the scores."""
 
-    def __init__(self, dropout: float, causal: bool) -> None:
+    def __init__(
+        self, dropout: float, causal: bool, window: int | None = None, slopes: list[float] | None = None
+    ) -> None:
         super().__init__()
-        self.dropout, self.causal = dropout, causal
+        self.dropout, self.causal, self.window = dropout, causal, window
+        # plain lists, not buffers: derived from the config, on no device; `slopes` are the heads'
+        # this module computes (all of them until tensor parallelism keeps a rank's, `keep_heads`)
+        self.all_slopes = self.slopes = slopes
+
+    def keep_heads(self, start: int, stop: int) -> None:
+        """Compute query heads start..stop-1 of the model's only (a tensor-parallel rank's)."""
+        if self.all_slopes is not None:
+            self.slopes = self.all_slopes[start:stop]
+
+    def bias(self, s: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [s, s] boolean mask (True: may attend) or [n, s, s] additive bias of a sliding window
+        or ALiBi, causality included; None for plain causal or full attention (SDPA's own is_causal
+        is faster). A model computes it once per forward for all its blocks (`shared_bias`)."""
+        if self.slopes is None and (self.window is None or self.window >= s):
+            return None
+        i_s1 = torch.arange(s, device=device).unsqueeze(1)
+        j_1s = torch.arange(s, device=device).unsqueeze(0)
+        allowed_ss = j_1s <= i_s1 if self.causal else torch.ones(s, s, dtype=torch.bool, device=device)
+        if self.window is not None:
+            allowed_ss = allowed_ss & (i_s1 - j_1s < self.window)
+        if self.slopes is None:
+            return allowed_ss
+        slopes_n11 = torch.tensor(self.slopes, dtype=torch.float32, device=device).view(-1, 1, 1)
+        bias_nss = slopes_n11 * (j_1s - i_s1).float()
+        return bias_nss.masked_fill(~allowed_ss, float("-inf")).to(dtype)
 
     def forward(
         self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, mask_b11s: torch.Tensor | None
     ) -> torch.Tensor:
+        """mask_b11s: a padding mask (BERT), or the model's `shared_bias`, which holds causality;
+        None: this module's own bias (if any) is computed here."""
+        if mask_b11s is None:
+            mask_b11s = self.bias(q_bnsd.shape[-2], q_bnsd.device, q_bnsd.dtype)
         # SDPA's enable_gqa rather than repeating k/v heads: 2-7% faster here (CPU fp32, fwd+bwd,
         # b4 n8 g2 s256 d64: 12.7 vs 13.0 ms; b2 n16 g4 s512: 51.5 vs 55.4 ms) and no copies.
         return F.scaled_dot_product_attention(
@@ -198,7 +253,7 @@ class CoreAttention(nn.Module):
             v_bgsd,
             attn_mask=mask_b11s,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal,
+            is_causal=self.causal and mask_b11s is None,
             enable_gqa=k_bgsd.shape[1] != q_bnsd.shape[1],
         )
 
@@ -211,10 +266,10 @@ class Attention(nn.Module):
         # Columns are laid out per key/value group as [q of its r heads | k_d | v_d] (Megatron; with
         # one head per group the per-head [q_d | k_d | v_d]), so a column-parallel split gives each
         # tensor-parallel rank whole groups with their own q, k and v.
-        bias = cfg.add_bias_linear
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_width(cfg), bias=bias)
-        self.core = CoreAttention(cfg.attention_dropout, causal)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_width(cfg), bias=qkv_bias(cfg))
+        slopes = alibi_slopes(cfg.num_attention_heads) if cfg.position_embedding_type == "alibi" else None
+        self.core = CoreAttention(cfg.attention_dropout, causal, cfg.sliding_window, slopes)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(
         self,
@@ -277,11 +332,13 @@ class Logits(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LN by default; post-LN (original BERT) when apply_residual_connection_post_layernorm."""
+    """Pre-LN by default; post-LN (original BERT) when apply_residual_connection_post_layernorm;
+    GPT-J/NeoX's parallel residual (x + attention(norm1(x)) + mlp(norm2(x))) when parallel_residual."""
 
     def __init__(self, cfg: ModelConfig, causal: bool) -> None:
         super().__init__()
         self.post_ln = cfg.apply_residual_connection_post_layernorm
+        self.parallel_residual = cfg.parallel_residual
         self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.attention = Attention(cfg, causal)
         self.mlp = MLP(cfg)
@@ -296,8 +353,23 @@ class TransformerBlock(nn.Module):
         if self.post_ln:
             x_bsh = self.norm1(x_bsh + self.dropout(self.attention(x_bsh, mask_b11s, rotary)))
             return self.norm2(x_bsh + self.dropout(self.mlp(x_bsh)))
+        if self.parallel_residual:  # summed as GPT-NeoX and HF GPTNeoXLayer do: mlp + attention + x
+            attention_bsh = self.dropout(self.attention(self.norm1(x_bsh), mask_b11s, rotary))
+            return self.dropout(self.mlp(self.norm2(x_bsh))) + attention_bsh + x_bsh
         x_bsh = x_bsh + self.dropout(self.attention(self.norm1(x_bsh), mask_b11s, rotary))
         return x_bsh + self.dropout(self.mlp(self.norm2(x_bsh)))
+
+
+def shared_bias(layers: nn.Module, seq: int, x_bsh: torch.Tensor) -> torch.Tensor | None:
+    """The attention bias (sliding window, ALiBi) of a causal model's blocks, computed once for all of
+    them (every block's is the same: one tensor for all blocks to save for backward, not one per block),
+    in the dtype attention runs in (autocast's, if on); None when they need none."""
+    core = next((m for m in layers.modules() if isinstance(m, CoreAttention)), None)
+    if core is None:
+        return None
+    device = x_bsh.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x_bsh.dtype
+    return core.bias(seq, device, dtype)
 
 
 def blocks_of(layers: nn.Module) -> Iterable[nn.Module]:

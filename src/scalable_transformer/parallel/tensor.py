@@ -30,6 +30,7 @@ sequence_parallel:
   logits / lm_head.logits    PrepareModuleInput x -> Replicate DTensor (use_local_output=False), so
                              F.linear with the Shard(0) weight gives logits Shard(-1) [b, s, v/t local],
                              consumed by cross-entropy under `loss_parallel()`.
+ALiBi slopes (a plain list in attention.core) are cut to the rank's query heads.
 Everything else (rotary tables, BERT's lm_head dense/norm, pooler, binary_head) stays plain and is
 computed redundantly on every tp rank from the replicated stack output.
 
@@ -72,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..models import PLAIN_LOSS_OPS, LossOps, spec_for
-from ..models.layers import Attention
+from ..models.layers import Attention, CoreAttention
 from ..models.spec import TensorParallelNames
 
 
@@ -368,6 +369,13 @@ def apply_tensor_parallel(
             attention = module.get_submodule(name.removesuffix(".qkv"))
             assert isinstance(attention, Attention)
             attention.heads_per_group = style.heads_per_group * style.groups // tp
+    # Either style leaves rank r the query heads r n/t .. (r + 1) n/t - 1: ALiBi slopes follow them
+    rank = tp_mesh.get_local_rank()
+    for _, block in _blocks(module):
+        for core in block.modules():
+            if isinstance(core, CoreAttention) and core.all_slopes is not None:
+                local = len(core.all_slopes) // tp
+                core.keep_heads(rank * local, (rank + 1) * local)
     names = _names(module)
     if names is not None and names.output_bias is not None:
         owner_name, _, bias_name = names.output_bias.rpartition(".")

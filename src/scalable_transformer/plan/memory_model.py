@@ -129,12 +129,15 @@ def layer_activation_bytes(
     am: ActivationModel,
     gated: bool = False,
     kv_ratio: float = 1.0,
+    parallel_residual: bool = False,
 ) -> float:
     """Bytes one layer keeps for backward for one micro-batch (Korthikanti et al. 2022 section 4,
     generalised). With am = (2, 1, flash=False) this is the paper's exactly:
     sbh(34 + 5as/h) without TP, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP + SP,
     sbh 34/t (TP + SP + selective); full recompute keeps the layer input, 2sbh (/t with SP).
-    kv_ratio: key/value heads per query head (grouped-query attention saves smaller k and v)."""
+    kv_ratio: key/value heads per query head (grouped-query attention saves smaller k and v).
+    parallel_residual (GPT-J/NeoX blocks): both norms read the block input, one saved tensor when it
+    is the fp32 stream itself (measured by the dry run: 4 sbh bytes less per layer in fp32)."""
     e, m = am.act_bytes, am.mask_bytes
     sbh = s * b * h
     seq_shard = t if sp else 1
@@ -143,7 +146,8 @@ def layer_activation_bytes(
         return am.residual_bytes * sbh / seq_shard
     # norm inputs (2, saved in fp32 under autocast) and the two hidden-dropout masks: sequence-sharded
     # with SP, else replicated
-    replicated = (2 * am.norm_input_bytes + 2 * m) * sbh / seq_shard
+    norm_inputs = 1 if parallel_residual and am.norm_input_bytes == am.residual_bytes else 2
+    replicated = (norm_inputs * am.norm_input_bytes + 2 * m) * sbh / seq_shard
     # qkv and up inputs: the norm outputs (with SP, kept as 1/t slices)
     inputs = 2 * e * sbh / seq_shard
     # q, k, v (1 + 2 kv_ratio), attention output into proj (1), MLP activation input and output; the
@@ -179,6 +183,7 @@ def config_layer_bytes(cfg: Config, recompute: str, am: ActivationModel) -> floa
         am,
         gated_mlp(mc),
         query_groups(mc) / mc.num_attention_heads,
+        mc.parallel_residual,
     )
 
 

@@ -13,14 +13,14 @@ import torch
 
 from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
-from scalable_transformer.models.hf_shape import Needs, classic_block, mismatches, refuse
+from scalable_transformer.models.hf_shape import Needs, block_form, classic_block, mismatches, refuse
 
 
 def _bert_shape_unsupported(cfg: ModelConfig) -> list[str]:
     """What neither BertForPreTraining nor MegatronBertForPreTraining can hold."""
     needs = classic_block("BERT", "learned", "linear layers have")
     needs.append(Needs("tie_word_embeddings", (True,), "BERT ties its decoder"))
-    return mismatches(cfg, needs, one_kv_head_per_head="BERT")
+    return mismatches(cfg, [*needs, *block_form("BERT", cfg)], one_kv_head_per_head="BERT")
 
 
 def bert_unsupported(cfg: ModelConfig) -> list[str]:
@@ -173,6 +173,7 @@ def overrides_from_hf(hf: Any) -> dict[str, Any]:
         "ffn_hidden_size": hf.intermediate_size,
         "max_position_embeddings": hf.max_position_embeddings,
         "vocab_size": hf.vocab_size,
+        "make_vocab_size_divisible_by": 1,  # the vocabulary as the file has it
         "activation": "gelu" if hf.hidden_act == "gelu" else "openai-gelu",
         "layernorm_epsilon": hf.layer_norm_eps,
         "num_tokentypes": hf.type_vocab_size,

@@ -64,6 +64,22 @@ SPEC = ModelSpec(
             vocab_keys=("embedding.word.weight", "output.weight"),
         ),
         HFMapping(
+            model_type="mistral",
+            hf_class="MistralForCausalLM",
+            unsupported=hf.mistral_unsupported,
+            to_hf=hf.to_mistral,
+            overrides=hf.overrides_from_mistral,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
+        HFMapping(
+            model_type="qwen2",
+            hf_class="Qwen2ForCausalLM",
+            unsupported=hf.qwen2_unsupported,
+            to_hf=hf.to_qwen2,
+            overrides=hf.overrides_from_qwen2,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
+        HFMapping(
             model_type="gpt_neox",
             hf_class="GPTNeoXForCausalLM",
             unsupported=hf.neox_unsupported,

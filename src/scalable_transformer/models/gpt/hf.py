@@ -15,7 +15,15 @@ import torch
 from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
-from scalable_transformer.models.hf_shape import GPT, Needs, classic_block, mismatches, pre_ln, refuse
+from scalable_transformer.models.hf_shape import (
+    GPT,
+    Needs,
+    block_form,
+    classic_block,
+    mismatches,
+    pre_ln,
+    refuse,
+)
 from scalable_transformer.models.layers import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
@@ -26,7 +34,7 @@ from scalable_transformer.models.layers import (
 def gpt2_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no GPT2LMHeadModel equivalent (empty: it has one)."""
     needs = [GPT, *classic_block("GPT-2", "learned", "linear layers have"), pre_ln("GPT-2")]
-    return mismatches(cfg, needs, one_kv_head_per_head="GPT-2")
+    return mismatches(cfg, [*needs, *block_form("GPT-2", cfg)], one_kv_head_per_head="GPT-2")
 
 
 def to_gpt2(model: torch.nn.Module, cfg: ModelConfig) -> Any:
@@ -104,6 +112,7 @@ def overrides_from_hf(hf: Any) -> dict[str, Any]:
         "norm": "layernorm",
         "apply_residual_connection_post_layernorm": False,
         "tie_word_embeddings": bool(hf.tie_word_embeddings),
+        "make_vocab_size_divisible_by": 1,  # the vocabulary as the file has it
     }
 
 
@@ -114,14 +123,41 @@ def overrides_from_hf(hf: Any) -> dict[str, Any]:
 # rotate-half RoPE over the whole head dimension, so q and k need no permutation.
 
 
+def _llama_block(name: str) -> list[Needs]:
+    return [
+        GPT,
+        Needs("position_embedding_type", ("rotary",), f"{name} uses rotary"),
+        Needs("norm", ("rmsnorm",), f"{name} uses RMSNorm"),
+        Needs("activation", ("swiglu",), f"{name}'s MLP is SwiGLU"),
+        pre_ln(name),
+    ]
+
+
 def llama_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no LlamaForCausalLM equivalent (empty: it has one)."""
+    return mismatches(cfg, [*_llama_block("Llama"), *block_form("Llama", cfg)])
+
+
+def mistral_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no MistralForCausalLM equivalent (empty: it has one): Llama's block without
+    biases, with a sliding window (or none) on every layer."""
     needs = [
-        GPT,
-        Needs("position_embedding_type", ("rotary",), "Llama uses rotary"),
-        Needs("norm", ("rmsnorm",), "Llama uses RMSNorm"),
-        Needs("activation", ("swiglu",), "Llama's MLP is SwiGLU"),
-        pre_ln("Llama"),
+        *_llama_block("Mistral"),
+        Needs("rope_scaling", (False,), "Mistral has no Llama 3.1 scaling"),
+        Needs("add_bias_linear", (False,), "Mistral's linear layers have no biases"),
+        *block_form("Mistral", cfg, window=True),
+    ]
+    return mismatches(cfg, needs)
+
+
+def qwen2_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no Qwen2ForCausalLM equivalent (empty: it has one): Llama's block with biases on
+    q/k/v only, and a sliding window on every layer or none."""
+    needs = [
+        *_llama_block("Qwen2"),
+        Needs("rope_scaling", (False,), "Qwen2 here has no Llama 3.1 scaling"),
+        Needs("add_bias_linear", (False,), "Qwen2's output and MLP projections have no biases"),
+        *block_form("Qwen2", cfg, window=True, qkv_bias=(True,)),
     ]
     return mismatches(cfg, needs)
 
@@ -139,42 +175,40 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
-    """A transformers LlamaForCausalLM holding `model`'s weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency (the bench extra)
-
-    refuse(llama_unsupported(cfg), "LlamaForCausalLM")
+def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The settings LlamaConfig, MistralConfig and Qwen2Config share, for cfg."""
     assert cfg.vocab_size is not None and cfg.max_position_embeddings is not None
-    assert cfg.ffn_hidden_size is not None
-    h, n = cfg.hidden_size, cfg.num_attention_heads
-    g = cfg.num_query_groups or n
-    d, r = h // n, n // g
-    hf_cfg = LlamaConfig(
+    return dict(
         vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by),
-        hidden_size=h,
+        hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers,
-        num_attention_heads=n,
-        num_key_value_heads=g,
-        head_dim=d,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads,
         hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.layernorm_epsilon,
         rope_parameters=_rope_parameters(cfg),
-        attention_bias=cfg.add_bias_linear,
-        mlp_bias=cfg.add_bias_linear,
         attention_dropout=cfg.attention_dropout,
         tie_word_embeddings=cfg.tie_word_embeddings,
         initializer_range=cfg.init_method_std,
-        bos_token_id=None,  # Llama's ids are not in our vocabulary
+        bos_token_id=None,  # the family's ids are not in our vocabulary
         eos_token_id=None,
     )
+
+
+def _llama_state_dict(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights under Llama's names (Mistral's and Qwen2's are the same)."""
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    g = cfg.num_query_groups or n
+    d, r = h // n, n // g
     ours = model.state_dict()
     sd: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": ours["embedding.word.weight"],
         "model.norm.weight": ours["final_norm.weight"],
-        "lm_head.weight": ours["embedding.word.weight" if cfg.tie_word_embeddings else "output.weight"],
     }
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = ours["output.weight"]
     for i in range(cfg.num_layers):
         o, t = f"layers.{i}.", f"model.layers.{i}."
         sd |= {
@@ -183,42 +217,81 @@ def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
             t + "self_attn.o_proj.weight": ours[o + "attention.proj.weight"],
             t + "mlp.down_proj.weight": ours[o + "mlp.down.weight"],
         }
-        parts = [("weight", (h,))] + ([("bias", ())] if cfg.add_bias_linear else [])
-        for kind, tail in parts:
-            qkv = ours[o + f"attention.qkv.{kind}"].view(g, (r + 2) * d, *tail)
-            up = ours[o + f"mlp.up.{kind}"]
-            sd |= {
-                t + f"self_attn.q_proj.{kind}": qkv[:, : r * d].reshape(n * d, *tail),
-                t + f"self_attn.k_proj.{kind}": qkv[:, r * d : (r + 1) * d].reshape(g * d, *tail),
-                t + f"self_attn.v_proj.{kind}": qkv[:, (r + 1) * d :].reshape(g * d, *tail),
-                t + f"mlp.gate_proj.{kind}": up[0::2],
-                t + f"mlp.up_proj.{kind}": up[1::2],
-            }
+        for kind, tail in [("weight", (h,)), ("bias", ())]:
+            if o + f"attention.qkv.{kind}" in ours:
+                qkv = ours[o + f"attention.qkv.{kind}"].view(g, (r + 2) * d, *tail)
+                sd |= {
+                    t + f"self_attn.q_proj.{kind}": qkv[:, : r * d].reshape(n * d, *tail),
+                    t + f"self_attn.k_proj.{kind}": qkv[:, r * d : (r + 1) * d].reshape(g * d, *tail),
+                    t + f"self_attn.v_proj.{kind}": qkv[:, (r + 1) * d :].reshape(g * d, *tail),
+                }
+            if o + f"mlp.up.{kind}" in ours:
+                up = ours[o + f"mlp.up.{kind}"]
+                sd |= {t + f"mlp.gate_proj.{kind}": up[0::2], t + f"mlp.up_proj.{kind}": up[1::2]}
         if cfg.add_bias_linear:
             sd |= {
                 t + "self_attn.o_proj.bias": ours[o + "attention.proj.bias"],
                 t + "mlp.down_proj.bias": ours[o + "mlp.down.bias"],
             }
-    hf = LlamaForCausalLM(hf_cfg)
-    if cfg.tie_word_embeddings:
-        del sd["lm_head.weight"]
+    return sd
+
+
+def _load_exported(hf: Any, sd: dict[str, torch.Tensor], cfg: ModelConfig, name: str) -> Any:
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in sd.items()}, strict=False)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise CheckpointError(f"Llama export: missing {missing}, unexpected {unexpected}")
+        raise CheckpointError(f"{name} export: missing {missing}, unexpected {unexpected}")
     return hf.eval()
 
 
-def overrides_from_llama(hf: Any) -> dict[str, Any]:
-    """The model.* settings (as `key: value`) describing a Hugging Face LlamaConfig; CheckpointError
-    naming the setting when it has no equivalent here."""
+def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers LlamaForCausalLM holding `model`'s weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency (the bench extra)
+
+    refuse(llama_unsupported(cfg), "LlamaForCausalLM")
+    d = cfg.hidden_size // cfg.num_attention_heads
+    hf_cfg = LlamaConfig(
+        **_llama_config(cfg), head_dim=d, attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear
+    )
+    return _load_exported(LlamaForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Llama")
+
+
+def to_mistral(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers MistralForCausalLM holding `model`'s weights."""
+    from transformers import MistralConfig, MistralForCausalLM  # optional dependency (the bench extra)
+
+    refuse(mistral_unsupported(cfg), "MistralForCausalLM")
+    d = cfg.hidden_size // cfg.num_attention_heads
+    hf_cfg = MistralConfig(**_llama_config(cfg), head_dim=d, sliding_window=cfg.sliding_window)
+    return _load_exported(MistralForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Mistral")
+
+
+def to_qwen2(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers Qwen2ForCausalLM holding `model`'s weights (a sliding window: on every layer)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # optional dependency (the bench extra)
+
+    refuse(qwen2_unsupported(cfg), "Qwen2ForCausalLM")
+    window = cfg.sliding_window
+    hf_cfg = Qwen2Config(
+        **_llama_config(cfg),
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=0,  # the window, when set, on every layer
+    )
+    return _load_exported(Qwen2ForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Qwen2")
+
+
+def _llama_overrides(hf: Any, name: str, rope_types: tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
+    """(what has no equivalent, the model.* settings) shared by Llama, Mistral and Qwen2 configs."""
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     problems = []
     if hf.hidden_act != "silu":
         problems.append(f"hidden_act = {hf.hidden_act!r} (SwiGLU here is silu-gated)")
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"rope_parameters.rope_type = {rope_type!r} (default or llama3 here)")
+    if rope_type not in rope_types:
+        problems.append(
+            f"rope_parameters.rope_type = {rope_type!r} ({' or '.join(rope_types)} here for {name})"
+        )
     if rope_type == "llama3":
         fixed = {
             "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
@@ -233,14 +306,10 @@ def overrides_from_llama(hf: Any) -> dict[str, Any]:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if head_dim * hf.num_attention_heads != hf.hidden_size:
         problems.append(f"head_dim = {head_dim} (must be hidden_size / num_attention_heads here)")
-    if bool(hf.attention_bias) != bool(getattr(hf, "mlp_bias", False)):
-        problems.append("attention_bias != mlp_bias (model.add_bias_linear sets both)")
     theta = float(rope.get("rope_theta", 10000.0))
     if not theta.is_integer():
         problems.append(f"rope_parameters.rope_theta = {theta} (model.rotary_base is an integer)")
-    if problems:
-        raise CheckpointError("no equivalent here for this Hugging Face Llama config: " + "; ".join(problems))
-    return {
+    settings = {
         "type": "gpt",
         "num_layers": hf.num_hidden_layers,
         "hidden_size": hf.hidden_size,
@@ -249,29 +318,74 @@ def overrides_from_llama(hf: Any) -> dict[str, Any]:
         "ffn_hidden_size": hf.intermediate_size,
         "max_position_embeddings": hf.max_position_embeddings,
         "vocab_size": hf.vocab_size,
+        "make_vocab_size_divisible_by": 1,  # the vocabulary as the file has it
         "activation": "swiglu",
         "layernorm_epsilon": hf.rms_norm_eps,
         "position_embedding_type": "rotary",
-        "rotary_base": int(theta),
+        "rotary_base": int(theta) if theta.is_integer() else 10000,
         "rope_scaling": rope_type == "llama3",
         **({"rope_scaling_factor": float(rope["factor"])} if rope_type == "llama3" else {}),
         "norm": "rmsnorm",
-        "add_bias_linear": bool(hf.attention_bias),
         "apply_residual_connection_post_layernorm": False,
         "tie_word_embeddings": bool(hf.tie_word_embeddings),
     }
+    return problems, settings
+
+
+def _refuse_config(problems: list[str], name: str) -> None:
+    if problems:
+        raise CheckpointError(
+            f"no equivalent here for this Hugging Face {name} config: " + "; ".join(problems)
+        )
+
+
+def overrides_from_llama(hf: Any) -> dict[str, Any]:
+    """The model.* settings (as `key: value`) describing a Hugging Face LlamaConfig; CheckpointError
+    naming the setting when it has no equivalent here."""
+    problems, settings = _llama_overrides(hf, "Llama", ("default", "llama3"))
+    if bool(hf.attention_bias) != bool(getattr(hf, "mlp_bias", False)):
+        problems.append("attention_bias != mlp_bias (model.add_bias_linear sets both)")
+    _refuse_config(problems, "Llama")
+    return settings | {"add_bias_linear": bool(hf.attention_bias)}
+
+
+def overrides_from_mistral(hf: Any) -> dict[str, Any]:
+    """The model.* settings describing a Hugging Face MistralConfig (no biases; its sliding window, or
+    None); CheckpointError naming the setting when it has no equivalent here."""
+    problems, settings = _llama_overrides(hf, "Mistral", ("default",))
+    if getattr(hf, "layer_types", None) and len(set(hf.layer_types)) > 1:
+        problems.append(f"layer_types = {hf.layer_types} (one attention kind on every layer here)")
+    _refuse_config(problems, "Mistral")
+    return settings | {"add_bias_linear": False, "sliding_window": hf.sliding_window}
+
+
+def overrides_from_qwen2(hf: Any) -> dict[str, Any]:
+    """The model.* settings describing a Hugging Face Qwen2Config (biases on q/k/v only; a sliding
+    window only when every layer has it); CheckpointError naming the setting otherwise."""
+    problems, settings = _llama_overrides(hf, "Qwen2", ("default",))
+    kinds = set(hf.layer_types or ["full_attention"])
+    if len(kinds) > 1 or not kinds <= {"full_attention", "sliding_attention"}:
+        problems.append(
+            f"layer_types = {hf.layer_types} (use_sliding_window with max_window_layers = "
+            f"{hf.max_window_layers} of {hf.num_hidden_layers}: one attention kind on every layer here)"
+        )
+    _refuse_config(problems, "Qwen2")
+    window = hf.sliding_window if kinds == {"sliding_attention"} else None
+    return settings | {"add_bias_linear": False, "add_qkv_bias": True, "sliding_window": window}
 
 
 # ------------------------------------------------------------------------------------ GPTNeoXForCausalLM
 # Rotary GPTs with LayerNorm and an ungated GELU MLP (GPT-NeoX, Pythia): NeoX's fused query_key_value
-# is laid out per head as [q_d | k_d | v_d], as ours is; its rotate-half RoPE over the whole head
-# (partial_rotary_factor 1) is ours; blocks are sequential pre-LN (use_parallel_residual = false).
+# is laid out per head as [q_d | k_d | v_d], as ours is; its rotate-half RoPE over the first
+# int(head_dim x partial_rotary_factor) channels is ours (model.rotary_percent); its parallel residual
+# (use_parallel_residual, Pythia's) is model.parallel_residual.
 
 
 def neox_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no GPTNeoXForCausalLM equivalent (empty: it has one)."""
     needs = [GPT, *classic_block("GPT-NeoX", "rotary", "MLP has"), pre_ln("GPT-NeoX")]
     needs.append(Needs("rope_scaling", (False,), "GPT-NeoX has no Llama 3.1 scaling"))
+    needs += block_form("GPT-NeoX", cfg, parallel=True, rotary_percent=True)
     return mismatches(cfg, needs, one_kv_head_per_head="GPT-NeoX")
 
 
@@ -291,11 +405,11 @@ def to_neox(model: torch.nn.Module, cfg: ModelConfig) -> Any:
         hidden_act="gelu" if cfg.activation == "gelu" else "gelu_new",
         max_position_embeddings=cfg.max_position_embeddings,
         layer_norm_eps=cfg.layernorm_epsilon,
-        use_parallel_residual=False,
+        use_parallel_residual=cfg.parallel_residual,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": float(cfg.rotary_base),
-            "partial_rotary_factor": 1.0,
+            "partial_rotary_factor": cfg.rotary_percent,
         },
         attention_bias=True,
         attention_dropout=cfg.attention_dropout,
@@ -337,12 +451,6 @@ def overrides_from_neox(hf: Any) -> dict[str, Any]:
     naming the setting when it has no equivalent here."""
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     problems = []
-    if hf.use_parallel_residual:
-        problems.append("use_parallel_residual = true (blocks here are sequential)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        problems.append(
-            f"partial_rotary_factor = {rope['partial_rotary_factor']} (rotary covers the whole head here)"
-        )
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_parameters.rope_type = {rope['rope_type']!r} (default here)")
     if hf.hidden_act not in ("gelu", "gelu_new"):
@@ -368,8 +476,11 @@ def overrides_from_neox(hf: Any) -> dict[str, Any]:
         "layernorm_epsilon": hf.layer_norm_eps,
         "position_embedding_type": "rotary",
         "rotary_base": int(theta),
+        "rotary_percent": float(rope.get("partial_rotary_factor", 1.0)),
+        "parallel_residual": bool(hf.use_parallel_residual),
         "norm": "layernorm",
         "add_bias_linear": True,
+        "make_vocab_size_divisible_by": 1,  # the vocabulary as the file has it
         "apply_residual_connection_post_layernorm": False,
         "tie_word_embeddings": bool(hf.tie_word_embeddings),
     }

@@ -21,6 +21,7 @@ from scalable_transformer.models.layers import (
     rotary_for,
     rotary_length,
     run_blocks,
+    shared_bias,
 )
 from scalable_transformer.models.spec import IGNORE_INDEX, PLAIN_LOSS_OPS, LossOps
 
@@ -58,8 +59,9 @@ class GPTModel(nn.Module):
         x_bsh = self.embedding(inputs) if self.has_embedding else inputs
         seq = rotary_length(inputs, self.has_embedding, None, self.cfg.seq_length)
         rotary = None if self.rotary is None else self.rotary(seq)
+        bias = shared_bias(self.layers, seq, x_bsh)  # sliding window, ALiBi: causality included
         x_bsh = run_blocks(
-            blocks_of(self.layers), x_bsh, None, rotary, self.recompute_chunk, self.recompute_checkpoint
+            blocks_of(self.layers), x_bsh, bias, rotary, self.recompute_chunk, self.recompute_checkpoint
         )
         if not self.has_head:
             return x_bsh
