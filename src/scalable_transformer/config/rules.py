@@ -41,17 +41,6 @@ def check_model(m: ModelConfig) -> None:
             f"model.rope_scaling scales rotary frequencies; model.position_embedding_type is "
             f"{m.position_embedding_type}, set it to rotary or rope_scaling to false"
         )
-    # declared for the configs that name them (issue 40); refused until the engine builds them
-    pending = {
-        "rotary_percent": m.rotary_percent != 1.0,
-        "parallel_residual": m.parallel_residual,
-        "add_qkv_bias": m.add_qkv_bias is not None and m.add_qkv_bias != m.add_bias_linear,
-        "sliding_window": m.sliding_window is not None,
-        "position_embedding_type": m.position_embedding_type == "alibi",
-    }
-    for key, named in pending.items():
-        if named:
-            raise ConfigError(f"model.{key}={getattr(m, key)} is not built in the engine yet")
     head_dim = m.hidden_size // m.num_attention_heads
     if m.position_embedding_type == "rotary" and head_dim % 2:
         raise ConfigError(
