@@ -21,7 +21,7 @@ import yaml
 
 from ..errors import ConfigError, ConfigWarning
 from ..files import atomic_output
-from . import deepspeed_json
+from . import deepspeed_json, neox_args
 from .load import (
     IGNORED_KEYS,
     SPECIAL_KEYS,
@@ -50,6 +50,7 @@ PATH_FIELDS = (
     "checkpoint.save",
     "checkpoint.load",
     "checkpoint.save_interval",  # needs checkpoint.save
+    "checkpoint.finetune",  # needs checkpoint.load
     "logging.tensorboard_dir",
 )
 
@@ -69,13 +70,16 @@ DERIVED_IN_DUMP = {
 @dataclasses.dataclass(frozen=True)
 class ImportSources:
     """What to import: any of a DeepSpeed JSON, one Megatron source (a command line, a script holding
-    one, or a log with Megatron's argument dump), a NeoX YAML; base: a preset or YAML the result extends."""
+    one, or a log with Megatron's argument dump), GPT-NeoX files (merged in order, as `deepy.py train.py
+    a.yml b.yml`; neox_vocab_size: the tokenizer's size when the files name an unknown one); base: a
+    preset or YAML the result extends."""
 
     deepspeed: Path | None = None
     megatron_args: str | None = None
     megatron_args_file: Path | None = None
     from_log: Path | None = None
-    neox: Path | None = None
+    neox: tuple[Path, ...] = ()
+    neox_vocab_size: int | None = None
     base: str | None = None
     # a Hugging Face model's shape: (its config.json, the model.* settings read from it by the caller,
     # checkpoint/hf_import.py `model_overrides_from_hf`)
@@ -132,13 +136,6 @@ def parse_deepspeed_json(text: str, path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {type(data).__name__}")
-    return data
-
-
-def read_neox_yaml(path: Path) -> dict[str, Any]:
-    data = parse_yaml(_read_text(path, "NeoX config"), str(path))
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a NeoX config is a YAML mapping of names to values")
     return data
 
 
@@ -362,9 +359,9 @@ def import_configs(sources: ImportSources) -> Imported:
         _add(result, {"model": model}, name)
     if sources.deepspeed is not None:
         _add_deepspeed(result, read_deepspeed_json(sources.deepspeed), str(sources.deepspeed))
-    if sources.neox is not None:
-        _add(result, read_neox_yaml(sources.neox), str(sources.neox))
     family: str | None = None
+    if sources.neox:
+        family = _add_neox(result, list(sources.neox), sources.neox_vocab_size)
     if sources.megatron_args is not None:
         command = read_megatron_command(sources.megatron_args, "the Megatron command line")
         family = _add_megatron(result, command, "the Megatron command line")
@@ -381,6 +378,18 @@ def import_configs(sources: ImportSources) -> Imported:
         result.values["model.type"] = (family, "the Megatron entry script")
     result.model_type = family
     return result
+
+
+def _add_neox(result: Imported, paths: list[Path], vocab_size: int | None) -> str:
+    """Carry GPT-NeoX files, merged as NeoX merges them and read by neox_args.py (every argument carried,
+    ignored with its reason, or refused); returns the family, gpt."""
+    config, source = neox_args.read_neox_sources(paths, parse_yaml)
+    translated = neox_args.translate_neox(config, source, vocab_size)
+    result.sources.append(source)
+    result.ignored += [ConfigWarning(source, key, why) for key, _, why in translated.ignored]
+    _carry(result, [Assignment(path, value, source) for path, value in translated.values.items()], source)
+    result.notes += translated.notes
+    return "gpt"
 
 
 def _add_megatron(result: Imported, command: MegatronCommand, source: str) -> str | None:
