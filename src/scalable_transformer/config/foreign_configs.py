@@ -1,8 +1,9 @@
 """`stx config import`: the configs users already have (a DeepSpeed JSON, a Megatron command line or the
-argument dump a Megatron log prints, a GPT-NeoX YAML) become one config file of ours.
+argument dump a Megatron log prints, GPT-NeoX files) become one config file of ours.
 
-No second mapping: every name goes through the loader's (`load.assignments_from_mapping`: schema
-aliases, SPECIAL_KEYS, IGNORED_KEYS, UNSUPPORTED_KEYS). What this module adds is reading the foreign
+No second mapping: each dialect's names live in its own module (deepspeed_json.py, megatron_args.py,
+neox_args.py; the loader's SPECIAL_KEYS / IGNORED_KEYS / UNSUPPORTED_KEYS join the names a config file of
+ours may use). What this module adds is reading the foreign
 formats, deciding what is carried over, and writing one YAML that lists, in comments, what was not:
 paths of the machine the run came from, knobs with no equivalent, values Megatron derives.
 """
@@ -488,162 +489,7 @@ def write_config(text: str, output: Path, force: bool = False) -> None:
         raise ConfigError(f"cannot write '{output}': {e.strerror}") from None
 
 
-# --------------------------------------------------------------------------- the GPT-NeoX reference
-
-# Every parameter of GPT-NeoX's configuration reference (neox-config-parameters.md, by origin: the
-# DeepSpeed launcher, Megatron's command line, NeoX's own, the DeepSpeed config file). Each must be
-# classified by `classify_foreign_key`; a test parses the reference and fails on any name missing here
-# or unclassified.
-NEOX_PARAMETERS: dict[str, tuple[str, ...]] = {
-    "DSL": (
-        "hostfile",
-        "include",
-        "exclude",
-        "num_nodes",
-        "num_gpus",
-        "master_port",
-        "master_addr",
-        "launcher",
-    ),
-    "Meg": (
-        "num-layers",
-        "num-unique-layers",
-        "param-sharing-style",
-        "hidden-size",
-        "num-attention-heads",
-        "max-position-embeddings",
-        "make-vocab-size-divisible-by",
-        "layernorm-epsilon",
-        "apply-residual-connection-post-layernorm",
-        "openai-gelu",
-        "onnx-safe",
-        "attention-dropout",
-        "hidden-dropout",
-        "weight-decay",
-        "adam-beta1",
-        "adam-beta2",
-        "adam-eps",
-        "batch-size",
-        "checkpoint-activations",
-        "distribute-checkpointed-activations",
-        "checkpoint-num-layers",
-        "train-iters",
-        "log-interval",
-        "exit-interval",
-        "tensorboard-dir",
-        "scaled-upper-triang-masked-softmax-fusion",
-        "scaled-masked-softmax-fusion",
-        "bias-gelu-fusion",
-        "bias-dropout-fusion",
-        "cpu-optimizer",
-        "cpu_torch_adam",
-        "seed",
-        "init-method-std",
-        "lr",
-        "lr-decay-style",
-        "lr-decay-iters",
-        "min-lr",
-        "warmup",
-        "override-lr-scheduler",
-        "use-checkpoint-lr-scheduler",
-        "save",
-        "save-interval",
-        "no-save-optim",
-        "no-save-rng",
-        "load",
-        "no-load-optim",
-        "no-load-rng",
-        "finetune",
-        "apply-query-key-layer-scaling",
-        "attention-softmax-in-fp32",
-        "fp32-allreduce",
-        "hysteresis",
-        "loss-scale",
-        "loss-scale-window",
-        "min-scale",
-        "fp16-lm-cross-entropy",
-        "model-parallel-size",
-        "pipe-parallel-size",
-        "distributed-backend",
-        "DDP-impl",
-        "local_rank",
-        "lazy-mpu-init",
-        "use-cpu-initialization",
-        "eval-iters",
-        "eval-interval",
-        "data-path",
-        "split",
-        "vocab-file",
-        "merge-file",
-        "seq-length",
-        "mask-prob",
-        "short-seq-prob",
-        "mmap-warmup",
-        "num-workers",
-        "tokenizer-type",
-        "data-impl",
-        "reset-position-ids",
-        "reset-attention-mask",
-        "eod-mask-loss",
-        "adlr-autoresume",
-        "adlr-autoresume-interval",
-        "ict-head-size",
-        "ict-load",
-        "bert-load",
-        "titles-data-path",
-        "query-in-block-prob",
-        "use-one-sent-docs",
-        "report-topk-accuracies",
-        "faiss-use-gpu",
-        "block-data-path",
-        "indexer-batch-size",
-        "indexer-log-interval",
-        "deepspeed-activation-checkpointing",
-        "partition-activations",
-        "contigious-checkpointing",
-        "checkpoint-in-cpu",
-        "synchronize-each-layer",
-        "profile-backward",
-        "deepspeed_mpi",
-    ),
-    "NeoX": (
-        "onebitadam",
-        "geglu",
-        "no-weight-tying",
-        "sinusoidal-pos-emb",
-        "rpe",
-        "rpe-causal",
-        "rpe-num-buckets",
-        "rpe-max-distance",
-        "sparsity",
-        "rms-norm",
-        "rms-norm-epsilon",
-    ),
-    "DSC": (
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "optimizer",
-        "scheduler",
-        "fp32_allreduce",
-        "prescale_gradients",
-        "gradient_predivide_factor",
-        "sparse_gradients",
-        "fp16",
-        "amp",
-        "gradient_clipping",
-        "zero_optimization",
-        "steps_per_print",
-        "wall_clock_breakdown",
-        "dump_state",
-        "flops_profiler",
-        "activation_checkpointing",
-        "sparse_attention",
-        "zero_allow_untested_optimizer",
-    ),
-}
-
-ORIGINS = {"DSL": "DeepSpeed launcher", "Meg": "Megatron", "NeoX": "GPT-NeoX", "DSC": "DeepSpeed config"}
+# --------------------------------------------------------------------------- foreign names in config files
 
 
 def classify_foreign_key(name: str) -> tuple[str, str] | None:
@@ -662,21 +508,3 @@ def classify_foreign_key(name: str) -> tuple[str, str] | None:
     if k.lower() in UNSUPPORTED_KEYS:
         return "rejected", UNSUPPORTED_KEYS[k.lower()]
     return None
-
-
-def neox_classification_markdown() -> str:
-    """The table docs/CONFIG.md holds: every GPT-NeoX reference parameter and what the loader does."""
-    lines = [
-        "Every parameter of the GPT-NeoX configuration reference, as `stx` treats it in a config file "
-        "(kebab or snake case) and in `stx config import`: **mapped** to a key, **ignored** (accepted with "
-        "a one-line warning; a switch set to false asks for nothing and is silent) or **rejected** "
-        "(an error with this message, unless set to false).",
-        "",
-        "| origin | parameter | status | key, reason or message |",
-        "|---|---|---|---|",
-    ]
-    for origin, names in NEOX_PARAMETERS.items():
-        for name in names:
-            status, detail = classify_foreign_key(name) or ("UNCLASSIFIED", "")
-            lines.append(f"| {ORIGINS[origin]} | `{name}` | {status} | {detail.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"

@@ -502,13 +502,40 @@ NEOX_ARGS: dict[str, Rule] = {
     ),
 }
 
+# GPT-NeoX's own names a config file of ours may use (the names of NeoX's older reference, which stx
+# configs accept beside Megatron's; load.py builds its tables from these): switches (name -> (our key,
+# value when true, value when false or None: nothing)), names accepted and ignored, names refused.
+NEOX_FILE_SWITCHES: dict[str, tuple[str, Any, Any]] = {
+    "geglu": ("model.activation", "geglu", None),
+    "rms_norm": ("model.norm", "rmsnorm", None),
+    "no_weight_tying": ("model.tie_word_embeddings", False, True),
+    "sinusoidal_pos_emb": ("model.position_embedding_type", "sinusoidal", None),
+}
+NEOX_FILE_IGNORED: dict[str, str] = {
+    **dict.fromkeys(
+        ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_port", "master_addr", "launcher"),
+        _LAUNCHER,
+    ),
+    "cpu_torch_adam": "chooses the CPU Adam kernel (torch's AdamW runs on the CPU here)",
+}
+_RPE = (
+    "relative position embeddings are not supported; model.position_embedding_type: learned, sinusoidal "
+    "or rotary"
+)
+NEOX_FILE_REFUSED: dict[str, str] = {
+    "onebitadam": "1-bit Adam (DeepSpeed's compressed communication) is not supported; use optim.optimizer "
+    "adam or adamw",
+    **dict.fromkeys(("rpe", "rpe_causal", "rpe_num_buckets", "rpe_max_distance"), _RPE),
+    "sparsity": "sparse attention is not supported; attention is dense",
+}
+
 # Vocabulary sizes (before padding) of the tokenizers NeoX's configs name by file, for a config that
 # names only a tokenizer file: file name -> (tokens, where the number comes from).
 KNOWN_VOCABULARIES: dict[str, tuple[int, str]] = {
     "20B_tokenizer.json": (
         50277,
-        "GPT-NeoX-20B's tokenizer (also Pythia's): 50,277 tokens (Black et al. 2022, GPT-NeoX-20B, "
-        "section 3.2; len() of EleutherAI/gpt-neox-20b's tokenizer)",
+        "GPT-NeoX-20B's tokenizer (also Pythia's): 50,277 tokens (NeoX's own log on loading it: 'padded "
+        "vocab (size: 50277) with 27 dummy tokens (new size: 50304)')",
     ),
     "gpt2-vocab.json": (50257, "GPT-2's BPE vocabulary: 50,257 tokens (OpenAI's encoder.json)"),
 }
@@ -1015,3 +1042,157 @@ def read_neox_sources(paths: list[Path], parse: Any) -> tuple[dict[str, Any], st
             raise ConfigError(f"NeoX config '{path}' cannot be read: {e}") from None
         files.append((parse(text, str(path)), str(path)))
     return merge_neox_files(files), " + ".join(str(p) for p in paths)
+
+
+# Every parameter of GPT-NeoX's OLDER configuration reference (tests/fixtures/neox/neox-config-parameters.md,
+# by origin: the DeepSpeed launcher, Megatron's command line, NeoX's own, the DeepSpeed config file): the
+# names a config file of ours accepts as the loader treats them (foreign_configs.classify_foreign_key; a
+# test fails on any name missing here or unclassified). NeoX's current arguments: NEOX_ARGS.
+NEOX_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "DSL": (
+        "hostfile",
+        "include",
+        "exclude",
+        "num_nodes",
+        "num_gpus",
+        "master_port",
+        "master_addr",
+        "launcher",
+    ),
+    "Meg": (
+        "num-layers",
+        "num-unique-layers",
+        "param-sharing-style",
+        "hidden-size",
+        "num-attention-heads",
+        "max-position-embeddings",
+        "make-vocab-size-divisible-by",
+        "layernorm-epsilon",
+        "apply-residual-connection-post-layernorm",
+        "openai-gelu",
+        "onnx-safe",
+        "attention-dropout",
+        "hidden-dropout",
+        "weight-decay",
+        "adam-beta1",
+        "adam-beta2",
+        "adam-eps",
+        "batch-size",
+        "checkpoint-activations",
+        "distribute-checkpointed-activations",
+        "checkpoint-num-layers",
+        "train-iters",
+        "log-interval",
+        "exit-interval",
+        "tensorboard-dir",
+        "scaled-upper-triang-masked-softmax-fusion",
+        "scaled-masked-softmax-fusion",
+        "bias-gelu-fusion",
+        "bias-dropout-fusion",
+        "cpu-optimizer",
+        "cpu_torch_adam",
+        "seed",
+        "init-method-std",
+        "lr",
+        "lr-decay-style",
+        "lr-decay-iters",
+        "min-lr",
+        "warmup",
+        "override-lr-scheduler",
+        "use-checkpoint-lr-scheduler",
+        "save",
+        "save-interval",
+        "no-save-optim",
+        "no-save-rng",
+        "load",
+        "no-load-optim",
+        "no-load-rng",
+        "finetune",
+        "apply-query-key-layer-scaling",
+        "attention-softmax-in-fp32",
+        "fp32-allreduce",
+        "hysteresis",
+        "loss-scale",
+        "loss-scale-window",
+        "min-scale",
+        "fp16-lm-cross-entropy",
+        "model-parallel-size",
+        "pipe-parallel-size",
+        "distributed-backend",
+        "DDP-impl",
+        "local_rank",
+        "lazy-mpu-init",
+        "use-cpu-initialization",
+        "eval-iters",
+        "eval-interval",
+        "data-path",
+        "split",
+        "vocab-file",
+        "merge-file",
+        "seq-length",
+        "mask-prob",
+        "short-seq-prob",
+        "mmap-warmup",
+        "num-workers",
+        "tokenizer-type",
+        "data-impl",
+        "reset-position-ids",
+        "reset-attention-mask",
+        "eod-mask-loss",
+        "adlr-autoresume",
+        "adlr-autoresume-interval",
+        "ict-head-size",
+        "ict-load",
+        "bert-load",
+        "titles-data-path",
+        "query-in-block-prob",
+        "use-one-sent-docs",
+        "report-topk-accuracies",
+        "faiss-use-gpu",
+        "block-data-path",
+        "indexer-batch-size",
+        "indexer-log-interval",
+        "deepspeed-activation-checkpointing",
+        "partition-activations",
+        "contigious-checkpointing",
+        "checkpoint-in-cpu",
+        "synchronize-each-layer",
+        "profile-backward",
+        "deepspeed_mpi",
+    ),
+    "NeoX": (
+        "onebitadam",
+        "geglu",
+        "no-weight-tying",
+        "sinusoidal-pos-emb",
+        "rpe",
+        "rpe-causal",
+        "rpe-num-buckets",
+        "rpe-max-distance",
+        "sparsity",
+        "rms-norm",
+        "rms-norm-epsilon",
+    ),
+    "DSC": (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp32_allreduce",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "fp16",
+        "amp",
+        "gradient_clipping",
+        "zero_optimization",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "flops_profiler",
+        "activation_checkpointing",
+        "sparse_attention",
+        "zero_allow_untested_optimizer",
+    ),
+}
