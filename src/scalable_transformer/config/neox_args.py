@@ -327,7 +327,13 @@ NEOX_ARGS: dict[str, Rule] = {
     # NeoXArgsTraining
     "data_path": _c("data.path (a path: written as a comment)"),
     "use_shared_fs": _i("tells NeoX whether ranks share the dataset index files"),
-    **dict.fromkeys(_NOT_CARRIED_PATHS, _i(_PATHS + ": set data.path (one corpus, split by data.split)")),
+    **dict.fromkeys(
+        _NOT_CARRIED_PATHS,
+        _i(
+            _PATHS + ": set data.path (one corpus, split by data.split; "
+            "train_data_paths is listed with the paths)"
+        ),
+    ),
     **dict.fromkeys(
         (
             "train_label_data_paths",
@@ -703,7 +709,7 @@ def _model(config: dict[str, Any], source: str, out: NeoxImport, vocab_size: int
         v["model.num_query_groups"] = config["num_kv_heads"]
     v["model.tie_word_embeddings"] = not config.get("no_weight_tying", False)
     v["model.parallel_residual"] = bool(config.get("gpt_j_residual", False))
-    _norm(config, source, v)
+    _norm(config, source, v, out.ignored)
     _positions(config, source, out)
     _activation_and_mlp(config, source, out)
     _biases(config, source, v)
@@ -717,15 +723,21 @@ def _model(config: dict[str, Any], source: str, out: NeoxImport, vocab_size: int
     )
 
 
-def _norm(config: dict[str, Any], source: str, v: dict[str, Any]) -> None:
+def _norm(
+    config: dict[str, Any], source: str, v: dict[str, Any], ignored: list[tuple[str, Any, str]]
+) -> None:
     norm = str(config.get("norm", "layernorm"))
     if norm not in _NORMS:
         raise ConfigError(f"{source}: 'norm' = {norm!r} is not built here; valid: {', '.join(_NORMS)}")
     v["model.norm"] = _NORMS[norm]
-    if _NORMS[norm] == "rmsnorm":
-        v["model.layernorm_epsilon"] = config.get("rms_norm_epsilon", 1e-8)
-    elif config.get("layernorm_epsilon") is not None:
-        v["model.layernorm_epsilon"] = config["layernorm_epsilon"]
+    used, unused = (
+        ("rms_norm_epsilon", "layernorm_epsilon")
+        if _NORMS[norm] == "rmsnorm"
+        else ("layernorm_epsilon", "rms_norm_epsilon")
+    )
+    v["model.layernorm_epsilon"] = config.get(used, 1e-8 if used == "rms_norm_epsilon" else 1e-5)
+    if config.get(unused) is not None:
+        ignored.append((unused, config[unused], f"NeoX's {norm} reads {used}"))
 
 
 def _positions(config: dict[str, Any], source: str, out: NeoxImport) -> None:
@@ -737,6 +749,10 @@ def _positions(config: dict[str, Any], source: str, out: NeoxImport) -> None:
     if pos == "rotary":
         v["model.rotary_percent"] = config.get("rotary_pct", 1.0)
         v["model.rotary_base"] = config.get("rotary_emb_base", 10000)
+    else:
+        for key in ("rotary_pct", "rotary_emb_base"):
+            if config.get(key) is not None:
+                out.ignored.append((key, config[key], f"applies to pos_emb rotary only (this is {pos})"))
     width = config.get("sliding_window_width")
     if width is not None:
         if "flash" in _attention_types(config.get("attention_config"), source):
@@ -899,6 +915,12 @@ def _deepspeed(config: dict[str, Any], sections: dict[str, Any], source: str, ou
             "(NeoX needs "
             "one: give the file that holds it), so the batch is this config's default"
         )
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict) and not isinstance(zero.get("stage", 0), int):
+        raise ConfigError(
+            f"{source}: 'zero_optimization.stage' = {zero['stage']!r}: several stages are DeepSpeed "
+            "autotuning's search space (autotuning is not run here); give one stage, 0 to 3"
+        )
     translation = deepspeed_json.translate(ds, source)
     out.ignored += [(key, value, why) for key, (value, why) in translation.ignored.items()]
     for path, value in translation.assignments:
@@ -974,6 +996,9 @@ def _precision(config: dict[str, Any], ds: dict[str, Any], source: str, out: Neo
     if precision == "fp16" and "fp16" not in ds:
         ds["fp16"] = {"enabled": True}
     if from_blocks == "bf16" and fp16.get("enabled"):
+        # bf16 from fp16.type: the block's loss-scale keys scale nothing (bf16 trains unscaled)
+        for key in [k for k in fp16 if k not in ("enabled", "auto_cast")]:
+            out.ignored.append((f"fp16.{key}", fp16[key], "bf16 (fp16.type) trains without loss scaling"))
         ds["fp16"] = {k: val for k, val in fp16.items() if k == "auto_cast"}
     return precision or from_blocks
 
@@ -997,6 +1022,8 @@ def _training(config: dict[str, Any], source: str, out: NeoxImport) -> None:
     for key, path in plain.items():
         if config.get(key) is not None:
             v[path] = config[key]
+    if config.get("data_path") is None and isinstance(config.get("train_data_paths"), list):
+        v["data.path"] = " ".join(str(p) for p in config["train_data_paths"])  # a comment to set
     if isinstance(config.get("split"), str):
         v["data.split"] = ",".join(part.strip() for part in config["split"].split(","))
     style = config.get("lr_decay_style")
