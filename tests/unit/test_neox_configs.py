@@ -181,21 +181,25 @@ def test_a_setup_file_alone_is_not_a_model(overlay):
 
 @pytest.mark.parametrize(
     ("model", "published"),
-    [("llama2/7B.yml", 6_738_415_616), ("llama2/70B.yml", 68_976_648_192)],  # meta-llama/Llama-2-*-hf
+    [
+        ("llama2/7B.yml", 6_738_415_616),  # meta-llama/Llama-2-7b-hf
+        ("llama2/13B.yml", 13_015_864_320),  # meta-llama/Llama-2-13b-hf, at the file's tp 2
+        ("llama2/70B.yml", 68_976_648_192),  # meta-llama/Llama-2-70b-hf
+    ],
 )
 def test_llama2_with_llamas_mlp_is_llama2(model, published, tmp_path):
     """NeoX's llama2/ configs leave use_bias_in_mlp at its default (true; configs/llama/ set it false
     since NeoX #1276): with the one line that gives Llama's bias-free MLP, they are Llama 2 exactly,
-    its ffn 11008 / 28672 from NeoX's gated rounding of intermediate_size."""
+    its ffn 11008 / 13824 / 28672 from NeoX's gated rounding of intermediate_size."""
     fix = tmp_path / "llama_mlp.yml"
     fix.write_text("use_bias_in_mlp: false\n", encoding="utf-8")
     imported, _ = _import([NEOX / model, fix], LLAMA_VOCAB)
     out = tmp_path / "imported.yaml"
     out.write_text(render_yaml(imported), encoding="utf-8")
-    cfg = resolve(load_config(str(out)), world_size=1)
+    cfg = resolve(load_config(str(out)), world_size=_raw([NEOX / model])["model_parallel_size"])
     assert total_params(cfg.model) == published
-    assert cfg.model.ffn_hidden_size == {"llama2/7B.yml": 11008, "llama2/70B.yml": 28672}[model]
-    assert (cfg.model.num_query_groups or cfg.model.num_attention_heads) == (8 if "70B" in model else 32)
+    assert cfg.model.ffn_hidden_size == {"7B": 11008, "13B": 13824, "70B": 28672}[model[7:-4]]
+    assert cfg.model.num_query_groups == {"7B": 32, "13B": 40, "70B": 8}[model[7:-4]]  # 70B: GQA, 8 groups
 
 
 def test_the_20b_config_names_its_vocabulary_and_layout_in_the_written_file(tmp_path, capsys):
