@@ -68,7 +68,8 @@ class ImportOptions:
             megatron_args=args.megatron_args,
             megatron_args_file=path(args.megatron_args_file),
             from_log=path(args.from_log),
-            neox=path(args.neox),
+            neox=tuple(Path(p) for p in args.neox or ()),
+            neox_vocab_size=args.vocab_size,
             base=args.base,
             hf_model=None if args.hf is None else _hf_model(Path(args.hf)),
         )

@@ -73,7 +73,19 @@ def register_config(sub: argparse._SubParsersAction) -> None:
     megatron.add_argument("--megatron-args", metavar="ARGS", help="a Megatron command line, quoted")
     megatron.add_argument("--megatron-args-file", metavar="SCRIPT", help="a shell script running Megatron")
     megatron.add_argument("--from-log", metavar="LOG", help="a Megatron log (its argument dump)")
-    imp.add_argument("--neox", metavar="YAML", help="a GPT-NeoX config")
+    imp.add_argument(
+        "--neox",
+        nargs="+",
+        metavar="YAML",
+        help="GPT-NeoX config files, merged in order as `deepy.py train.py a.yml b.yml` merges them",
+    )
+    imp.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="--neox: the tokenizer's vocabulary size (before padding) when the files name a tokenizer "
+        "file the import does not know (Llama's tokenizer.model: 32000)",
+    )
     imp.add_argument(
         "--hf",
         metavar="CONFIG_JSON",

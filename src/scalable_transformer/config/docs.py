@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .deepspeed_json import classification_markdown as deepspeed_classification_markdown
-from .foreign_configs import neox_classification_markdown
 from .load import SPECIAL_KEYS, _hints
+from .neox_args import neox_args_markdown as neox_classification_markdown
 from .schema import SECTIONS
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"

@@ -1,8 +1,9 @@
 """`stx config import`: the configs users already have (a DeepSpeed JSON, a Megatron command line or the
-argument dump a Megatron log prints, a GPT-NeoX YAML) become one config file of ours.
+argument dump a Megatron log prints, GPT-NeoX files) become one config file of ours.
 
-No second mapping: every name goes through the loader's (`load.assignments_from_mapping`: schema
-aliases, SPECIAL_KEYS, IGNORED_KEYS, UNSUPPORTED_KEYS). What this module adds is reading the foreign
+No second mapping: each dialect's names live in its own module (deepspeed_json.py, megatron_args.py,
+neox_args.py; the loader's SPECIAL_KEYS / IGNORED_KEYS / UNSUPPORTED_KEYS join the names a config file of
+ours may use). What this module adds is reading the foreign
 formats, deciding what is carried over, and writing one YAML that lists, in comments, what was not:
 paths of the machine the run came from, knobs with no equivalent, values Megatron derives.
 """
@@ -21,7 +22,7 @@ import yaml
 
 from ..errors import ConfigError, ConfigWarning
 from ..files import atomic_output
-from . import deepspeed_json
+from . import deepspeed_json, neox_args
 from .load import (
     IGNORED_KEYS,
     SPECIAL_KEYS,
@@ -50,6 +51,7 @@ PATH_FIELDS = (
     "checkpoint.save",
     "checkpoint.load",
     "checkpoint.save_interval",  # needs checkpoint.save
+    "checkpoint.finetune",  # needs checkpoint.load
     "logging.tensorboard_dir",
 )
 
@@ -69,13 +71,16 @@ DERIVED_IN_DUMP = {
 @dataclasses.dataclass(frozen=True)
 class ImportSources:
     """What to import: any of a DeepSpeed JSON, one Megatron source (a command line, a script holding
-    one, or a log with Megatron's argument dump), a NeoX YAML; base: a preset or YAML the result extends."""
+    one, or a log with Megatron's argument dump), GPT-NeoX files (merged in order, as `deepy.py train.py
+    a.yml b.yml`; neox_vocab_size: the tokenizer's size when the files name an unknown one); base: a
+    preset or YAML the result extends."""
 
     deepspeed: Path | None = None
     megatron_args: str | None = None
     megatron_args_file: Path | None = None
     from_log: Path | None = None
-    neox: Path | None = None
+    neox: tuple[Path, ...] = ()
+    neox_vocab_size: int | None = None
     base: str | None = None
     # a Hugging Face model's shape: (its config.json, the model.* settings read from it by the caller,
     # checkpoint/hf_import.py `model_overrides_from_hf`)
@@ -132,13 +137,6 @@ def parse_deepspeed_json(text: str, path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a DeepSpeed config is a JSON object {{...}}, got {type(data).__name__}")
-    return data
-
-
-def read_neox_yaml(path: Path) -> dict[str, Any]:
-    data = parse_yaml(_read_text(path, "NeoX config"), str(path))
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a NeoX config is a YAML mapping of names to values")
     return data
 
 
@@ -362,9 +360,9 @@ def import_configs(sources: ImportSources) -> Imported:
         _add(result, {"model": model}, name)
     if sources.deepspeed is not None:
         _add_deepspeed(result, read_deepspeed_json(sources.deepspeed), str(sources.deepspeed))
-    if sources.neox is not None:
-        _add(result, read_neox_yaml(sources.neox), str(sources.neox))
     family: str | None = None
+    if sources.neox:
+        family = _add_neox(result, list(sources.neox), sources.neox_vocab_size)
     if sources.megatron_args is not None:
         command = read_megatron_command(sources.megatron_args, "the Megatron command line")
         family = _add_megatron(result, command, "the Megatron command line")
@@ -381,6 +379,18 @@ def import_configs(sources: ImportSources) -> Imported:
         result.values["model.type"] = (family, "the Megatron entry script")
     result.model_type = family
     return result
+
+
+def _add_neox(result: Imported, paths: list[Path], vocab_size: int | None) -> str:
+    """Carry GPT-NeoX files, merged as NeoX merges them and read by neox_args.py (every argument carried,
+    ignored with its reason, or refused); returns the family, gpt."""
+    config, source = neox_args.read_neox_sources(paths, parse_yaml)
+    translated = neox_args.translate_neox(config, source, vocab_size)
+    result.sources.append(source)
+    result.ignored += [ConfigWarning(source, key, why) for key, _, why in translated.ignored]
+    _carry(result, [Assignment(path, value, source) for path, value in translated.values.items()], source)
+    result.notes += translated.notes
+    return "gpt"
 
 
 def _add_megatron(result: Imported, command: MegatronCommand, source: str) -> str | None:
@@ -479,162 +489,7 @@ def write_config(text: str, output: Path, force: bool = False) -> None:
         raise ConfigError(f"cannot write '{output}': {e.strerror}") from None
 
 
-# --------------------------------------------------------------------------- the GPT-NeoX reference
-
-# Every parameter of GPT-NeoX's configuration reference (neox-config-parameters.md, by origin: the
-# DeepSpeed launcher, Megatron's command line, NeoX's own, the DeepSpeed config file). Each must be
-# classified by `classify_foreign_key`; a test parses the reference and fails on any name missing here
-# or unclassified.
-NEOX_PARAMETERS: dict[str, tuple[str, ...]] = {
-    "DSL": (
-        "hostfile",
-        "include",
-        "exclude",
-        "num_nodes",
-        "num_gpus",
-        "master_port",
-        "master_addr",
-        "launcher",
-    ),
-    "Meg": (
-        "num-layers",
-        "num-unique-layers",
-        "param-sharing-style",
-        "hidden-size",
-        "num-attention-heads",
-        "max-position-embeddings",
-        "make-vocab-size-divisible-by",
-        "layernorm-epsilon",
-        "apply-residual-connection-post-layernorm",
-        "openai-gelu",
-        "onnx-safe",
-        "attention-dropout",
-        "hidden-dropout",
-        "weight-decay",
-        "adam-beta1",
-        "adam-beta2",
-        "adam-eps",
-        "batch-size",
-        "checkpoint-activations",
-        "distribute-checkpointed-activations",
-        "checkpoint-num-layers",
-        "train-iters",
-        "log-interval",
-        "exit-interval",
-        "tensorboard-dir",
-        "scaled-upper-triang-masked-softmax-fusion",
-        "scaled-masked-softmax-fusion",
-        "bias-gelu-fusion",
-        "bias-dropout-fusion",
-        "cpu-optimizer",
-        "cpu_torch_adam",
-        "seed",
-        "init-method-std",
-        "lr",
-        "lr-decay-style",
-        "lr-decay-iters",
-        "min-lr",
-        "warmup",
-        "override-lr-scheduler",
-        "use-checkpoint-lr-scheduler",
-        "save",
-        "save-interval",
-        "no-save-optim",
-        "no-save-rng",
-        "load",
-        "no-load-optim",
-        "no-load-rng",
-        "finetune",
-        "apply-query-key-layer-scaling",
-        "attention-softmax-in-fp32",
-        "fp32-allreduce",
-        "hysteresis",
-        "loss-scale",
-        "loss-scale-window",
-        "min-scale",
-        "fp16-lm-cross-entropy",
-        "model-parallel-size",
-        "pipe-parallel-size",
-        "distributed-backend",
-        "DDP-impl",
-        "local_rank",
-        "lazy-mpu-init",
-        "use-cpu-initialization",
-        "eval-iters",
-        "eval-interval",
-        "data-path",
-        "split",
-        "vocab-file",
-        "merge-file",
-        "seq-length",
-        "mask-prob",
-        "short-seq-prob",
-        "mmap-warmup",
-        "num-workers",
-        "tokenizer-type",
-        "data-impl",
-        "reset-position-ids",
-        "reset-attention-mask",
-        "eod-mask-loss",
-        "adlr-autoresume",
-        "adlr-autoresume-interval",
-        "ict-head-size",
-        "ict-load",
-        "bert-load",
-        "titles-data-path",
-        "query-in-block-prob",
-        "use-one-sent-docs",
-        "report-topk-accuracies",
-        "faiss-use-gpu",
-        "block-data-path",
-        "indexer-batch-size",
-        "indexer-log-interval",
-        "deepspeed-activation-checkpointing",
-        "partition-activations",
-        "contigious-checkpointing",
-        "checkpoint-in-cpu",
-        "synchronize-each-layer",
-        "profile-backward",
-        "deepspeed_mpi",
-    ),
-    "NeoX": (
-        "onebitadam",
-        "geglu",
-        "no-weight-tying",
-        "sinusoidal-pos-emb",
-        "rpe",
-        "rpe-causal",
-        "rpe-num-buckets",
-        "rpe-max-distance",
-        "sparsity",
-        "rms-norm",
-        "rms-norm-epsilon",
-    ),
-    "DSC": (
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "optimizer",
-        "scheduler",
-        "fp32_allreduce",
-        "prescale_gradients",
-        "gradient_predivide_factor",
-        "sparse_gradients",
-        "fp16",
-        "amp",
-        "gradient_clipping",
-        "zero_optimization",
-        "steps_per_print",
-        "wall_clock_breakdown",
-        "dump_state",
-        "flops_profiler",
-        "activation_checkpointing",
-        "sparse_attention",
-        "zero_allow_untested_optimizer",
-    ),
-}
-
-ORIGINS = {"DSL": "DeepSpeed launcher", "Meg": "Megatron", "NeoX": "GPT-NeoX", "DSC": "DeepSpeed config"}
+# --------------------------------------------------------------------------- foreign names in config files
 
 
 def classify_foreign_key(name: str) -> tuple[str, str] | None:
@@ -653,21 +508,3 @@ def classify_foreign_key(name: str) -> tuple[str, str] | None:
     if k.lower() in UNSUPPORTED_KEYS:
         return "rejected", UNSUPPORTED_KEYS[k.lower()]
     return None
-
-
-def neox_classification_markdown() -> str:
-    """The table docs/CONFIG.md holds: every GPT-NeoX reference parameter and what the loader does."""
-    lines = [
-        "Every parameter of the GPT-NeoX configuration reference, as `stx` treats it in a config file "
-        "(kebab or snake case) and in `stx config import`: **mapped** to a key, **ignored** (accepted with "
-        "a one-line warning; a switch set to false asks for nothing and is silent) or **rejected** "
-        "(an error with this message, unless set to false).",
-        "",
-        "| origin | parameter | status | key, reason or message |",
-        "|---|---|---|---|",
-    ]
-    for origin, names in NEOX_PARAMETERS.items():
-        for name in names:
-            status, detail = classify_foreign_key(name) or ("UNCLASSIFIED", "")
-            lines.append(f"| {ORIGINS[origin]} | `{name}` | {status} | {detail.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"

@@ -1,4 +1,6 @@
-"""Strict YAML loading, key=value overrides and Megatron / GPT-NeoX / DeepSpeed aliases.
+"""Strict YAML loading, key=value overrides and Megatron / GPT-NeoX / DeepSpeed aliases (each dialect's
+names live in its own module: megatron_args.py, neox_args.py, deepspeed_json.py; the tables here join
+them for the loader).
 
 A config is built by applying *assignments* (dotted field, value, source) in order:
 schema defaults <- `base:` preset <- the file <- command-line overrides. Every assignment is
@@ -26,7 +28,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, ConfigWarning
-from . import deepspeed_json
+from . import deepspeed_json, megatron_args, neox_args
 from .schema import SECTIONS, Config, check_value, section_fields
 
 
@@ -138,20 +140,21 @@ def _megatron_value(path: str, names: dict[str, str]):
     return expand
 
 
+def _switches(table: dict[str, tuple[str, Any, Any]]) -> dict[str, Any]:
+    return {name: _flag(path, on, off) for name, (path, on, off) in table.items()}
+
+
+# The foreign names a config of ours may use, each dialect's from its own module (megatron_args.py,
+# neox_args.py, deepspeed_json.py): switches and values that set our keys, names accepted and ignored
+# (a switch set to false or null asks for nothing and is silent; any other value prints one warning
+# line), names refused (an error saying why, unless set to false or null).
 SPECIAL_KEYS = {
-    "openai_gelu": _flag("model.activation", "openai-gelu"),
-    "geglu": _flag("model.activation", "geglu"),
-    "swiglu": _flag("model.activation", "swiglu"),
-    "disable_bias_linear": _flag("model.add_bias_linear", False, True),
-    "untie_embeddings_and_output_weights": _flag("model.tie_word_embeddings", False, True),
-    "rms_norm": _flag("model.norm", "rmsnorm"),
-    "no_weight_tying": _flag("model.tie_word_embeddings", False, True),
-    "sinusoidal_pos_emb": _flag("model.position_embedding_type", "sinusoidal"),
+    **_switches(megatron_args.MEGATRON_FILE_SWITCHES),
+    **_switches(neox_args.NEOX_FILE_SWITCHES),
     "position_embedding_type": _megatron_value(
-        "model.position_embedding_type", {"rope": "rotary", "learned_absolute": "learned"}
+        "model.position_embedding_type", megatron_args.POSITION_EMBEDDING_NAMES
     ),
-    "normalization": _megatron_value("model.norm", {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}),
-    "checkpoint_activations": _flag("parallel.activation_checkpointing", "full", "none"),
+    "normalization": _megatron_value("model.norm", megatron_args.NORMALIZATION_NAMES),
     "fp16": _megatron_precision("fp16"),
     "bf16": _megatron_precision("bf16"),
     "optimizer": _megatron_optimizer,
@@ -159,99 +162,16 @@ SPECIAL_KEYS = {
     "min_scale": _flag_value("train.min_loss_scale", "Megatron/NeoX"),
     "initial_loss_scale": _initial_loss_scale,
 }
-
-# Names from Megatron, GPT-NeoX and DeepSpeed that are accepted and ignored, with why: they choose a
-# kernel, a launcher or a debugging aid, not what is trained. A switch set to false (or null) asks for
-# nothing and is accepted silently; any other value prints one warning line.
-_LAUNCHER = "is a launcher setting (stx launch / torchrun decide the processes)"
-_FUSION = "is a CUDA kernel-fusion switch (same numerics unfused)"
-_ACT_CKPT = "places checkpointed activations (parallel.activation_checkpointing decides what is recomputed)"
-_RETRIEVAL = "belongs to Megatron's ICT/REALM retrieval pretraining (not pretraining BERT/GPT)"
 IGNORED_KEYS: dict[str, str] = {
-    **dict.fromkeys(
-        ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_port", "master_addr", "launcher"),
-        _LAUNCHER,
-    ),
-    **dict.fromkeys(("local_rank", "deepspeed_mpi", "world_size", "rank"), "is set by the launcher"),
-    **dict.fromkeys(
-        (
-            "scaled_upper_triang_masked_softmax_fusion",
-            "scaled_masked_softmax_fusion",
-            "masked_softmax_fusion",
-            "bias_gelu_fusion",
-            "bias_dropout_fusion",
-        ),
-        _FUSION,
-    ),
-    **dict.fromkeys(
-        (
-            "deepspeed_activation_checkpointing",
-            "contigious_checkpointing",
-        ),
-        _ACT_CKPT,
-    ),
-    **dict.fromkeys(
-        (
-            "ict_head_size",
-            "ict_load",
-            "bert_load",
-            "titles_data_path",
-            "query_in_block_prob",
-            "use_one_sent_docs",
-            "report_topk_accuracies",
-            "faiss_use_gpu",
-            "block_data_path",
-            "indexer_batch_size",
-            "indexer_log_interval",
-        ),
-        _RETRIEVAL,
-    ),
-    "group_query_attention": "switches Megatron's model.num_query_groups on (set the number of groups)",
-    "onnx_safe": "is an ONNX-export workaround (stx export writes Hugging Face checkpoints)",
-    "distributed_backend": "picks the collective backend (gloo on CPU, nccl on GPU, chosen by the device)",
-    "ddp_impl": "picks Megatron's DDP implementation (parallel.zero_stage picks ours)",
-    "lazy_mpu_init": "is a Megatron initialisation-order switch",
-    "use_cpu_initialization": "places weight initialisation (weights are built on the CPU and moved)",
-    "mmap_warmup": "pre-reads the dataset (indexed datasets are memory-mapped on demand)",
-    "data_impl": "picks the dataset format (Megatron's mmap format is the one read here)",
-    "adlr_autoresume": "is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)",
-    "adlr_autoresume_interval": "is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)",
-    "synchronize_each_layer": "is a profiling switch (stx reports per-phase timers)",
-    "profile_backward": "is a profiling switch (stx reports per-phase timers)",
-    "override_lr_scheduler": "chooses where a resumed schedule comes from (the schedule is a function of "
-    "the config and the iteration, so both give the same)",
-    "use_checkpoint_lr_scheduler": "chooses where a resumed schedule comes from (the schedule is a function "
-    "of the config and the iteration, so both give the same)",
-    "attention_softmax_in_fp32": "is on anyway (autocast runs softmax in fp32)",
-    "apply_query_key_layer_scaling": "is an fp16 overflow workaround, needless with softmax in fp32",
-    "fp16_lm_cross_entropy": "would compute the loss in fp16 (the loss is computed in fp32)",
-    **dict.fromkeys(("fp32_allreduce", "accumulate_allreduce_grads_in_fp32"), deepspeed_json.ALLREDUCE_DTYPE),
+    **megatron_args.MEGATRON_FILE_IGNORED,
+    **neox_args.NEOX_FILE_IGNORED,
     # DeepSpeed's own top-level keys (GPT-NeoX forwards them): the DeepSpeed table says why
     **deepspeed_json.top_level_rules("ignored"),
-    "cpu_torch_adam": "chooses the CPU Adam kernel (torch's AdamW runs on the CPU here)",
 }
-
-# Names that ask for something this tool does not do: an error saying so, unless set to false/null.
 UNSUPPORTED_KEYS: dict[str, str] = {
-    "num_unique_layers": "layers sharing weights are not supported; every layer has its own",
-    "param_sharing_style": "layers sharing weights are not supported; every layer has its own",
-    "onebitadam": "1-bit Adam (DeepSpeed's compressed communication) is not supported; use "
-    "optim.optimizer adam or adamw",
-    "rpe": "relative position embeddings are not supported; model.position_embedding_type: learned, "
-    "sinusoidal or rotary",
-    "rpe_causal": "relative position embeddings are not supported; model.position_embedding_type: learned, "
-    "sinusoidal or rotary",
-    "rpe_num_buckets": "relative position embeddings are not supported; model.position_embedding_type: "
-    "learned, sinusoidal or rotary",
-    "rpe_max_distance": "relative position embeddings are not supported; model.position_embedding_type: "
-    "learned, sinusoidal or rotary",
-    "sparsity": "sparse attention is not supported; attention is dense",
+    **megatron_args.MEGATRON_FILE_REFUSED,
+    **neox_args.NEOX_FILE_REFUSED,
     **deepspeed_json.top_level_rules("refused"),
-    "reset_position_ids": "resetting positions at document ends is not supported (samples span documents)",
-    "reset_attention_mask": "masking attention at document ends is not supported (samples span documents)",
-    "eod_mask_loss": "masking the loss on end-of-document tokens is not supported",
-    "cpu_optimizer": "set parallel.offload_optimizer: true (with parallel.zero_stage 2 or 3) to step the "
-    "optimizer on the CPU",
 }
 
 

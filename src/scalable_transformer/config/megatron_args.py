@@ -2,13 +2,13 @@
 arguments of the line that runs `pretrain_*.py`, each carried to a key of ours, ignored with its
 reason, or refused; Megatron's defaults where the command line is silent.
 
-ONE table, `MEGATRON_ARGS`, holds every Megatron argument that this import treats beyond what the
-loader already maps (schema aliases and load.py's SPECIAL_KEYS / IGNORED_KEYS / UNSUPPORTED_KEYS, which
-config files share). An argument in neither is refused: an unknown argument might be a model shape or
-a layout (`--num-experts`), and dropping one silently imports another model. Training-recipe
-arguments with no equivalent (a decoupled embedding learning rate, FP8 GEMMs, a batch-size ramp) are
-ignored with their reason, listed in the imported file; model shape and layout arguments are carried
-or refused, never ignored.
+ONE table, `MEGATRON_ARGS`, holds every Megatron argument that this import treats beyond what the loader
+already maps (schema aliases, and the Megatron names a config file of ours may use too:
+`MEGATRON_FILE_SWITCHES` / `_IGNORED` / `_REFUSED` here, which load.py's tables are built from). An
+argument in neither is refused: an unknown argument might be a model shape or a layout
+(`--num-experts`), and dropping one silently imports another model. Training-recipe arguments with no
+equivalent (a decoupled embedding learning rate, FP8 GEMMs, a batch-size ramp) are ignored with their reason,
+listed in the imported file; model shape and layout arguments are carried or refused, never ignored.
 
 A value the script cannot give without running (a `$1`, a command substitution: shell_script.py) is
 never guessed: on a path argument (data, checkpoint, tokenizer files) it is listed as not carried; on
@@ -24,6 +24,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ..errors import ConfigError
+from . import deepspeed_json
 from .shell_script import MARK, Script
 
 # Megatron-LM's defaults (megatron/training/arguments.py, megatron/training/config/training_config.py)
@@ -51,6 +52,87 @@ PATH_ARGS = {
     "train_data_path",
     "valid_data_path",
     "test_data_path",
+}
+
+
+# Megatron's names a config file of ours may use too (the loader, load.py, builds its tables from these):
+# switches (name -> (our key, value when true, value when false or None: nothing)), the values of two
+# options spelled differently here, names accepted and ignored with why (they choose a kernel, a launcher
+# or a debugging aid, not what is trained), and names refused with why.
+MEGATRON_FILE_SWITCHES: dict[str, tuple[str, Any, Any]] = {
+    "openai_gelu": ("model.activation", "openai-gelu", None),
+    "swiglu": ("model.activation", "swiglu", None),
+    "disable_bias_linear": ("model.add_bias_linear", False, True),
+    "untie_embeddings_and_output_weights": ("model.tie_word_embeddings", False, True),
+    "checkpoint_activations": ("parallel.activation_checkpointing", "full", "none"),
+}
+POSITION_EMBEDDING_NAMES = {"rope": "rotary", "learned_absolute": "learned"}
+NORMALIZATION_NAMES = {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}
+_FILE_FUSION = "is a CUDA kernel-fusion switch (same numerics unfused)"
+_ACT_CKPT = "places checkpointed activations (parallel.activation_checkpointing decides what is recomputed)"
+_RETRIEVAL = "belongs to Megatron's ICT/REALM retrieval pretraining (not pretraining BERT/GPT)"
+_RESUMED_SCHEDULE = (
+    "chooses where a resumed schedule comes from (the schedule is a function of the config and the "
+    "iteration, so both give the same)"
+)
+_AUTORESUME = "is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)"
+_PROFILING = "is a profiling switch (stx reports per-phase timers)"
+MEGATRON_FILE_IGNORED: dict[str, str] = {
+    **dict.fromkeys(("local_rank", "deepspeed_mpi", "world_size", "rank"), "is set by the launcher"),
+    **dict.fromkeys(
+        (
+            "scaled_upper_triang_masked_softmax_fusion",
+            "scaled_masked_softmax_fusion",
+            "masked_softmax_fusion",
+            "bias_gelu_fusion",
+            "bias_dropout_fusion",
+        ),
+        _FILE_FUSION,
+    ),
+    **dict.fromkeys(("deepspeed_activation_checkpointing", "contigious_checkpointing"), _ACT_CKPT),
+    **dict.fromkeys(
+        (
+            "ict_head_size",
+            "ict_load",
+            "bert_load",
+            "titles_data_path",
+            "query_in_block_prob",
+            "use_one_sent_docs",
+            "report_topk_accuracies",
+            "faiss_use_gpu",
+            "block_data_path",
+            "indexer_batch_size",
+            "indexer_log_interval",
+        ),
+        _RETRIEVAL,
+    ),
+    "group_query_attention": "switches Megatron's model.num_query_groups on (set the number of groups)",
+    "onnx_safe": "is an ONNX-export workaround (stx export writes Hugging Face checkpoints)",
+    "distributed_backend": "picks the collective backend (gloo on CPU, nccl on GPU, chosen by the device)",
+    "ddp_impl": "picks Megatron's DDP implementation (parallel.zero_stage picks ours)",
+    "lazy_mpu_init": "is a Megatron initialisation-order switch",
+    "use_cpu_initialization": "places weight initialisation (weights are built on the CPU and moved)",
+    "mmap_warmup": "pre-reads the dataset (indexed datasets are memory-mapped on demand)",
+    "data_impl": "picks the dataset format (Megatron's mmap format is the one read here)",
+    "adlr_autoresume": _AUTORESUME,
+    "adlr_autoresume_interval": _AUTORESUME,
+    "synchronize_each_layer": _PROFILING,
+    "profile_backward": _PROFILING,
+    "override_lr_scheduler": _RESUMED_SCHEDULE,
+    "use_checkpoint_lr_scheduler": _RESUMED_SCHEDULE,
+    "attention_softmax_in_fp32": "is on anyway (autocast runs softmax in fp32)",
+    "apply_query_key_layer_scaling": "is an fp16 overflow workaround, needless with softmax in fp32",
+    "fp16_lm_cross_entropy": "would compute the loss in fp16 (the loss is computed in fp32)",
+    **dict.fromkeys(("fp32_allreduce", "accumulate_allreduce_grads_in_fp32"), deepspeed_json.ALLREDUCE_DTYPE),
+}
+MEGATRON_FILE_REFUSED: dict[str, str] = {
+    "num_unique_layers": "layers sharing weights are not supported; every layer has its own",
+    "param_sharing_style": "layers sharing weights are not supported; every layer has its own",
+    "reset_position_ids": "resetting positions at document ends is not supported (samples span documents)",
+    "reset_attention_mask": "masking attention at document ends is not supported (samples span documents)",
+    "eod_mask_loss": "masking the loss on end-of-document tokens is not supported",
+    "cpu_optimizer": "set parallel.offload_optimizer: true (with parallel.zero_stage 2 or 3) to step the "
+    "optimizer on the CPU",
 }
 
 
