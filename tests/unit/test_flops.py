@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import warnings
@@ -11,7 +12,9 @@ import pytest
 
 from scalable_transformer.cli.flops import run
 from scalable_transformer.cli.parsers import add_flops_arguments
+from scalable_transformer.config.load import load_config
 from scalable_transformer.config.model_shapes import sized_model, total_params
+from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics import flops as flops_module
 from scalable_transformer.metrics.device_table import lookup_peak
 from scalable_transformer.metrics.flops import (
@@ -393,3 +396,18 @@ def test_calculator_errors(capsys):
     assert code == 2 and "--global-batch-size" in out.err
     code, out = _run([*TOY, "--samples-per-second", "1", "--device", "a100-80"], capsys)
     assert code == 2 and "a100-80gb" in out.err
+
+
+def test_alibi_partial_rotary_and_parallel_residual_change_no_figure():
+    """ALiBi adds a bias to the scores, rotary (partial or not) rotates elementwise, the parallel
+    residual reorders the same matmuls: no convention has a term for them."""
+    llama = resolve(load_config("llama-8b", [])).model
+    variants = [
+        dataclasses.replace(llama, position_embedding_type="alibi"),
+        dataclasses.replace(llama, rotary_percent=0.25, parallel_residual=True),
+    ]
+    for convention in CONVENTIONS:
+        for recompute in ("none", "full", "selective"):
+            base = flops_per_iteration(ModelShape.from_config(llama), 2, convention, recompute)
+            for variant in variants:
+                assert flops_per_iteration(ModelShape.from_config(variant), 2, convention, recompute) == base
