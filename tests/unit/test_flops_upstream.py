@@ -8,7 +8,8 @@ project passes: an argparse.Namespace of Megatron's arguments, a torch module la
 source's model (on the meta device), MPT's config. The upstream code is not copied into this
 repository; what it returned for each shape is, in tests/fixtures/upstream/flops/reference.json,
 so the comparison also runs where no snapshot is at hand; with a snapshot, the file is checked
-against the function first (`python tests/unit/test_flops_upstream.py` rewrites it).
+against the function first (`PYTHONPATH=src python tests/unit/test_flops_upstream.py
+STORE_FILE` rewrites it; STORE_FILE: a new file for the 1-rank gloo group's store).
 """
 
 from __future__ import annotations
