@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import warnings
@@ -11,7 +12,9 @@ import pytest
 
 from scalable_transformer.cli.flops import run
 from scalable_transformer.cli.parsers import add_flops_arguments
+from scalable_transformer.config.load import load_config
 from scalable_transformer.config.model_shapes import sized_model, total_params
+from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics import flops as flops_module
 from scalable_transformer.metrics.device_table import lookup_peak
 from scalable_transformer.metrics.flops import (
@@ -51,6 +54,43 @@ def test_megatron_ffn_and_gated_mlp():
     # GeGLU up-projection h -> 2F: dense term 1/3 + F*(1+2)/(12h) = 1/3 + 1/2 -> bracket 31/24
     gated = ModelShape(2, 4, 8, 16, 1000, ffn_hidden_size=8, gated_mlp=True)
     assert flops_per_iteration(gated, B, "megatron").model_flops == pytest.approx(55296 * 31 / 24)
+
+
+def test_megatron_lm_by_hand():
+    # 12*B*s*L*h^2 = 12*3*8*2*16 = 9216; (1 + g/n + s/h) + F/h + V/(2*L*h) = (1 + 1 + 2) + 4 + 1 = 9
+    assert flops_per_iteration(SHAPE, B, "megatron-lm-2024").model_flops == pytest.approx(9216 * 9)
+    # current Megatron-LM halves the attention core: s/(2h) = 1 -> 8
+    current = flops_per_iteration(SHAPE, B, "megatron-lm", "selective")
+    assert current.model_flops == pytest.approx(9216 * 8)
+    # selective recompute repeats the (halved) core's forward: 9216 * 1 / 3
+    assert current.hardware_flops == pytest.approx(9216 * 8 + 9216 / 3)
+    assert flops_per_iteration(SHAPE, B, "megatron-lm", "full").hardware_flops == pytest.approx(
+        9216 * 8 * 4 / 3
+    )
+
+
+def test_torchtitan_by_hand_tied_and_untied():
+    # tied: 6*N*s*B + 12*L*h*s^2*B = 6*1000*24 + 12*2*4*64*3 = 144000 + 18432 (= llm-foundry's)
+    assert flops_per_iteration(SHAPE, B, "torchtitan").model_flops == pytest.approx(162432)
+    # untied: the embedding tables (E = 100) are not matmul parameters: 6*900*24 + 18432
+    untied = ModelShape(2, 4, 8, 16, 1000, embedding_params=100, tied_embeddings=False)
+    assert flops_per_iteration(untied, B, "torchtitan").model_flops == pytest.approx(129600 + 18432)
+
+
+def test_sliding_window_counted_by_megatron_only_and_said():
+    windowed = ModelShape(2, 4, 8, 16, 1000, sliding_window=4)
+    # megatron: the core's s/(6h) = 1/3 becomes w/(6h) = 1/6: 55296 * (35/24 - 1/6)
+    assert flops_per_iteration(windowed, B, "megatron").model_flops == pytest.approx(55296 * 31 / 24)
+    for convention in CONVENTIONS:
+        notes = flops_module.convention_notes(windowed, convention)
+        if convention in flops_module.WINDOWED_CONVENTIONS:
+            assert notes == []
+        else:
+            assert "no sliding-window term" in notes[0] and convention in notes[0]
+            full = flops_per_iteration(SHAPE, B, convention).model_flops
+            assert flops_per_iteration(windowed, B, convention).model_flops == pytest.approx(full)
+    # a window as long as the sequence changes nothing and says nothing
+    assert flops_module.convention_notes(ModelShape(2, 4, 8, 16, 1000, sliding_window=8), "6n") == []
 
 
 def test_mosaic_by_hand():
@@ -234,7 +274,7 @@ def test_calculator_json_explicit_shape(capsys):
     assert result["peak"]["tflops_per_device"] == pytest.approx(2e-7)
     assert "user override" in result["peak"]["source"]
     rows = {r["convention"]: r for r in result["results"]}
-    assert list(rows) == ["megatron", "mosaic", "llm-foundry", "6n"]
+    assert list(rows) == list(CONVENTIONS)
     # megatron: 80640 model / 107520 hardware FLOPs per step of 3 samples, over 2 s, peak 2e5 FLOP/s
     assert rows["megatron"]["model_flops_per_iteration"] == pytest.approx(80640)
     assert rows["megatron"]["hardware_flops_per_iteration"] == pytest.approx(107520)
@@ -356,3 +396,18 @@ def test_calculator_errors(capsys):
     assert code == 2 and "--global-batch-size" in out.err
     code, out = _run([*TOY, "--samples-per-second", "1", "--device", "a100-80"], capsys)
     assert code == 2 and "a100-80gb" in out.err
+
+
+def test_alibi_partial_rotary_and_parallel_residual_change_no_figure():
+    """ALiBi adds a bias to the scores, rotary (partial or not) rotates elementwise, the parallel
+    residual reorders the same matmuls: no convention has a term for them."""
+    llama = resolve(load_config("llama-8b", [])).model
+    variants = [
+        dataclasses.replace(llama, position_embedding_type="alibi"),
+        dataclasses.replace(llama, rotary_percent=0.25, parallel_residual=True),
+    ]
+    for convention in CONVENTIONS:
+        for recompute in ("none", "full", "selective"):
+            base = flops_per_iteration(ModelShape.from_config(llama), 2, convention, recompute)
+            for variant in variants:
+                assert flops_per_iteration(ModelShape.from_config(variant), 2, convention, recompute) == base

@@ -47,8 +47,11 @@ def print_flops(result: dict[str, Any]) -> None:
             f"[dim]({peak['source']})[/dim]"
         )
     table = Table(title="TFLOP/s per device (dense peak)")
-    for column in ("convention", "model TFLOP/s/dev", "HW TFLOP/s/dev", "MFU", "HFU", "model GFLOP/sample"):
-        table.add_column(column, justify="left" if column == "convention" else "right")
+    # The convention's whole name, however narrow the terminal: a figure without it means nothing.
+    name_width = max(len(row["convention"]) for row in result["results"])
+    table.add_column("convention", justify="left", no_wrap=True, min_width=name_width)
+    for column in ("model\nTFLOP/s", "HW\nTFLOP/s", "MFU", "HFU", "model GFLOP\nper sample"):
+        table.add_column(column, justify="right", overflow="fold")  # narrow terminals fold digits, never cut
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"

@@ -110,14 +110,23 @@ def add_tokenizer_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", required=True, metavar="DIR", help="directory for tokenizer.json and vocab files"
     )
-    parser.add_argument("--json-key", default="text", help="key of the text in JSON lines (default: text)")
+    parser.add_argument(
+        "--json-key",
+        "--text-column",
+        dest="json_key",
+        default="text",
+        help="key of the text in JSON lines, column of the text in Parquet files and saved datasets "
+        "(default: text)",
+    )
     parser.add_argument("--cased", action="store_true", help="keep case (default: lower-case the text)")
 
 
 def register_tokenizer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer", help="train a WordPiece or BPE tokenizer (HF tokenizers)")
     tok = p.add_subparsers(dest="action", required=True)
-    t = tok.add_parser("train", help="train a tokenizer on text/jsonl(.gz/.zst) inputs")
+    t = tok.add_parser(
+        "train", help="train a tokenizer on text/jsonl(.gz/.zst)/parquet inputs or saved datasets"
+    )
     add_tokenizer_train_arguments(t)
     t.set_defaults(fn=command("tokenizer", "run_train"))
 
@@ -155,7 +164,14 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (give PREFIX as data.path)"
     )
     add_tokenizer_arguments(parser)
-    parser.add_argument("--json-key", default="text", help="key of the text in JSON lines (default: text)")
+    parser.add_argument(
+        "--json-key",
+        "--text-column",
+        dest="json_key",
+        default="text",
+        help="key of the text in JSON lines, column of the text in Parquet files and saved datasets "
+        "(default: text)",
+    )
     parser.add_argument(
         "--split-sentences", action="store_true", help="one sequence per sentence (BERT); else per document"
     )

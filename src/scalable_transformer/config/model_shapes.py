@@ -152,6 +152,19 @@ def embedding_numel(m: ModelConfig, tp: int = 1) -> int:
     return numel
 
 
+def embedding_tables_numel(m: ModelConfig, tp: int = 1) -> int:
+    """The embedding tables alone (word rows padded for `tp` ranks, learned positions, token types):
+    `embedding_numel` without a post-LN embedding norm, unsharded."""
+    assert m.vocab_size is not None
+    h = m.hidden_size
+    numel = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) * h
+    if m.position_embedding_type == "learned":  # unresolved: the table resolve gives, seq_length rows
+        numel += (m.max_position_embeddings or m.seq_length) * h
+    if m.type == "bert":
+        numel += m.num_tokentypes * h
+    return numel
+
+
 def final_norm_numel(m: ModelConfig) -> int:
     """The norm after the last block (none in a post-LN model: its blocks end with their norm)."""
     return 0 if m.apply_residual_connection_post_layernorm else norm_numel(m)
@@ -258,7 +271,10 @@ class ModelShape:
     ffn_hidden_size None means 4 * hidden_size; gated_mlp marks a GeGLU/SwiGLU MLP whose
     up-projection is h -> 2 * ffn_hidden_size; kv_heads_ratio is num_query_groups /
     num_attention_heads (grouped-query attention: K and V have that fraction of Q's features).
-    The conventions counting 2*N per token see both through num_params.
+    The conventions counting 2*N per token see both through num_params. sliding_window is the
+    attention window in tokens (None: every earlier position); embedding_params E counts the
+    embedding tables (word, learned positions, token types) and tied_embeddings says whether the
+    output matrix is the word table: torchtitan's convention counts N - E for an untied model.
     """
 
     num_layers: int
@@ -269,6 +285,9 @@ class ModelShape:
     ffn_hidden_size: int | None = None
     gated_mlp: bool = False
     kv_heads_ratio: float = 1.0
+    sliding_window: int | None = None
+    embedding_params: int = 0
+    tied_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_heads_ratio <= 1:
@@ -283,11 +302,26 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape.ffn_hidden_size must be a positive int or None, got {self.ffn_hidden_size!r}"
             )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"ModelShape.sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
+        if not isinstance(self.embedding_params, int) or self.embedding_params < 0:
+            raise ValueError(
+                f"ModelShape.embedding_params must be an int >= 0, got {self.embedding_params!r}"
+            )
 
     @property
     def ffn(self) -> int:
         """MLP inner size F (units: features)."""
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def attended_keys(self) -> int:
+        """Keys each query's attention row spans in a dense count: s, or the window when shorter."""
+        return min(self.seq_length, self.sliding_window or self.seq_length)
 
     @classmethod
     def from_config(cls, m: ModelConfig, num_params: int | None = None, tp: int = 1) -> ModelShape:
@@ -308,6 +342,9 @@ class ModelShape:
             ffn_hidden_size=m.ffn_hidden_size,
             gated_mlp=gated_mlp(m),
             kv_heads_ratio=query_groups(m) / m.num_attention_heads,
+            sliding_window=m.sliding_window,
+            embedding_params=embedding_tables_numel(m, tp),
+            tied_embeddings=m.tie_word_embeddings,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -320,6 +357,9 @@ class ModelShape:
             "ffn_hidden_size": self.ffn,
             "gated_mlp": self.gated_mlp,
             "kv_heads_ratio": self.kv_heads_ratio,
+            "sliding_window": self.sliding_window,
+            "embedding_params": self.embedding_params,
+            "tied_embeddings": self.tied_embeddings,
         }
 
 

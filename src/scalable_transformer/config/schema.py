@@ -523,8 +523,21 @@ class LoggingConfig:
     )
     flops_convention: str = opt(
         "megatron",
-        "FLOPs convention for TFLOPs, MFU and HFU (docs/METRICS.md).",
-        choices=("megatron", "mosaic", "llm-foundry", "6n"),
+        "FLOPs convention for TFLOPs, MFU and HFU, named by the code it reproduces (docs/METRICS.md): "
+        "megatron (Megatron-DeepSpeed's 2022 formula, generalised here to GQA, gated MLPs, any F and "
+        "sliding windows; the default), megatron-deepspeed-2022, megatron-lm (current, causal attention "
+        "halved), megatron-lm-2024 (before the halving), torchtitan, llm-foundry (MPT), mosaic "
+        "(MosaicML's published table), 6n (PaLM/nanoGPT).",
+        choices=(
+            "megatron",
+            "megatron-deepspeed-2022",
+            "megatron-lm",
+            "megatron-lm-2024",
+            "torchtitan",
+            "llm-foundry",
+            "mosaic",
+            "6n",
+        ),
     )
     device_name: str | None = opt(
         None,

@@ -9,7 +9,13 @@ Inputs, picked by file name (compression first, then format):
     lines; GPT-NeoX (lm_dataformat) reads a whole .txt file as one document, which cannot stream a
     multi-GB file in bounded memory, so we use the line convention of JSON lines and of HF
     `datasets`' text loader. Blank lines are skipped (counted as "blank line").
-  * directories: every file with one of the suffixes above, recursively, sorted by path;
+  * `.parquet`: the text column (`json_key`, default "text"; `--text-column`) of a Parquet file;
+  * a directory written by HF `datasets`' `Dataset.save_to_disk` (state.json + dataset_info.json):
+    the same column of its rows, in order (a DatasetDict's directory: name one split's directory).
+    Both are read with pyarrow (the `parquet` extra), see data/columnar_readers.py; a row's value is
+    read as a JSON line's value under the key is (a string, or a list of sentences);
+  * directories: every file with one of the suffixes above and every saved dataset, recursively,
+    sorted by path;
   * globs (`*`, `?`, `[`, `**`): the sorted matches. A file named twice is read once.
 
 Output: one sequence per document, or with `split_sentences` one per sentence (what BERT's
@@ -57,7 +63,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from scalable_transformer.data.corpus import split_sentences as _split_sentences
 from scalable_transformer.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
-from scalable_transformer.data.text_readers import Block, expand_inputs, iter_blocks, parse_block
+from scalable_transformer.data.text_readers import Block, expand_inputs, input_size, iter_blocks, parse_block
 from scalable_transformer.data.tokenizers import Tokenizer, TokenizerSource
 
 from ..errors import PreprocessError
@@ -152,8 +158,8 @@ class _Encoder:
             lengths=np.asarray(lengths, dtype=np.int32),
             sequences_per_document=np.asarray(per_doc, dtype=np.int64),
             skipped=skipped,
-            data_bytes=len(block.data),
-            lines=block.data.count(b"\n") + (0 if not block.data or block.data.endswith(b"\n") else 1),
+            data_bytes=block.row_bytes if block.rows is not None else len(block.data),
+            lines=block.lines,
         )
 
 
@@ -202,7 +208,7 @@ def _encode_ordered(
         encoder = _Encoder(tokenizer, settings)
         for block in blocks:
             encoded = encoder.encode(block)
-            block.data = b""
+            block.data, block.rows = b"", None
             yield block, encoded
         return
     pool = ProcessPoolExecutor(
@@ -235,7 +241,7 @@ def _encode_ordered(
             except BrokenProcessPool as e:  # a worker died before we collected its result
                 raise died(pending[0][0] if pending else block, e) from e
             # The block is pickled later, by the pool's feeder thread: keep a copy without the data.
-            pending.append((dataclasses.replace(block, data=b""), future))
+            pending.append((dataclasses.replace(block, data=b"", rows=None), future))
             if len(pending) >= 2 * workers:
                 yield first_result()
         while pending:
@@ -402,13 +408,13 @@ def _preprocess(
     settings = _Settings(json_key, split_sentences, eod_id, skip_bad_lines, dtype.str)
     prefix = os.fspath(output_prefix)
     summary = PreprocessSummary(output_prefix=prefix, dtype=str(dtype), workers=workers)
-    sizes = [f.stat().st_size for f in files]
+    sizes = [input_size(f) for f in files]
     done_before = [sum(sizes[:i]) for i in range(len(files))]
     skipped: Counter[str] = Counter()
 
     def blocks() -> Iterator[Block]:
         for i, path in enumerate(files):
-            yield from iter_blocks(i, path)
+            yield from iter_blocks(i, path, column=json_key)
 
     with (
         _single_threaded_tokenizers(),

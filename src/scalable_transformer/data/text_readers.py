@@ -1,5 +1,6 @@
 """Read a corpus's texts: input files named by paths, directories and globs; gzip and zstd streams;
-whole-line blocks of a file; JSON lines or plain text lines parsed into documents.
+whole-line blocks of a file; JSON lines or plain text lines parsed into documents; the text column
+of Parquet files and of datasets saved by HF `datasets` (data/columnar_readers.py), in blocks of rows.
 
 The formats and their errors are those `stx preprocess` documents (data/preprocess.py); `iter_texts`
 streams the documents for a tokenizer's training.
@@ -21,6 +22,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import PreprocessError
+from .columnar_readers import (
+    PARQUET_SUFFIXES,
+    check_not_dataset_dict,
+    columnar_size,
+    is_saved_dataset,
+    iter_row_batches,
+)
 
 BLOCK_BYTES = 1 << 20
 _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -33,8 +41,13 @@ _GLOB_CHARS = frozenset("*?[")
 
 
 def input_format(path: str | os.PathLike[str]) -> tuple[str, str | None]:
-    """("json" | "text", compression or None) of an input file, from its name."""
+    """("json" | "text" | "parquet" | "saved-dataset", compression or None) of an input, from its
+    name (a saved dataset is a directory)."""
+    if Path(path).is_dir():
+        return "saved-dataset", None
     suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] in PARQUET_SUFFIXES:
+        return "parquet", None
     compression = _COMPRESSION.get(suffixes[-1]) if suffixes else None
     if compression:
         suffixes = suffixes[:-1]
@@ -46,19 +59,31 @@ def _readable_in_directory(path: Path) -> bool:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in _COMPRESSION:
         suffixes = suffixes[:-1]
-    return bool(suffixes) and (suffixes[-1] in _JSON_SUFFIXES or suffixes[-1] in _TEXT_SUFFIXES)
+    return bool(suffixes) and (
+        suffixes[-1] in _JSON_SUFFIXES or suffixes[-1] in _TEXT_SUFFIXES or suffixes[-1] in PARQUET_SUFFIXES
+    )
 
 
 def _directory_files(root: Path) -> list[Path]:
+    """The readable files under `root`, and the datasets saved in it (each one input, a directory)."""
+    check_not_dataset_dict(root)
+    if is_saved_dataset(root):
+        return [root]
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here != root and is_saved_dataset(here):
+            found.append(here)
+            dirnames[:] = []
+            continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
-    return sorted(p for p in found if _readable_in_directory(p))
+        found += [here / f for f in filenames if not f.startswith(".") and _readable_in_directory(here / f)]
+    return sorted(found)
 
 
 def expand_inputs(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The input files named by paths, directories and globs, in order; each file once."""
+    """The input files named by paths, directories and globs, in order; each file once. A dataset
+    saved by `datasets` (a directory) is one input."""
     files: list[Path] = []
     for spec in inputs:
         text = os.fspath(spec)
@@ -70,7 +95,8 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
             if not found:
                 raise PreprocessError(
                     f"input directory {path} holds no readable file "
-                    "(.jsonl, .json, .ndjson, .txt, .text, optionally .gz or .zst)"
+                    "(.jsonl, .json, .ndjson, .txt, .text, optionally .gz or .zst; .parquet; a dataset "
+                    "saved by datasets' save_to_disk)"
                 )
         elif _GLOB_CHARS & set(text):
             found = []
@@ -97,10 +123,19 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
 # -- reading --------------------------------------------------------------------------------------
 
 
+def input_size(path: Path) -> int:
+    """Bytes on disk of an input (a saved dataset: its Arrow files)."""
+    return (
+        columnar_size(path) if input_format(path)[0] in ("parquet", "saved-dataset") else path.stat().st_size
+    )
+
+
 @dataclass
 class Block:
     """Whole lines of one input file: `data` starts at line `first_line` (1-based), at byte
-    `offset` of the (decompressed) stream. `last` marks the file's final block."""
+    `offset` of the (decompressed) stream. `last` marks the file's final block. A columnar input's
+    block holds `rows` of its text column instead (data empty), the first being row `first_line`
+    (0-based, as datasets and pandas count rows), and `row_bytes` bytes of text."""
 
     file_index: int
     path: str
@@ -111,6 +146,15 @@ class Block:
     offset: int
     last: bool
     disk_position: int  # bytes of the on-disk file consumed so far, for the progress bar
+    rows: list[Any] | None = None
+    row_bytes: int = 0
+
+    @property
+    def lines(self) -> int:
+        """Lines (rows of a columnar input) in the block."""
+        if self.rows is not None:
+            return len(self.rows)
+        return self.data.count(b"\n") + (0 if not self.data or self.data.endswith(b"\n") else 1)
 
 
 @contextlib.contextmanager
@@ -192,11 +236,20 @@ def _read_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def iter_blocks(file_index: int, path: Path, block_bytes: int | None = None) -> Iterator[Block]:
-    """Blocks of whole lines of one file (about `block_bytes`, default BLOCK_BYTES); always at
-    least one, possibly empty, block."""
+def iter_blocks(
+    file_index: int, path: Path, block_bytes: int | None = None, column: str = "text"
+) -> Iterator[Block]:
+    """Blocks of whole lines of one file (about `block_bytes`, default BLOCK_BYTES), or of whole rows
+    of a columnar input's `column`; always at least one, possibly empty, block."""
     block_bytes = block_bytes or BLOCK_BYTES
     kind, compression = input_format(path)
+    if kind in ("parquet", "saved-dataset"):
+        for run in iter_row_batches(path, column, block_bytes):
+            yield Block(
+                file_index, str(path), kind, False, b"", run.first_row, 0, run.last, run.disk_position,
+                rows=run.rows, row_bytes=run.text_bytes,
+            )  # fmt: skip
+        return
     errors = _read_errors()
     line, offset = 1, 0
     pending: list[bytes] = []  # a line longer than a block is gathered here, without quadratic copies
@@ -275,6 +328,8 @@ def parse_block(
     block: Block, json_key: str, skip_bad_lines: bool, skipped: Counter[str]
 ) -> list[str | list[str]]:
     """Documents of a block: a text, or a JSON list of sentences. Bad lines raise or are counted."""
+    if block.rows is not None:
+        return _parse_rows(block, json_key, skip_bad_lines, skipped)
     try:
         text = block.data.decode("utf-8")
         lines: list[str | None] = list(text.split("\n")) if text else []
@@ -330,6 +385,27 @@ def parse_block(
     return docs
 
 
+def _parse_rows(
+    block: Block, column: str, skip_bad_lines: bool, skipped: Counter[str]
+) -> list[str | list[str]]:
+    """Documents of a columnar block: each row's value, as a JSON line's value under the key is read."""
+    assert block.rows is not None
+    docs: list[str | list[str]] = []
+    for i, value in enumerate(block.rows):
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+            docs.append(value)
+            continue
+        if not skip_bad_lines:
+            raise PreprocessError(
+                f"{block.path}: row {block.first_line + i} (0-based): column {column!r} holds "
+                f"{'null' if value is None else 'a list with a null'}, expected a string or a list of "
+                "strings; "
+                "fix the data or pass --skip-bad-lines (skip_bad_lines=True) to skip such rows"
+            )
+        skipped["not text"] += 1
+    return docs
+
+
 def iter_texts(
     inputs: Iterable[str | os.PathLike[str]], json_key: str = "text", skip_bad_lines: bool = False
 ) -> Iterator[str]:
@@ -337,6 +413,6 @@ def iter_texts(
     of sentences is joined with blank lines."""
     skipped: Counter[str] = Counter()
     for fi, path in enumerate(expand_inputs(inputs)):
-        for block in iter_blocks(fi, path):
+        for block in iter_blocks(fi, path, column=json_key):
             for doc in parse_block(block, json_key, skip_bad_lines, skipped):
                 yield doc if isinstance(doc, str) else "\n\n".join(doc)

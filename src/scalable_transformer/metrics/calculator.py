@@ -17,7 +17,7 @@ from ..config.schema import Config
 from ..config.validate import resolve
 from .device_specs import resolve_peak
 from .device_table import normalize_dtype
-from .flops import CONVENTIONS, flops_per_iteration, throughput_metrics
+from .flops import CONVENTIONS, convention_notes, flops_per_iteration, throughput_metrics
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "seq_length", "vocab_size", "ffn_hidden_size")
 
@@ -138,7 +138,7 @@ def _convention_rows(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             metrics = throughput_metrics(per_second, 1.0, devices, peak_flops, allow_over_100=True)
-        notes += [str(w.message) for w in caught]
+        notes += [str(w.message) for w in caught] + convention_notes(shape, convention)
         rows.append(
             {
                 **metrics,

@@ -3,64 +3,91 @@
 rate (FLOP/s), unless a name says "per second".
 
 Legend: B samples (sequences) per optimizer step, s sequence length, L layers, h hidden size,
-F MLP inner size (default 4h), V padded vocabulary, N parameter count. "Model FLOPs" are the FLOPs
-the model mathematically needs for one forward + backward (the numerator of MFU); "hardware FLOPs"
-add what activation recomputation repeats (the numerator of HFU).
+F MLP inner size (default 4h), V padded vocabulary, N parameter count, g/n key/value heads per
+query head, w the sliding attention window (model.sliding_window; none = s), E the parameters of the
+embedding tables (word, learned positions, token types). "Model FLOPs" are the FLOPs the model
+mathematically needs for one forward + backward (the numerator of MFU); "hardware FLOPs" add what
+activation recomputation repeats (the numerator of HFU).
 
-Conventions, and what their sources actually compute (checked against the sources' code):
+Each convention is named by the code it reproduces, at a pinned version; tests/unit/
+test_flops_upstream.py calls that code (the upstream function's own text, from its repository at the
+commit below) on GPT-2, Llama-3-8B (GQA, SwiGLU, untied) and BERT shapes and asserts equality to
+1e-12. Where the source counts model FLOPs only, hardware FLOPs here add one forward of everything
+(x 4/3) for full recompute and one forward of that convention's attention-core term for selective
+recompute: that part is ours, the source has no HFU.
 
-megatron -- Narayanan et al. 2021 (arXiv 2104.04473) eq. 3, as computed by Megatron-DeepSpeed's
-  `megatron/utils.py::throughput_calculator`:
-      24 * f * B * s * L * h^2 * (1 + s/(6h) + V/(16*L*h)),  f = 4 with --checkpoint-activations, else 3.
-  We use f = 3 for model FLOPs; hardware FLOPs use f = 4 for full recompute, f = 3 for none, and for
-  selective recompute add one forward of the attention core (QK^T and AV: 4*B*s^2*h per layer).
-  Generalised (reduces to the formula above for F = 4h and no grouped-query attention): the leading "1"
-  becomes (1 + g/n)/6 + F*(1 + u)/(12h) with u = 2 for a gated MLP (GeGLU/SwiGLU: gate and value,
-  h -> 2F, then F -> h: three matrices) else 1, and g/n the key/value heads per query head (grouped-
-  query attention: K and V project to g*d = h*g/n features; 1 without it), as Megatron-LM's
-  `num_floating_point_operations` counts both. That leading term is exactly 6 FLOPs per token per
-  matrix parameter of the blocks (6 x the parameters without embeddings, norms and biases).
-  Differences from NVIDIA Megatron-LM's current `training.py::num_floating_point_operations`:
-  (a) Megatron-LM reports model FLOPs only (no recompute factor, no HFU);
-  (b) it counts the logit layer as 6*B*s*h*V, while scaling eq. 3 by f/4 gives 4.5*B*s*h*V at f = 3
-      (eq. 3 was written for f = 4, where its logit term is exactly 6*B*s*h*V); we keep the
-      Megatron-DeepSpeed figure because the "tflops/gpu" numbers users compare with come from it;
-  (c) current Megatron-LM halves the attention core for the causal mask (s/(12h) instead of
-      s/(6h)), for every model type; we do not halve (BERT is bidirectional, and we count the work
-      of a dense attention kernel). Megatron-LM's earlier form (expansion factor 12),
-      72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for F = 4h, differs from ours only by (b).
+megatron-deepspeed-2022 -- Megatron-DeepSpeed `megatron/utils.py::throughput_calculator` as of
+  492e962 (2022-08-17, unchanged for dense models until b7b2d5e, 2024-08-19): Narayanan et al. 2021
+  (arXiv 2104.04473) eq. 3,
+      24 * f * B * s * L * h^2 * (1 + s/(6h) + V/(16*L*h)),  f = 4 with --checkpoint-activations, else 3;
+  model FLOPs take f = 3, so the logits count 4.5*B*s*h*V. The source reads no F, no gate, no GQA and
+  no window: a Llama is counted as if its MLP were 4h, ungated, with one K/V head per head.
+  Selective recompute (not in the 2022 source) adds one attention-core forward, 4*B*s^2*h*L.
+
+megatron -- the name `logging.flops_convention` had before the conventions were named by source, and
+  the default; NOT an alias: it is megatron-deepspeed-2022 generalised by this project (not by
+  Megatron) to the shapes the 2022 formula cannot see, so the seeds' TFLOPs stay as they were and a
+  Llama is not undercounted. Equal to megatron-deepspeed-2022 for F = 4h, ungated MLP, g = n, no
+  window. The leading "1" becomes (1 + g/n)/6 + F*(1 + u)/(12h) with u = 2 for a gated MLP
+  (GeGLU/SwiGLU) else 1 (6 FLOPs per token per matrix parameter of the blocks, as Megatron-LM's
+  formula counts them), and with a sliding window the attention core is counted over the s x min(s, w)
+  band a windowed kernel computes: s/(6h) becomes min(s, w)/(6h). Its only difference from
+  megatron-lm-2024 for a dense model without window is then the logits (4.5 vs 6 B*s*h*V).
+
+megatron-lm-2024 -- NVIDIA Megatron-LM `megatron/training/training.py::num_floating_point_operations`
+  as of ed7db1d (2025-02-27; the dense formula is the same from 2bfe9be, 2024-04-03):
+      12 * B * s * L * h^2 * ((1 + g/n + s/h) * p + (F/h) * (3/2 if swiglu else 1) + V/(2*L*h)),
+  p = kv_channels * n / h (1 here: head dim = h / n). Logits 6*B*s*h*V; attention core 12*B*s^2*L*h
+  (no causal halving). No window term (Megatron-LM's --window-size is not in its FLOPs).
+
+megatron-lm -- the same function at Megatron-LM d98e8a6 (2026-08-22), whose attention core is halved
+  for the causal mask (8873b55, 2025-03-06: s/h becomes s/(2h), i.e. 6*B*s^2*L*h), for every model
+  type, BERT's bidirectional attention included, as the source does. No window term.
+
+torchtitan -- PyTorch torchtitan `torchtitan/models/utils.py::get_dense_model_nparams_and_flops` at
+  b5bcd76 (2026-08-21), as its Llama/Qwen model args call it (head_dims = 2 * h / n): per token
+      6 * N' + 6 * L * n * head_dims * s = 6 * N' + 12 * L * h * s,
+  N' = N with tied embeddings, else N - E (the nn.Embedding children of the model: the output matrix
+  stays counted). No causal halving ("we follow the convention and do not account for sparsity in
+  causal attention"), no window term (its gpt-oss windows are not in its FLOPs).
+
+llm-foundry -- MosaicML llm-foundry `llmfoundry/models/mpt/modeling_mpt.py`
+  `ComposerMPTCausalLM.flops_per_batch` / `get_attention_flops` at 8c8dd48 (2025-07-21): per sequence
+  params = 2*N*s (`n_active_params`: every parameter, a tied embedding once), attn = L*2*2*h*s^2;
+  model FLOPs 3*(params + attn) = 6*N*s + 12*L*h*s^2; full recompute 4*(params + attn), selective
+  3*params + 4*attn. MPT's sliding_window_size is not in its FLOPs: no window term. Its attention
+  term is 3x (MFU) and 8/3x (HFU) the `mosaic` table's.
 
 mosaic -- the formula of MosaicML's published MosaicGPT throughput table (llm-foundry's benchmarking
   README, as the users' table was computed): per sequence  params = 2*N*s,  attn = L*2*h*s^2;
   model FLOPs 3*params + 2*attn, hardware FLOPs with full activation checkpointing
   4*params + 3*attn (HFU = MFU without checkpointing); selective recompute adds one attention
   forward: 3*params + 3*attn. N is every parameter, embeddings included (a tied embedding once).
-  Reproduces every row of the table to 1e-3 (tests/unit/test_flops.py::MOSAIC_TABLE).
-
-llm-foundry -- MosaicML llm-foundry's current code (`scripts/train/benchmarking/collect_results.py`
-  and the MPT `flops_per_batch`): params = 2*N*s,  attn = L * 2 * 2 * h * s^2 per sequence (QK^T and
-  AV, 2 FLOPs per MAC); model FLOPs 3*(params + attn) = 6*N*s + 12*L*h*s^2, full recompute
-  4*(params + attn), selective 3*params + 4*attn. Its attention term is 3x (MFU) and 8/3x (HFU) the
-  table's: the table's attn counts one s x s product of 2*h FLOPs per position pair per layer where the
-  code counts both (QK^T and AV) at 2 FLOPs per MAC, and the table's backward factor for attention is
-  1x, not 2x. (MosaicML notes a flash-attention backward recomputes attention once more; neither
-  counts it.)
+  Reproduces every row of the table to 1e-3 (tests/unit/test_flops.py::MOSAIC_TABLE). No window term.
 
 6n -- PaLM (arXiv 2204.02311) appendix B, as used by nanoGPT's `estimate_mfu`: per token
   6*N + 12*L*h*s; with full recompute 8*N + 16*L*h*s; selective 6*N + 16*L*h*s. For the same N this
   equals `llm-foundry` exactly (12*L*h*s per token = 12*L*h*s^2 per sequence); the two names are kept
   because users quote both. nanoGPT passes N without the position table (`get_num_params()`); give
-  such an N through `ModelShape.num_params` if you want that variant.
+  such an N through `ModelShape.num_params` if you want that variant. No window term.
+
+Architecture fields without a FLOPs term in any convention: ALiBi (an elementwise bias added to the
+scores, no matmul), partial rotary and rotary itself (elementwise), the parallel residual (the same
+matmuls in another order). q/k/v biases are parameters: the conventions counting 6*N see them through
+N; the Megatron formulas count no bias. `convention_notes` says when a model's sliding window is
+not counted by the chosen convention.
 
 The shape the formulas read (`ModelShape`: layers, hidden, sequence, padded vocabulary, N, MLP size,
-gated or not, key/value heads per head) is built from a config by `ModelShape.from_config`, in
-config/model_shapes.py with the parameter counts it takes N from; it is re-exported here.
+gated or not, key/value heads per head, window, embedding tables, tying) is built from a config by
+`ModelShape.from_config`, in config/model_shapes.py with the parameter counts it takes N from; it is
+re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,8 +99,19 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-CONVENTIONS: tuple[str, ...] = ("megatron", "mosaic", "llm-foundry", "6n")
+CONVENTIONS: tuple[str, ...] = (
+    "megatron",
+    "megatron-deepspeed-2022",
+    "megatron-lm",
+    "megatron-lm-2024",
+    "torchtitan",
+    "llm-foundry",
+    "mosaic",
+    "6n",
+)
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
+# The conventions that count attention over the sliding window (the others' sources have no term).
+WINDOWED_CONVENTIONS: tuple[str, ...] = ("megatron",)
 
 
 @dataclass(frozen=True)
@@ -95,65 +133,98 @@ def _check(convention: str, recompute: str, samples: float) -> None:
         raise ValueError(f"samples must be >= 0 sequences, got {samples}")
 
 
-def _megatron(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
-    b, s, n_l, h, v = samples, shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
+# Each formula gives (model FLOPs, attention-core FLOPs within them) of ONE sample; `_with_recompute`
+# adds what recomputation repeats: everything's forward (x 4/3) for full, the core's forward for
+# selective (one third of its forward + backward).
+
+
+def _megatron_deepspeed_2022(shape: ModelShape) -> tuple[float, float]:
+    s, n_l, h, v = shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
+    scale = 24 * 3 * s * n_l * h * h
+    return scale * (1 + s / (6 * h) + v / (16 * n_l * h)), scale * s / (6 * h)
+
+
+def _megatron(shape: ModelShape) -> tuple[float, float]:
+    s, n_l, h, v = shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
     up = 2 if shape.gated_mlp else 1
     # = 1 for a plain MLP with F = 4h and one K/V head per head
     dense = (1 + shape.kv_heads_ratio) / 6 + shape.ffn * (1 + up) / (12 * h)
-    bracket = dense + s / (6 * h) + v / (16 * n_l * h)
-    model = 24 * 3 * b * s * n_l * h * h * bracket
+    core = shape.attended_keys / (6 * h)
+    scale = 24 * 3 * s * n_l * h * h
+    return scale * (dense + core + v / (16 * n_l * h)), scale * core
+
+
+def _megatron_lm(shape: ModelShape, causal_half: bool) -> tuple[float, float]:
+    s, n_l, h, v = shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
+    gated = 3 / 2 if shape.gated_mlp else 1
+    core = s / h / (2 if causal_half else 1)
+    scale = 12 * s * n_l * h * h
+    model = scale * ((1 + shape.kv_heads_ratio + core) + shape.ffn / h * gated + v / (2 * n_l * h))
+    return model, scale * core
+
+
+def _torchtitan(shape: ModelShape) -> tuple[float, float]:
+    s, n_l, h = shape.seq_length, shape.num_layers, shape.hidden_size
+    matmul_params = shape.num_params if shape.tied_embeddings else shape.num_params - shape.embedding_params
+    core = 12 * n_l * h * s * s
+    return 6 * matmul_params * s + core, core
+
+
+def _llm_foundry(shape: ModelShape) -> tuple[float, float]:
+    s = shape.seq_length
+    core = 3 * shape.num_layers * 2 * 2 * shape.hidden_size * s * s
+    return 3 * 2 * shape.num_params * s + core, core
+
+
+def _six_n(shape: ModelShape) -> tuple[float, float]:
+    s = shape.seq_length
+    core = 12 * shape.num_layers * shape.hidden_size * s * s
+    return 6 * shape.num_params * s + core, core
+
+
+def _with_recompute(counts: tuple[float, float], recompute: str) -> tuple[float, float]:
+    model, core = counts
     if recompute == "full":
-        hardware = 24 * 4 * b * s * n_l * h * h * bracket
-    elif recompute == "selective":
-        hardware = model + 4 * b * s * s * h * n_l  # one more forward of QK^T and AV
-    else:
-        hardware = model
-    return model, hardware
+        return model, model * 4 / 3
+    if recompute == "selective":
+        return model, model + core / 3
+    return model, model
 
 
-def _mosaic(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
+def _mosaic(shape: ModelShape, recompute: str) -> tuple[float, float]:
+    """The table's own factors: 3*params + 2*attn, full 4*params + 3*attn, selective 3*params + 3*attn."""
     s = shape.seq_length
     params_per_seq = 2 * shape.num_params * s
     attn_per_seq = shape.num_layers * 2 * shape.hidden_size * s * s
-    model = (3 * params_per_seq + 2 * attn_per_seq) * samples
+    model = 3 * params_per_seq + 2 * attn_per_seq
     if recompute == "full":
-        hardware = (4 * params_per_seq + 3 * attn_per_seq) * samples
-    elif recompute == "selective":
-        hardware = (3 * params_per_seq + 3 * attn_per_seq) * samples  # one more attention forward
-    else:
-        hardware = model
-    return model, hardware
+        return model, 4 * params_per_seq + 3 * attn_per_seq
+    if recompute == "selective":
+        return model, 3 * params_per_seq + 3 * attn_per_seq  # one more attention forward
+    return model, model
 
 
-def _llm_foundry(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
-    s = shape.seq_length
-    params_per_seq = 2 * shape.num_params * s
-    attn_per_seq = shape.num_layers * 2 * 2 * shape.hidden_size * s * s
-    model = 3 * (params_per_seq + attn_per_seq) * samples
-    if recompute == "full":
-        hardware = 4 * (params_per_seq + attn_per_seq) * samples
-    elif recompute == "selective":
-        hardware = (3 * params_per_seq + 4 * attn_per_seq) * samples
-    else:
-        hardware = model
-    return model, hardware
+_FORMULAS: dict[str, Callable[[ModelShape], tuple[float, float]]] = {
+    "megatron": _megatron,
+    "megatron-deepspeed-2022": _megatron_deepspeed_2022,
+    "megatron-lm": lambda shape: _megatron_lm(shape, causal_half=True),
+    "megatron-lm-2024": lambda shape: _megatron_lm(shape, causal_half=False),
+    "torchtitan": _torchtitan,
+    "llm-foundry": _llm_foundry,
+    "6n": _six_n,
+}
 
 
-def _six_n(shape: ModelShape, samples: float, recompute: str) -> tuple[float, float]:
-    n, s = shape.num_params, shape.seq_length
-    attn_per_token = shape.num_layers * shape.hidden_size * s
-    tokens = samples * s
-    model = (6 * n + 12 * attn_per_token) * tokens
-    if recompute == "full":
-        hardware = (8 * n + 16 * attn_per_token) * tokens
-    elif recompute == "selective":
-        hardware = (6 * n + 16 * attn_per_token) * tokens
-    else:
-        hardware = model
-    return model, hardware
-
-
-_FORMULAS = {"megatron": _megatron, "mosaic": _mosaic, "llm-foundry": _llm_foundry, "6n": _six_n}
+def convention_notes(shape: ModelShape, convention: str) -> list[str]:
+    """What the convention leaves out of this shape, said beside its figures (empty when nothing)."""
+    windowed = shape.sliding_window is not None and shape.sliding_window < shape.seq_length
+    if windowed and convention not in WINDOWED_CONVENTIONS:
+        return [
+            f"{convention}: its source has no sliding-window term, so attention is counted over the "
+            f"whole sequence ({shape.seq_length} tokens), not the {shape.sliding_window}-token window; "
+            f"{', '.join(WINDOWED_CONVENTIONS)} counts the window"
+        ]
+    return []
 
 
 def flops_per_iteration(
@@ -166,8 +237,13 @@ def flops_per_iteration(
     hardware FLOPs only. See the module docstring for each convention's formula and source.
     """
     _check(convention, recompute, samples)
-    model, hardware = _FORMULAS[convention](shape, samples, recompute)
-    return FlopsCount(model_flops=float(model), hardware_flops=float(hardware), convention=convention)
+    if convention == "mosaic":
+        model, hardware = _mosaic(shape, recompute)
+    else:
+        model, hardware = _with_recompute(_FORMULAS[convention](shape), recompute)
+    return FlopsCount(
+        model_flops=float(model * samples), hardware_flops=float(hardware * samples), convention=convention
+    )
 
 
 def step_flops(cfg: ResolvedConfig, num_params: int | None = None) -> FlopsCount:
