@@ -19,8 +19,6 @@ import ast
 import dataclasses
 import functools
 import json
-import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -46,9 +44,9 @@ from scalable_transformer.config.model_shapes import (
 from scalable_transformer.config.schema import LoggingConfig, ModelConfig
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.flops import CONVENTIONS, ModelShape, flops_per_iteration
+from upstream import Upstream, read_upstream
 
 REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "upstream" / "flops" / "reference.json"
-MIRRORS = Path(os.environ.get("STX_UPSTREAM_MIRRORS", "/work/.mirror"))
 
 # convention -> (repository, commit, [(path, [names: "f", "Class.method", or a constant])])
 SOURCES: dict[str, tuple[str, str, list[tuple[str, list[str]]]]] = {
@@ -140,18 +138,8 @@ def _sources_for(name: str) -> tuple[str, ...]:
 # -- the upstream text ---------------------------------------------------------------------------
 
 
-def _git_dir(repo: str) -> Path:
-    return MIRRORS / repo.replace("/", "+") / "repo"
-
-
 def _file_text(repo: str, commit: str, path: str) -> str:
-    git_dir = _git_dir(repo)
-    shown = subprocess.run(
-        ["git", "--git-dir", str(git_dir), "show", f"{commit}:{path}"], capture_output=True, text=True
-    )
-    if shown.returncode != 0:
-        pytest.skip(f"no snapshot of {repo} at {commit[:12]} under {git_dir} ({shown.stderr.strip()[:120]})")
-    return shown.stdout
+    return read_upstream(Upstream(repo, commit, path)).decode("utf-8")
 
 
 def _segment(text: str, name: str) -> tuple[str, int, int]:
