@@ -203,8 +203,8 @@ SHAPE = (
             r"Megatron argument --frobnicate is not known here",
         ),
         (
-            f"python pretrain_gpt.py {SHAPE} --position-embedding-type rope --rotary-percent 0.5\n",
-            r"--rotary-percent 0\.5: partial rotary",
+            f"python pretrain_gpt.py {SHAPE} --window-size 64,64\n",
+            r"--window-size '64,64': only a causal window \(LEFT,0\)",
         ),
         ("python pretrain_gpt.py --micro-batch-size 4\n", r"does not give --num-layers, --hidden-size"),
         (
@@ -218,6 +218,33 @@ SHAPE = (
 def test_what_only_running_gives_or_is_not_built_is_an_error_naming_it(tmp_path, body, message):
     with pytest.raises(ConfigError, match=message):
         import_configs(ImportSources(megatron_args_file=_script(tmp_path, body)))
+
+
+def test_partial_rotary_a_causal_window_and_the_vocabulary_padding_as_megatron_reads_them(tmp_path):
+    """--rotary-percent rotates that share of each head; --window-size is flash-attention's (left, 0), so
+    LEFT + 1 tokens counting the query; the vocabulary is padded to a multiple of
+    --make-vocab-size-divisible-by x the tensor-parallel size, given or at Megatron's 128."""
+    rope = "--position-embedding-type rope --rotary-percent 0.5 --window-size 64,0"
+    silent = import_configs(
+        ImportSources(
+            megatron_args_file=_script(
+                tmp_path, f"python pretrain_gpt.py {SHAPE} {rope} --tensor-model-parallel-size 2\n"
+            )
+        )
+    )
+    values = {p: v for p, (v, _) in silent.values.items()}
+    assert (values["model.rotary_percent"], values["model.sliding_window"]) == (0.5, 65)
+    assert values["model.make_vocab_size_divisible_by"] == 256
+    given = import_configs(
+        ImportSources(
+            megatron_args_file=_script(
+                tmp_path,
+                f"python pretrain_gpt.py {SHAPE} --make-vocab-size-divisible-by 64 "
+                "--tensor-model-parallel-size 4\n",
+            )
+        )
+    )
+    assert given.values["model.make_vocab_size_divisible_by"][0] == 256
 
 
 def test_megatron_defaults_where_the_script_is_silent(tmp_path):

@@ -215,12 +215,33 @@ def _context_parallel(value: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rotary_percent(value: Any, args: dict[str, Any]) -> dict[str, Any]:
-    if value != 1.0 and _rotary(args):
+    if not _rotary(args):
+        return {WHY: "read only with rope"}
+    return {"rotary_percent": value}  # Megatron rotates int(head_dim x percent) leading channels, as here
+
+
+def _vocab_multiple(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron pads the vocabulary to a multiple of this x --tensor-model-parallel-size; here the
+    multiple is one number (model.make_vocab_size_divisible_by), so it is carried multiplied."""
+    tp = args.get("tensor_model_parallel_size", 1)
+    return {
+        "make_vocab_size_divisible_by": value * tp
+        if isinstance(value, int) and isinstance(tp, int)
+        else value
+    }
+
+
+def _window_size(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's --window-size is flash-attention's (left, right) pair: a query sees `left` tokens back
+    and `right` ahead, itself too. A causal window (left, 0) is sliding_window = left + 1 here (which
+    counts the token itself); a window that looks ahead has no equivalent."""
+    numbers = [int(n) for n in re.findall(r"-?\d+", str(value))]
+    if len(numbers) != 2 or numbers[0] < 0 or numbers[1] != 0:
         raise ConfigError(
-            f"--rotary-percent {value}: partial rotary embeddings are not supported here; every head "
-            "dimension rotates (--rotary-percent 1.0)"
+            f"--window-size {value!r}: only a causal window (LEFT,0) imports (model.sliding_window = "
+            "LEFT + 1, the token itself included); Megatron reads it as flash-attention's (left, right)"
         )
-    return {WHY: "every head dimension rotates, as here" if _rotary(args) else "read only with rope"}
+    return {"sliding_window": numbers[0] + 1}
 
 
 def _rotary(args: dict[str, Any]) -> bool:
@@ -338,6 +359,11 @@ MEGATRON_ARGS: dict[str, Rule] = {
     # model shape: Megatron's current names
     "kv_channels": _handle(_kv_channels),
     "rotary_percent": _handle(_rotary_percent),
+    "window_size": _handle(_window_size),
+    "make_vocab_size_divisible_by": _handle(_vocab_multiple),
+    "window_attn_skip_freq": _refuse(
+        "mixes full-attention layers into a sliding-window model: every layer here has the same attention"
+    ),
     "group_query_attention": _handle(_group_query_attention),
     "num_query_groups": _handle(_num_query_groups),
     "use_rotary_position_embeddings": _handle(_use_rotary),  # Megatron-DeepSpeed's name for rope
@@ -549,6 +575,14 @@ def megatron_defaults(args: dict[str, Any]) -> dict[str, tuple[Any, str]]:
         out["train.initial_scale_power"] = (
             FP16_INITIAL_SCALE_POWER,
             "Megatron's default --initial-loss-scale 2**32",
+        )
+    tp = args.get("tensor_model_parallel_size", 1)
+    if isinstance(tp, int) and tp > 1 and "make_vocab_size_divisible_by" not in names:
+        divisible = 128
+        out["model.make_vocab_size_divisible_by"] = (
+            divisible * tp,
+            f"Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by ({divisible}) x "
+            f"--tensor-model-parallel-size ({tp})",
         )
     if (
         args.get("swiglu") is True

@@ -164,8 +164,10 @@ class ModelConfig:
     sliding_window: int | None = opt(
         None,
         "Causal attention sees at most this many tokens back, itself included (Mistral's "
-        "sliding_window); None: the whole sequence. Attention FLOPs are counted with the window.",
-        aliases=("sliding-window", "window-size"),
+        "sliding_window; Megatron --window-size LEFT,0 is LEFT + 1); None: the whole sequence. The "
+        "megatron FLOPs convention counts attention over the window, the others as their sources do "
+        "(docs/METRICS.md).",
+        aliases=("sliding-window",),
         gt=0,
     )
     rotary_base: int = opt(
