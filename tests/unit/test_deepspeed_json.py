@@ -332,3 +332,31 @@ def test_every_documented_key_has_a_rule():
 
     missing = [key for key in DOCUMENTED.split() if rule_of(key) is None]
     assert missing == []
+
+
+def test_stx_plan_decides_the_batch_and_checks_the_schedule_as_resolve_does(tmp_path):
+    """One validation path (issue 41): a file that gives train_batch_size alone has its micro batch
+    derived by `stx plan` as by `stx train` (plan read the preset's micro batch before), and a schedule
+    `stx train` refuses is refused by the plan too (plan let one pass that the dry run then refused)."""
+    from scalable_transformer.plan.cluster import table_cluster
+    from scalable_transformer.plan.search import plan_config
+
+    path = _on_preset(tmp_path, {"train_batch_size": 512, "gradient_accumulation_steps": 2})
+    resolved = resolve(load_config(path), world_size=64).train
+    planned = plan_config(load_config(path), table_cluster("a100-80gb", 8, 8)).layout
+    assert (
+        (planned.micro_batch_size, planned.gradient_accumulation_steps, planned.global_batch_size)
+        == (
+            resolved.micro_batch_size,
+            resolved.gradient_accumulation_steps,
+            resolved.global_batch_size,
+        )
+        == (4, 2, 512)
+    )
+    bad = load_config(path, ["optim.scheduler=warmup_lr", "optim.lr_warmup_fraction=0.1"])
+    for check in (
+        lambda: resolve(bad, world_size=64),
+        lambda: plan_config(bad, table_cluster("a100-80gb", 8, 8)),
+    ):
+        with pytest.raises(ConfigError, match=r"optim\.lr_warmup_fraction applies to scheduler 'megatron'"):
+            check()

@@ -41,30 +41,7 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     p.dp = rules.infer_dp(cfg, world_size)
     rules.check_world_size(cfg, world_size)
 
-    # batch sizes: global = micro x accumulation x dp, as DeepSpeed checks it (and derives the one left out)
-    if t.derive_micro_batch_size:
-        t.micro_batch_size = _derived_micro_batch(t, p.dp)
-    per_step = t.micro_batch_size * p.dp
-    if t.gradient_accumulation_steps is None:
-        if t.global_batch_size is None:
-            t.gradient_accumulation_steps = 1
-        elif t.global_batch_size % per_step:
-            raise ConfigError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"train.micro_batch_size ({t.micro_batch_size}) x dp ({p.dp}) = {per_step}"
-            )
-        else:
-            t.gradient_accumulation_steps = t.global_batch_size // per_step
-    expected = per_step * t.gradient_accumulation_steps
-    if t.global_batch_size is None:
-        t.global_batch_size = expected
-    elif t.global_batch_size != expected:
-        raise ConfigError(
-            f"batch sizes disagree: train.global_batch_size ({t.global_batch_size}) != "
-            f"micro_batch_size ({t.micro_batch_size}) x gradient_accumulation_steps "
-            f"({t.gradient_accumulation_steps}) x dp ({p.dp}) = {expected}"
-        )
-
+    cfg.train = t = batch_sizes(t, p.dp)
     check_schedule(o, t.train_iters)  # here, so plan, dry run and train refuse the same schedules
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
@@ -75,6 +52,36 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
     rules.check_data(cfg.data)
     rules.check_sample_index(cfg)
     return _derived(_frozen(cfg), world_size)
+
+
+def batch_sizes(t: TrainConfig, dp: int) -> TrainConfig:
+    """The train section with micro batch, accumulation and global batch all set: global = micro x
+    accumulation x dp, as DeepSpeed checks it (and derives the one left out). The one place this is
+    decided: `resolve`, and `stx plan` before it searches layouts (plan/search.py `prepare`)."""
+    t = dataclasses.replace(t)
+    if t.derive_micro_batch_size:
+        t.micro_batch_size = _derived_micro_batch(t, dp)
+    per_step = t.micro_batch_size * dp
+    if t.gradient_accumulation_steps is None:
+        if t.global_batch_size is None:
+            t.gradient_accumulation_steps = 1
+        elif t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({t.micro_batch_size}) x dp ({dp}) = {per_step}"
+            )
+        else:
+            t.gradient_accumulation_steps = t.global_batch_size // per_step
+    expected = per_step * t.gradient_accumulation_steps
+    if t.global_batch_size is None:
+        t.global_batch_size = expected
+    elif t.global_batch_size != expected:
+        raise ConfigError(
+            f"batch sizes disagree: train.global_batch_size ({t.global_batch_size}) != "
+            f"micro_batch_size ({t.micro_batch_size}) x gradient_accumulation_steps "
+            f"({t.gradient_accumulation_steps}) x dp ({dp}) = {expected}"
+        )
+    return t
 
 
 def _derived_micro_batch(t: TrainConfig, dp: int) -> int:

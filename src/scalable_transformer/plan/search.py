@@ -10,7 +10,9 @@ from typing import Any
 
 from ..config import rules
 from ..config.model_shapes import family_options
+from ..config.schedule import check_schedule
 from ..config.schema import Config
+from ..config.validate import batch_sizes
 from ..errors import ConfigError
 from .cluster import Cluster
 from .layout import Layout
@@ -164,29 +166,9 @@ def prepare(cfg: Config, world_size: int) -> Config:
     rules.check_model(model)
     cfg = dataclasses.replace(cfg, model=model)
     dp = rules.infer_dp(cfg, world_size)
-    per_step = t.micro_batch_size * dp
-    acc = t.gradient_accumulation_steps
-    if acc is None:
-        if t.global_batch_size is None:
-            acc = 1
-        elif t.global_batch_size % per_step:
-            raise ConfigError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"train.micro_batch_size ({t.micro_batch_size}) x dp ({dp}) = {per_step}"
-            )
-        else:
-            acc = t.global_batch_size // per_step
-    gbs = per_step * acc
-    if t.global_batch_size is not None and t.global_batch_size != gbs:
-        raise ConfigError(
-            f"batch sizes disagree: train.global_batch_size ({t.global_batch_size}) != micro_batch_size "
-            f"({t.micro_batch_size}) x gradient_accumulation_steps ({acc}) x dp ({dp}) = {gbs}"
-        )
-    cfg = dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(p, dp=dp),
-        train=dataclasses.replace(t, gradient_accumulation_steps=acc, global_batch_size=gbs),
-    )
+    train = batch_sizes(t, dp)  # as resolve decides them (a DeepSpeed file may derive the micro batch)
+    check_schedule(cfg.optim, train.train_iters)  # as resolve checks it: plan refuses what train refuses
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp), train=train)
     rules.check_layout(cfg, world_size)
     return cfg
 
