@@ -275,3 +275,51 @@ def test_a_dry_run_child_that_fails_or_runs_too_long_is_an_error_naming_why(monk
     monkeypatch.setattr(dry, "WORKER_TIMEOUT_SECONDS", 0.01)
     with pytest.raises(dry.DryRunError, match=r"took over 0\.01 s and was stopped"):
         dry.dry_run_isolated(cfg, 1, "cpu")
+
+
+_SLEEPER = """
+import os, sys, time
+from scalable_transformer.dryrun.dry_run import _in_own_process
+
+def rank(path):
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(120)
+
+_in_own_process(rank, sys.argv[1])
+"""
+
+
+def test_a_rank_process_ends_when_the_dry_run_that_forked_it_is_killed(tmp_path):
+    """`stx plan` interrupted mid dry run left its rank process running on (seen: a 20B rank still
+    computing after the plan was killed); the kernel now ends it with its parent (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "rank.pid"
+    parent = subprocess.Popen([sys.executable, "-c", _SLEEPER, str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert time.monotonic() < deadline and parent.poll() is None, "the rank process never started"
+            time.sleep(0.1)
+        rank = int(pid_file.read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(rank):
+            assert time.monotonic() < deadline, f"rank process {rank} outlived its killed parent"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie left for init to reap counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -21,6 +21,7 @@ only place torch ships it; `fake_process_group` is the one place that imports it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import multiprocessing
@@ -425,9 +426,11 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
     registered under the name 41" once a second pipeline rank with sequence parallelism ran in the
     same process). Its result, or the exception it raised, comes back pickled through a pipe."""
     read_fd, write_fd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read_fd)
+        _die_with(parent)
         try:
             outcome: tuple[str, Any] = ("result", fn(*args))
         except BaseException as e:  # everything goes back to the parent, which raises it
@@ -448,6 +451,17 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
         raise value
     return value
 
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process when its parent ends (prctl PR_SET_PDEATHSIG, Linux): a rank
+    process must not outlive a dry run that was stopped (`stx plan` interrupted, or timed out)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the request was made
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 WORKER_TIMEOUT_SECONDS = 900
 # Each dry run runs in a child forked from one server process that has imported torch and this module
@@ -495,6 +509,7 @@ def _worker_main(argv: list[str], output: str, cwd: str, environ: dict[str, str]
     where to write the result (or {"error": ...}); its stdout and stderr go to `output`, where
     multiprocessing's bootstrap prints the traceback of any other exception."""
 
+    _die_with(os.getppid())  # the fork server, which ends with the `stx plan` that started it
     os.setpgid(0, 0)  # its own process group: a timeout stops the rank processes it forks too
     os.chdir(cwd)
     os.environ.clear()
