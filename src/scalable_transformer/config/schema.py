@@ -38,6 +38,20 @@ def opt(
     )
 
 
+# The FLOPs conventions metrics/flops.py computes (one formula each), by the name logging.flops_convention
+# takes: defined here, where the config's choices live, so the two cannot drift apart.
+FLOPS_CONVENTIONS: tuple[str, ...] = (
+    "megatron",
+    "megatron-deepspeed-2022",
+    "megatron-lm",
+    "megatron-lm-2024",
+    "torchtitan",
+    "llm-foundry",
+    "mosaic",
+    "6n",
+)
+
+
 @dataclass
 class ModelConfig:
     type: str = opt(
@@ -530,16 +544,7 @@ class LoggingConfig:
         "sliding windows; the default), megatron-deepspeed-2022, megatron-lm (current, causal attention "
         "halved), megatron-lm-2024 (before the halving), torchtitan, llm-foundry (MPT), mosaic "
         "(MosaicML's published table), 6n (PaLM/nanoGPT).",
-        choices=(
-            "megatron",
-            "megatron-deepspeed-2022",
-            "megatron-lm",
-            "megatron-lm-2024",
-            "torchtitan",
-            "llm-foundry",
-            "mosaic",
-            "6n",
-        ),
+        choices=FLOPS_CONVENTIONS,
     )
     device_name: str | None = opt(
         None,

@@ -92,6 +92,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config.model_shapes import ModelShape
+from ..config.schema import FLOPS_CONVENTIONS
 from ..errors import MFUError
 
 if TYPE_CHECKING:
@@ -99,16 +100,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-CONVENTIONS: tuple[str, ...] = (
-    "megatron",
-    "megatron-deepspeed-2022",
-    "megatron-lm",
-    "megatron-lm-2024",
-    "torchtitan",
-    "llm-foundry",
-    "mosaic",
-    "6n",
-)
+CONVENTIONS = FLOPS_CONVENTIONS  # the names logging.flops_convention takes, each a formula below
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
 # The conventions that count attention over the sliding window (the others' sources have no term).
 WINDOWED_CONVENTIONS: tuple[str, ...] = ("megatron",)
