@@ -110,14 +110,7 @@ def add_tokenizer_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", required=True, metavar="DIR", help="directory for tokenizer.json and vocab files"
     )
-    parser.add_argument(
-        "--json-key",
-        "--text-column",
-        dest="json_key",
-        default="text",
-        help="key of the text in JSON lines, column of the text in Parquet files and saved datasets "
-        "(default: text)",
-    )
+    add_text_column_argument(parser)
     parser.add_argument("--cased", action="store_true", help="keep case (default: lower-case the text)")
 
 
@@ -134,6 +127,18 @@ def register_tokenizer(sub: argparse._SubParsersAction) -> None:
 # Megatron's tokenizer types (data/tokenizers.py TOKENIZER_TYPES), spelled out so that building the
 # parser does not import the tokenizers library.
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "HFTokenizer")
+
+
+def add_text_column_argument(parser: argparse.ArgumentParser) -> None:
+    """--json-key / --text-column: where the text is in each input row."""
+    parser.add_argument(
+        "--json-key",
+        "--text-column",
+        dest="json_key",
+        default="text",
+        help="key of the text in JSON lines, column of the text in Parquet files and saved datasets "
+        "(default: text)",
+    )
 
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,14 +169,7 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (give PREFIX as data.path)"
     )
     add_tokenizer_arguments(parser)
-    parser.add_argument(
-        "--json-key",
-        "--text-column",
-        dest="json_key",
-        default="text",
-        help="key of the text in JSON lines, column of the text in Parquet files and saved datasets "
-        "(default: text)",
-    )
+    add_text_column_argument(parser)
     parser.add_argument(
         "--split-sentences", action="store_true", help="one sequence per sentence (BERT); else per document"
     )
