@@ -7,7 +7,6 @@ import gzip
 import importlib
 import json
 import os
-import random
 from pathlib import Path
 
 import numpy as np
@@ -20,48 +19,22 @@ from scalable_transformer.data.corpus import split_sentences
 from scalable_transformer.data.indexed import IndexedDataset
 from scalable_transformer.data.preprocess import PreprocessError, preprocess
 from scalable_transformer.data.text_readers import expand_inputs
-from scalable_transformer.data.tokenizers import Tokenizer, train_wordpiece
+from scalable_transformer.data.tokenizers import Tokenizer
+from text_corpus import documents, tiny_tokenizer
 
 # The module, not the function `scalable_transformer.data.preprocess` that the package re-exports.
 pp = importlib.import_module("scalable_transformer.data.preprocess")
 zstandard = pytest.importorskip("zstandard")
 
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-]
-
-
-def _documents(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
-        sentences = [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "."
-            for _ in range(rng.randint(1, 6))
-        ]
-        docs.append(" ".join(sentences))
-    return docs
-
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer(train_wordpiece(_documents(200, seed=99), 120), name="tiny")
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def docs() -> list[str]:
-    return _documents(240)
+    return documents(240)
 
 
 def _jsonl(docs: list[str], key: str = "text") -> str:

@@ -8,7 +8,6 @@ import argparse
 import importlib
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -20,48 +19,23 @@ from scalable_transformer.data import text_readers
 from scalable_transformer.data.indexed import IndexedDataset
 from scalable_transformer.data.preprocess import PreprocessError, preprocess
 from scalable_transformer.data.text_readers import expand_inputs, iter_texts
-from scalable_transformer.data.tokenizers import Tokenizer, train_wordpiece
+from scalable_transformer.data.tokenizers import Tokenizer
+from text_corpus import documents, tiny_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 pp = importlib.import_module("scalable_transformer.data.preprocess")
 
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-]
-
-
-def _documents(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [
-        " ".join(
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "."
-            for _ in range(rng.randint(1, 6))
-        )
-        for _ in range(n)
-    ]
-
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer(train_wordpiece(_documents(200, seed=99), 120), name="tiny")
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def docs() -> list[str]:
-    return _documents(300, seed=1)
+    return documents(300, seed=1)
 
 
 def _jsonl(path: Path, docs: list, key: str = "text") -> str:
