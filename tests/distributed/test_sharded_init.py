@@ -196,22 +196,27 @@ def _hf_model(arch: str):
     return transformers.LlamaForCausalLM(hf_cfg).eval()
 
 
+def _from_hf(hf, directory):
+    """The model saved to `directory`, and the overrides that build it in stx from there (its shape as
+    `stx config from-hf` reads it, sequence 32, no dropout, weights from the directory), with the token
+    ids the logits are compared on."""
+    hf.save_pretrained(directory)
+    settings = model_overrides_from_hf(directory)
+    base = [
+        *(f"model.{k}={'null' if v is None else v}" for k, v in settings.items()),
+        "model.seq_length=32",
+        "model.hidden_dropout=0",
+        "model.attention_dropout=0",
+        f"checkpoint.init_from_hf={directory}",
+    ]
+    return base, torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.zero_stage=3"]], ids=["tp2", "dp2-zero3"])
 def test_hf_import_into_shards_matches_one_process(layout, arch, tmp_path):
     hf = _hf_model(arch)
-    hf.save_pretrained(tmp_path / arch)
-    from scalable_transformer.checkpoint.hf_import import model_overrides_from_hf
-
-    settings = model_overrides_from_hf(tmp_path / arch)
-    base = [
-        *(f"model.{k}={v}" for k, v in settings.items()),
-        "model.seq_length=32",
-        "model.hidden_dropout=0",
-        "model.attention_dropout=0",
-        f"checkpoint.init_from_hf={tmp_path / arch}",
-    ]
-    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    base, ids = _from_hf(hf, tmp_path / arch)
     cfg = _config(base, 1)
     single = build_parallel_model(cfg, ParallelDims.build(cfg, "cpu"), torch.device("cpu"))[0].eval()
     with torch.no_grad():
@@ -259,16 +264,7 @@ def test_hf_model_through_tp2_and_back_keeps_its_logits(arch, tmp_path):
     """transformers -> stx at tp 2 (checkpoint.init_from_hf into the shards) -> transformers (the
     export mapping, `stx export --format hf`'s, on the weights the tp ranks hold): the same logits."""
     hf = _hf_family(arch)
-    hf.save_pretrained(tmp_path / arch)
-    settings = model_overrides_from_hf(tmp_path / arch)
-    base = [
-        *(f"model.{k}={'null' if v is None else v}" for k, v in settings.items()),
-        "model.seq_length=32",
-        "model.hidden_dropout=0",
-        "model.attention_dropout=0",
-        f"checkpoint.init_from_hf={tmp_path / arch}",
-    ]
-    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    base, ids = _from_hf(hf, tmp_path / arch)
     with torch.no_grad():
         want = hf(ids).logits
     results = run_distributed(_hf_logits, 2, [*base, "parallel.tp=2"], ids, tmp_dir=tmp_path, timeout=300)
