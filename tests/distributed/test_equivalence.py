@@ -259,7 +259,7 @@ def test_llama_shape_layouts_match_single_process(model, world, cases, llama_ref
 # parallelism and selective recompute), the pipeline, FSDP2 with full recompute: a shrunk Pythia
 # (2 layers, parallel residual, rotary over a quarter of each head, untied), Qwen2's attention (q/k/v
 # bias only) with Mistral's sliding window shorter than the sequence, and with multi-query attention,
-# and ALiBi (each tp rank keeps its heads' slopes).
+# and ALiBi (each tp rank keeps its heads' slopes) with biases on the MLP only.
 ARCH_MODELS = {
     "pythia-2-layers": [
         "model.type=gpt",
@@ -277,7 +277,13 @@ ARCH_MODELS = {
     ],
     # one key/value group on tp 2: the q/k/v weight and bias replicated, each rank slicing its heads
     "qwen2-mqa": [*LLAMA, "model.num_query_groups=1", "model.add_qkv_bias=true"],
-    "alibi": ["model.type=gpt", "model.position_embedding_type=alibi"],
+    # with NeoX llama2/'s biases: none on attention, on the MLP (column- and row-parallel under tp)
+    "alibi-mlp-bias-only": [
+        "model.type=gpt",
+        "model.position_embedding_type=alibi",
+        "model.add_bias_linear=false",
+        "model.add_mlp_bias=true",
+    ],
 }
 ARCH_TWO = {name: TWO[name] for name in ("tp2", "pp2-1f1b", "dp2-zero3-recompute-chunks")} | {
     "tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]

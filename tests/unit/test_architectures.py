@@ -68,6 +68,8 @@ def test_meaningless_combinations_are_refused_naming_the_keys(overrides, named):
         {"add_bias_linear": True, "add_qkv_bias": False},
         {"parallel_residual": True, "position_embedding_type": "rotary", "rotary_percent": 0.25},
         {"sliding_window": 3, "position_embedding_type": "alibi"},
+        {"add_bias_linear": False, "add_mlp_bias": True},
+        {"add_bias_linear": True, "add_mlp_bias": False, "activation": "swiglu"},
     ],
 )
 def test_parameter_count_is_the_built_models(overrides):
@@ -79,6 +81,8 @@ def test_parameter_count_is_the_built_models(overrides):
         cfg.add_qkv_bias if cfg.add_qkv_bias is not None else cfg.add_bias_linear
     )
     assert (model.layers[0].attention.proj.bias is not None) == cfg.add_bias_linear
+    mlp = cfg.add_mlp_bias if cfg.add_mlp_bias is not None else cfg.add_bias_linear
+    assert (model.layers[0].mlp.up.bias is not None) == (model.layers[0].mlp.down.bias is not None) == mlp
 
 
 # ---------------------------------------------------------------- the engine's pieces
@@ -175,6 +179,12 @@ HF_MODELS = {
     "mistral-window-8": lambda: transformers.MistralForCausalLM(
         transformers.MistralConfig(**COMMON, intermediate_size=96, num_key_value_heads=2, sliding_window=8)
     ),
+    # NeoX's llama2/ configs as NeoX builds them: attention without biases, the MLP with them
+    "llama-mlp-bias": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **COMMON, intermediate_size=96, num_key_value_heads=2, attention_bias=False, mlp_bias=True
+        )
+    ),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(
         transformers.Qwen2Config(**COMMON, intermediate_size=96, num_key_value_heads=2)
     ),
@@ -193,6 +203,7 @@ WANT = {
     "pythia": {"parallel_residual": True, "rotary_percent": 0.25},
     "neox-sequential": {"parallel_residual": False, "rotary_percent": 0.5},
     "mistral-window-8": {"sliding_window": 8, "add_bias_linear": False},
+    "llama-mlp-bias": {"add_bias_linear": False, "add_mlp_bias": True},
     "qwen2": {"add_qkv_bias": True, "add_bias_linear": False, "sliding_window": None},
     "qwen2-window-8": {"add_qkv_bias": True, "sliding_window": 8},
 }
@@ -272,6 +283,7 @@ def test_families_without_an_equivalent_block_are_refused_naming_the_setting(con
         ({"sliding_window": 8}, "model.sliding_window = 8"),
         ({"parallel_residual": True}, "model.parallel_residual = true"),
         ({"position_embedding_type": "alibi"}, "model.position_embedding_type = alibi"),
+        ({"add_mlp_bias": False}, "model.add_mlp_bias = false"),  # GPT-2's MLP bias is its other layers'
     ],
 )
 def test_export_of_a_shape_no_family_holds_names_the_setting(overrides, named):

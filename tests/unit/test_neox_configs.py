@@ -33,6 +33,7 @@ def neox(tmp_path_factory) -> Path:
 
 
 LLAMA_VOCAB = 32000  # Llama 1/2's tokenizer.model (meta-llama/Llama-2-7b-hf config.json vocab_size)
+CODELLAMA_7B_VOCAB = 32016  # codellama/CodeLlama-7b-hf config.json: Llama 2's and 16 infilling tokens
 
 # How NeoX's README runs each model config: `deepy.py train.py MODEL.yml SETUP.yml` (local_setup.yml
 # names GPT-2's vocabulary; docker/pythia-paths.yml the 20B tokenizer Pythia used; llama/README.md
@@ -50,6 +51,11 @@ IMPORTED: dict[str, tuple[tuple[str, ...], int | None]] = {
     "finetuning_configs/6-9B.yml": ((), 50277),  # Pythia-6.9B: the 20B tokenizer (no vocab_file given)
     **{f"llama/{f}": (("llama/train_config.yml",), LLAMA_VOCAB) for f in ("7B.yml", "13B.yml", "30B.yml",
                                                                           "65B.yml")},
+    # llama2/ leaves use_bias_in_mlp at NeoX's default (true) with attention biases off: built as NeoX
+    # builds it (model.add_mlp_bias), 835,584 parameters above Llama 2 7B (test_llama2_with_llamas_mlp...)
+    **{f"llama2/{f}": (("llama/train_config.yml",), LLAMA_VOCAB) for f in ("7B.yml", "13B.yml", "70B.yml",
+                                                                           "codellama_34B.yml")},
+    "llama2/codellama_7B.yml": (("llama/train_config.yml",), CODELLAMA_7B_VOCAB),
 }  # fmt: skip
 
 # Files NeoX ships that the import refuses, with the setting the message names.
@@ -61,9 +67,6 @@ REFUSED: dict[str, str] = {
     "sparse.yml": "'attention_config' names 'local'",
     "125M-dmoe.yml": "'moe_num_experts' = 8",
     "bnb_125M.yml": "'use_bnb_optimizer' = True",
-    # use_bias_in_mlp is left at NeoX's default (true): NeoX builds MLP biases without attention biases
-    **{f"llama2/{f}": "'use_bias_in_mlp' = True (NeoX's default" for f in (
-        "7B.yml", "13B.yml", "70B.yml", "codellama_7B.yml", "codellama_34B.yml")},
     # intermediate_size 14336 with mlp_multiple_of 1: NeoX's gated MLP is 9558 wide into a 4778 input
     "mistral/7B.yml": "its first projection is 9558 wide and its second reads 4778",
     # keys NeoXArgs does not have: NeoX refuses these files itself
@@ -197,7 +200,8 @@ def test_a_setup_file_alone_is_not_a_model(neox, overlay):
 )
 def test_llama2_with_llamas_mlp_is_llama2(neox, model, published, tmp_path):
     """NeoX's llama2/ configs leave use_bias_in_mlp at its default (true; configs/llama/ set it false
-    since NeoX #1276): with the one line that gives Llama's bias-free MLP, they are Llama 2 exactly,
+    since NeoX #1276), which NeoX builds and the import keeps (model.add_mlp_bias); with the one line
+    that gives Llama's bias-free MLP, they are Llama 2 exactly,
     its ffn 11008 / 13824 / 28672 from NeoX's gated rounding of intermediate_size."""
     fix = tmp_path / "llama_mlp.yml"
     fix.write_text("use_bias_in_mlp: false\n", encoding="utf-8")
@@ -208,6 +212,14 @@ def test_llama2_with_llamas_mlp_is_llama2(neox, model, published, tmp_path):
     assert total_params(cfg.model) == published
     assert cfg.model.ffn_hidden_size == {"7B": 11008, "13B": 13824, "70B": 28672}[model[7:-4]]
     assert cfg.model.num_query_groups == {"7B": 32, "13B": 40, "70B": 8}[model[7:-4]]  # 70B: GQA, 8 groups
+    # as the file ships (NeoX's default MLP biases): the same model plus the MLP's two biases per layer
+    imported, _ = _import([neox / model], LLAMA_VOCAB)
+    out.write_text(render_yaml(imported), encoding="utf-8")
+    shipped = resolve(load_config(str(out)), world_size=_raw([neox / model])["model_parallel_size"]).model
+    assert (shipped.add_bias_linear, shipped.add_mlp_bias) == (False, True)
+    assert total_params(shipped) - published == shipped.num_layers * (
+        2 * shipped.ffn_hidden_size + shipped.hidden_size
+    )
 
 
 def test_the_20b_config_names_its_vocabulary_and_layout_in_the_written_file(neox, tmp_path, capsys):

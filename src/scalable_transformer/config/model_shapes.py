@@ -77,6 +77,11 @@ def qkv_bias(m: ModelConfig) -> bool:
     return m.add_bias_linear if m.add_qkv_bias is None else m.add_qkv_bias
 
 
+def mlp_bias(m: ModelConfig) -> bool:
+    """Whether the MLP's projections have biases: add_mlp_bias, default add_bias_linear."""
+    return m.add_bias_linear if m.add_mlp_bias is None else m.add_mlp_bias
+
+
 def default_ffn_hidden_size(m: ModelConfig) -> int:
     """The derived MLP inner size: 4 h, or Llama's int(2/3 * 4 h) with swiglu (the parameters of an
     ungated 4 h MLP), rounded up to a multiple of model.ffn_multiple_of."""
@@ -117,18 +122,20 @@ class BlockParams:
 
 def block_params(m: ModelConfig, tp: int = 1) -> BlockParams:
     """One TransformerBlock on one tp rank: qkv and up column-sharded (weight and bias), proj and
-    down row-sharded (weight; bias replicated), norms replicated. Biases only with add_bias_linear.
+    down row-sharded (weight; bias replicated), norms replicated. Biases as add_bias_linear says
+    (attention's output), qkv_bias and mlp_bias.
     With more tp ranks than key/value groups the qkv projection is replicated (parallel/tensor.py).
     The layout rules (config/rules.py) make every sharded part divisible by tp."""
     assert m.ffn_hidden_size is not None
     h, f, qkv = m.hidden_size, m.ffn_hidden_size, qkv_width(m)
     up = 2 * f if gated_mlp(m) else f
     bias = 1 if m.add_bias_linear else 0
+    mlp = 1 if mlp_bias(m) else 0
     qkv_numel = h * qkv + (qkv if qkv_bias(m) else 0)
     qkv_local = qkv_numel if query_groups(m) % tp else qkv_numel // tp
     return BlockParams(
         attention=qkv_local + h * h // tp + bias * h,
-        mlp=(h * up + bias * up) // tp + f * h // tp + bias * h,
+        mlp=(h * up + mlp * up) // tp + f * h // tp + mlp * h,
         norms=2 * norm_numel(m),
     )
 
@@ -223,7 +230,7 @@ def stage_params(
     for the same stages thousands of times)."""
     key = (
         m.type, m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.make_vocab_size_divisible_by,
-        m.num_attention_heads, m.num_query_groups, m.add_bias_linear, m.add_qkv_bias,
+        m.num_attention_heads, m.num_query_groups, m.add_bias_linear, m.add_qkv_bias, m.add_mlp_bias,
         m.max_position_embeddings, m.position_embedding_type, m.num_tokentypes, m.norm, m.activation,
         m.apply_residual_connection_post_layernorm, m.tie_word_embeddings, m.bert_binary_head,
         tp, pp, pp_rank, virtual, schedule, pipeline_layers,

@@ -211,8 +211,8 @@ NEOX_ARGS: dict[str, Rule] = {
         "is read nowhere by NeoX's model (megatron/model): its LayerNorms keep their "
         "bias, RMSNorm has none, as here"
     ),
-    "use_bias_in_attn_linear": _c("model.add_bias_linear (with use_bias_in_mlp: both must agree)"),
-    "use_bias_in_mlp": _c("model.add_bias_linear (with use_bias_in_attn_linear: both must agree)"),
+    "use_bias_in_attn_linear": _c("model.add_bias_linear"),
+    "use_bias_in_mlp": _c("model.add_mlp_bias (where it differs from use_bias_in_attn_linear)"),
     "soft_prompt_tuning": _r("soft prompt tuning is not supported (stx pretrains every weight)"),
     **dict.fromkeys(
         (
@@ -712,7 +712,7 @@ def _model(config: dict[str, Any], source: str, out: NeoxImport, vocab_size: int
     _norm(config, source, v, out.ignored)
     _positions(config, source, out)
     _activation_and_mlp(config, source, out)
-    _biases(config, source, v)
+    _biases(config, v)
     v["model.vocab_size"] = _vocabulary(config, source, vocab_size, out)
     tp = max(1, int(config.get("model_parallel_size") or 1))
     divisible = config.get("make_vocab_size_divisible_by", 128)
@@ -825,19 +825,12 @@ def _activation_and_mlp(config: dict[str, Any], source: str, out: NeoxImport) ->
     )
 
 
-def _biases(config: dict[str, Any], source: str, v: dict[str, Any]) -> None:
-    attn = config.get("use_bias_in_attn_linear", True)
-    mlp = config.get("use_bias_in_mlp", True)
-    if attn != mlp:
-        said = "" if "use_bias_in_mlp" in config else " (NeoX's default: the files do not set it)"
-        raise ConfigError(
-            f"{source}: 'use_bias_in_attn_linear' = {attn} but 'use_bias_in_mlp' = {mlp}{said}: NeoX builds "
-            f"{'the MLP' if mlp else 'attention'} with biases and "
-            f"{'attention' if mlp else 'the MLP'} without; "
-            "here biases are on every linear layer or on none (model.add_bias_linear). For Llama's "
-            "architecture set use_bias_in_mlp: false, as NeoX's configs/llama/ do"
-        )
-    v["model.add_bias_linear"] = bool(attn)
+def _biases(config: dict[str, Any], v: dict[str, Any]) -> None:
+    attn = bool(config.get("use_bias_in_attn_linear", True))
+    mlp = bool(config.get("use_bias_in_mlp", True))
+    v["model.add_bias_linear"] = attn
+    if mlp != attn:  # NeoX's llama2/ configs: attention without biases, the MLP with NeoX's default ones
+        v["model.add_mlp_bias"] = mlp
 
 
 def _vocabulary(config: dict[str, Any], source: str, vocab_size: int | None, out: NeoxImport) -> int:

@@ -175,6 +175,13 @@ class ModelConfig:
         "add_bias_linear = false is Qwen2's attention (Megatron --add-qkv-bias).",
         aliases=("add-qkv-bias",),
     )
+    add_mlp_bias: bool | None = opt(
+        None,
+        "Biases on the MLP's two projections; default add_bias_linear. true with add_bias_linear = "
+        "false is what GPT-NeoX builds when use_bias_in_mlp is left at its default with attention "
+        "biases off (its llama2/ configs); HF Llama's mlp_bias.",
+        aliases=("add-mlp-bias", "use_bias_in_mlp", "mlp_bias"),
+    )
     sliding_window: int | None = opt(
         None,
         "Causal attention sees at most this many tokens back, itself included (Mistral's "

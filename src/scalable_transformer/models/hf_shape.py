@@ -65,11 +65,21 @@ def block_form(
     window: bool = False,
     qkv_bias: tuple[bool, ...] | None = None,
     rotary_percent: bool = False,
+    mlp_bias: bool = False,
 ) -> list[Needs]:
     """The needs of the newer block settings, for an architecture that has (True) or lacks (False)
-    the parallel residual, a sliding window, partial rotary; qkv_bias: the q/k/v bias values it
-    holds (None: only add_bias_linear's, the same bias on every linear layer)."""
+    the parallel residual, a sliding window, partial rotary, an MLP bias set apart from the other
+    linear layers'; qkv_bias: the q/k/v bias values it holds (None: only add_bias_linear's, the same
+    bias on every linear layer)."""
     needs = []
+    if not mlp_bias and cfg.add_mlp_bias not in (None, cfg.add_bias_linear):
+        needs.append(
+            Needs(
+                "add_mlp_bias",
+                (None, cfg.add_bias_linear),
+                f"{name}'s MLP bias is that of its other linear layers",
+            )
+        )
     if not parallel:
         needs.append(Needs("parallel_residual", (False,), f"{name} blocks are sequential"))
     if not window:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from scalable_transformer.config.model_shapes import gated_mlp, qkv_bias, qkv_width, query_groups
+from scalable_transformer.config.model_shapes import gated_mlp, mlp_bias, qkv_bias, qkv_width, query_groups
 from scalable_transformer.config.rules import check_model
 from scalable_transformer.config.schema import ModelConfig, check_section
 
@@ -295,8 +295,8 @@ class MLP(nn.Module):
         assert cfg.ffn_hidden_size is not None
         self.activation = cfg.activation
         up = 2 * cfg.ffn_hidden_size if gated_mlp(cfg) else cfg.ffn_hidden_size
-        self.up = nn.Linear(cfg.hidden_size, up, bias=cfg.add_bias_linear)
-        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.up = nn.Linear(cfg.hidden_size, up, bias=mlp_bias(cfg))
+        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=mlp_bias(cfg))
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         y_bsf = self.up(x_bsh)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from scalable_transformer.config.model_shapes import mlp_bias
 from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
@@ -135,7 +136,7 @@ def _llama_block(name: str) -> list[Needs]:
 
 def llama_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no LlamaForCausalLM equivalent (empty: it has one)."""
-    return mismatches(cfg, [*_llama_block("Llama"), *block_form("Llama", cfg)])
+    return mismatches(cfg, [*_llama_block("Llama"), *block_form("Llama", cfg, mlp_bias=True)])
 
 
 def mistral_unsupported(cfg: ModelConfig) -> list[str]:
@@ -228,11 +229,9 @@ def _llama_state_dict(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, tor
             if o + f"mlp.up.{kind}" in ours:
                 up = ours[o + f"mlp.up.{kind}"]
                 sd |= {t + f"mlp.gate_proj.{kind}": up[0::2], t + f"mlp.up_proj.{kind}": up[1::2]}
-        if cfg.add_bias_linear:
-            sd |= {
-                t + "self_attn.o_proj.bias": ours[o + "attention.proj.bias"],
-                t + "mlp.down_proj.bias": ours[o + "mlp.down.bias"],
-            }
+        for theirs, mine in [("self_attn.o_proj", "attention.proj"), ("mlp.down_proj", "mlp.down")]:
+            if o + mine + ".bias" in ours:
+                sd[t + theirs + ".bias"] = ours[o + mine + ".bias"]
     return sd
 
 
@@ -251,7 +250,7 @@ def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     refuse(llama_unsupported(cfg), "LlamaForCausalLM")
     d = cfg.hidden_size // cfg.num_attention_heads
     hf_cfg = LlamaConfig(
-        **_llama_config(cfg), head_dim=d, attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear
+        **_llama_config(cfg), head_dim=d, attention_bias=cfg.add_bias_linear, mlp_bias=mlp_bias(cfg)
     )
     return _load_exported(LlamaForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Llama")
 
@@ -343,10 +342,9 @@ def overrides_from_llama(hf: Any) -> dict[str, Any]:
     """The model.* settings (as `key: value`) describing a Hugging Face LlamaConfig; CheckpointError
     naming the setting when it has no equivalent here."""
     problems, settings = _llama_overrides(hf, "Llama", ("default", "llama3"))
-    if bool(hf.attention_bias) != bool(getattr(hf, "mlp_bias", False)):
-        problems.append("attention_bias != mlp_bias (model.add_bias_linear sets both)")
     _refuse_config(problems, "Llama")
-    return settings | {"add_bias_linear": bool(hf.attention_bias)}
+    attention, mlp = bool(hf.attention_bias), bool(getattr(hf, "mlp_bias", False))
+    return settings | {"add_bias_linear": attention, "add_mlp_bias": None if mlp == attention else mlp}
 
 
 def overrides_from_mistral(hf: Any) -> dict[str, Any]:
