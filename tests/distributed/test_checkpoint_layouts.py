@@ -4,7 +4,8 @@ Each resumed run must train iterations 4-6 with the losses of the uninterrupted 
 (the tolerance of test_equivalence.py: the layouts only reorder fp32 sums), starting at 24 consumed
 samples: a repeated or skipped sample changes the step's loss by far more than the tolerance.
 Pairs (the issue's minimum): dp2-zero3 -> 1 process, 1 process -> tp2, pp2 -> dp2-zero1; plus
-same-layout resumes of dp2-zero3 and pp2-zbv (two stages on one rank: the tied embedding twice).
+same-layout resumes of dp2-zero3 and pp2-zbv (two stages on one rank: the tied embedding twice), and
+hybrid sharding both ways (dp2-zero3 -> HSDP, HSDP -> 1 process).
 Saves happen at iteration 3 (`train.exit_interval=3` stops there; the final save is the checkpoint).
 """
 
@@ -31,6 +32,8 @@ LAYOUTS = {
     "single": [],
     "dp2-zero3": ["parallel.zero_stage=3"],
     "dp2-zero1": ["parallel.zero_stage=1"],
+    # hybrid sharding on 2 ranks: two replicas of 1-way shards (FSDP2 on a 2 x 1 replicate x shard mesh)
+    "dp2-hsdp1-zero3": ["parallel.zero_stage=3", "parallel.dp_shard=1"],
     "tp2": ["parallel.tp=2"],
     "pp2": ["parallel.pp=2", "parallel.pipeline_schedule=1f1b"],
     "pp2-zbv": ["parallel.pp=2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_stages=2"],
@@ -68,9 +71,10 @@ def _two_processes(rank: int, world: int, root: str) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     r = Path(root)
     out = {}
-    for layout in ("dp2-zero3", "pp2", "pp2-zbv"):
+    for layout in ("dp2-zero3", "pp2", "pp2-zbv", "dp2-hsdp1-zero3"):
         out[f"save-{layout}"] = save_at_3(layout, r)
     out["single-to-tp2"] = resume("tp2", r, "single")
+    out["dp2-zero3-to-dp2-hsdp1-zero3"] = resume("dp2-hsdp1-zero3", r, "dp2-zero3")
     out["pp2-to-dp2-zero1"] = resume("dp2-zero1", r, "pp2")
     out["dp2-zero3-to-dp2-zero3"] = resume("dp2-zero3", r, "dp2-zero3")
     out["pp2-zbv-to-pp2-zbv"] = resume("pp2-zbv", r, "pp2-zbv")
@@ -95,11 +99,15 @@ def test_resume_across_layouts(tmp_path):
     assert first is not None and [r["loss"] for r in first] == [r["loss"] for r in reference[:3]]
 
     results = run_distributed(_two_processes, 2, str(tmp_path), tmp_dir=tmp_path, timeout=900)[0]
-    for layout in ("dp2-zero3", "pp2", "pp2-zbv"):
+    for layout in ("dp2-zero3", "pp2", "pp2-zbv", "dp2-hsdp1-zero3"):
         saved = results[f"save-{layout}"]
         assert [r["iteration"] for r in saved] == [1, 2, 3]
         assert (tmp_path / f"ckpt-{layout}" / "latest").read_text().strip() == "iter_0000003"
-    for name in ("single-to-tp2", "pp2-to-dp2-zero1", "dp2-zero3-to-dp2-zero3", "pp2-zbv-to-pp2-zbv"):
+    for name in (
+        "single-to-tp2", "pp2-to-dp2-zero1", "dp2-zero3-to-dp2-zero3", "pp2-zbv-to-pp2-zbv",
+        "dp2-zero3-to-dp2-hsdp1-zero3",
+    ):  # fmt: skip
         assert_continues(name, results[name], reference)
+    assert_continues("hsdp-to-single", resume("single", tmp_path, "dp2-hsdp1-zero3"), reference)
 
     assert_continues("dp2-zero3-to-single", resume("single", tmp_path, "dp2-zero3"), reference)

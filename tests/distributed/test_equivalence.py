@@ -119,6 +119,15 @@ TWO = {
     ],
 }
 FOUR = {
+    # hybrid sharding: two replicas of 2-way shards (FSDP2 on a 2 x 2 replicate x shard mesh), and
+    # with tp 2, replicas of unsharded (1-way) states over FSDP2 with sequence parallelism
+    "dp4-hsdp2-zero3": ["parallel.zero_stage=3", "parallel.dp_shard=2"],
+    "dp2-tp2-sp-hsdp1-zero2": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.zero_stage=2",
+        "parallel.dp_shard=1",
+    ],
     "dp2-tp2-zero0": ["parallel.tp=2", "parallel.zero_stage=0"],
     "dp2-tp2-zero3": ["parallel.tp=2", "parallel.zero_stage=3"],
     "dp2-pp2-zero0": ["parallel.pp=2", "parallel.zero_stage=0"],

@@ -360,3 +360,14 @@ def test_stx_plan_decides_the_batch_and_checks_the_schedule_as_resolve_does(tmp_
     ):
         with pytest.raises(ConfigError, match=r"optim\.lr_warmup_fraction applies to scheduler 'megatron'"):
             check()
+
+
+def test_mics_shard_size_is_hybrid_sharding(tmp_path):
+    """DeepSpeed MiCS (ZeRO-3 within groups of mics_shard_size ranks, replicated across them) is HSDP:
+    parallel.dp_shard; a value that is not a rank count names the key."""
+    zero = {"zero_optimization": {"stage": 3, "mics_shard_size": 8}, "train_micro_batch_size_per_gpu": 4}
+    cfg = resolve(load_config(_on_preset(tmp_path, zero, "gpt-125m")), world_size=32)
+    assert (cfg.parallel.zero_stage, cfg.parallel.dp, cfg.parallel.dp_shard) == (3, 32, 8)
+    assert "dp_shard=8" in cfg.parallel.layout_label
+    with pytest.raises(ConfigError, match=r"mics_shard_size' = 0: a number of ranks"):
+        translate({"zero_optimization": {"stage": 3, "mics_shard_size": 0}}, "ds.json")

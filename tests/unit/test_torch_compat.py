@@ -110,6 +110,12 @@ def test_checkpoint_wrapper():
     )
 
 
+def test_flatten_mesh():
+    name = "torch.distributed.device_mesh:DeviceMesh._flatten"
+    got = params(attribute(name))
+    need(got[:1] == ["mesh_dim_name"], name, "update torch_compat.flatten_mesh")
+
+
 def test_replicate():
     name = "torch.distributed._composable.replicate_with_fsdp:replicate"
     got = params(attribute(name))

@@ -249,7 +249,8 @@ DEEPSPEED_KEYS: dict[str, Rule] = {
         "tunes ZeRO++ quantized gradients (communication here is in full precision)", whole=True, loud=True
     ),
     "zero_optimization.mics_shard_size": _carried(
-        "nothing: -1 (off) only; MiCS sub-group sharding is refused"
+        "parallel.dp_shard (MiCS: ZeRO-3 sharded within groups of this many ranks, replicated across "
+        "them, as HSDP; -1: off)"
     ),
     "zero_optimization.mics_hierarchical_params_gather": _ignored(_ZERO_TUNING, loud=True),
     "aio": _ignored(_NVME, whole=True),
@@ -624,11 +625,12 @@ def _zero(t: Translation, source: str) -> None:
             _set(t, f"parallel.{name}", bool(t.value(f"zero_optimization.{old}")))
     mics = t.value("zero_optimization.mics_shard_size", -1)
     if mics not in (-1, None):
-        raise ConfigError(
-            f"{source}: '{t.shown('zero_optimization.mics_shard_size')}' = {mics}: MiCS (ZeRO sharded "
-            "within groups of ranks, replicated across them) is not supported; parallel.zero_stage shards "
-            "over all of dp"
-        )
+        if not isinstance(mics, int) or isinstance(mics, bool) or mics < 1:
+            raise ConfigError(
+                f"{source}: '{t.shown('zero_optimization.mics_shard_size')}' = {mics!r}: a number of "
+                "ranks >= 1 (or -1: off)"
+            )
+        _set(t, "parallel.dp_shard", mics)
 
 
 def _offload_device(t: Translation, path: str, source: str) -> bool:

@@ -15,7 +15,7 @@ import os
 import re
 
 from ..errors import ConfigError
-from .schema import CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig
+from .schema import CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
 
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
 V_SHAPED_SCHEDULES = ("zbv",)
@@ -298,6 +298,8 @@ def layout_label(cfg: Config, with_dp: bool = True) -> str:
     p = cfg.parallel
     parts = [f"dp={p.dp}"] if with_dp else []
     parts += [f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
+    if dp_shard_size(p) < p.dp:  # hybrid sharding: replicas of dp_shard-way shards
+        parts.append(f"dp_shard={p.dp_shard}")
     if p.offload_optimizer or p.offload_param:
         parts[-1] += "+offload"
     if p.sequence_parallel:
@@ -362,6 +364,11 @@ def infer_dp(cfg: Config, world_size: int) -> int:
     return world_size // model_parallel
 
 
+def dp_shard_size(p: ParallelConfig) -> int:
+    """The ranks a ZeRO-2/3 parameter is sharded over: parallel.dp_shard, -1 meaning all of dp."""
+    return p.dp if p.dp_shard == -1 else p.dp_shard
+
+
 def check_world_size(cfg: Config, world_size: int) -> None:
     """dp x tp x pp must be the number of processes."""
     p = cfg.parallel
@@ -400,6 +407,17 @@ def _check_zero(cfg: Config) -> None:
             "parallel.reduce_each_micro_batch with pipeline parallel (parallel.pp > 1): "
             "torch.distributed.pipelining accumulates a stage's gradients unsharded until its last "
             "micro-batch; set parallel.reduce_each_micro_batch = false"
+        )
+    if p.dp_shard != -1 and (p.dp_shard < 1 or p.dp % p.dp_shard):
+        raise ConfigError(
+            f"parallel.dp_shard = {p.dp_shard} must divide parallel.dp ({p.dp}) (or be -1: shard over "
+            f"all of dp); valid: {', '.join(str(d) for d in range(1, p.dp + 1) if p.dp % d == 0)}"
+        )
+    if dp_shard_size(p) < p.dp and p.zero_stage < 2:
+        raise ConfigError(
+            f"parallel.dp_shard = {p.dp_shard} < dp = {p.dp} (hybrid sharding) needs parallel.zero_stage "
+            f"2 or 3 (got {p.zero_stage}): it is FSDP2 on a replicate x shard mesh; ZeRO-0/1 shard no "
+            "parameters or gradients"
         )
     if p.zero_stage == 1 and p.dp > 1 and p.tp > 1:
         raise ConfigError(

@@ -235,6 +235,15 @@ class ParallelConfig:
         "ZeRO stage: 0 DDP, 1 optimizer state sharded (ZeroRedundancyOptimizer), 2 + gradients "
         "(FSDP2, parameters kept after forward), 3 + parameters (FSDP2, resharded after forward).",
     )
+    dp_shard: int = opt(
+        -1,
+        "ZeRO-2/3: the data-parallel ranks each parameter, gradient and optimizer state is sharded "
+        "over; dp / dp_shard such groups hold replicas and all-reduce their sharded gradients (HSDP: "
+        "FSDP2 on a replicate x shard mesh, so every all-gather stays within dp_shard ranks, e.g. one "
+        "node). -1 = dp: shard over every data-parallel rank (torchtitan "
+        "data_parallel_shard_degree, DeepSpeed MiCS mics_shard_size).",
+        aliases=("data_parallel_shard_degree", "data-parallel-shard-degree", "dp-shard"),
+    )
     offload_optimizer: bool = opt(
         False,
         "ZeRO-2/3: keep the sharded fp32 parameters, gradients and optimizer state in host memory and "

@@ -47,6 +47,7 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
         o.lr_decay_iters = t.train_iters
     rules.check_optim(o)
     rules.check_layout(cfg, world_size)
+    p.dp_shard = rules.dp_shard_size(p)  # -1 (all of dp) resolved
     rules.check_checkpoint(cfg.checkpoint)
     rules.check_profile(cfg, world_size)
     rules.check_data(cfg.data)

@@ -206,8 +206,8 @@ def parallelize(
     apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_num_layers, stash)
     if p.compile:
         apply_compile(model)
-    if mesh is not None and p.zero_stage >= 2:
-        apply_fsdp(model, cfg, mesh["dp"], device)
+    if dims is not None and mesh is not None and p.zero_stage >= 2:
+        apply_fsdp(model, cfg, dims.fsdp_mesh, device)
     elif mesh is not None and p.dp > 1 and p.tp > 1:
         apply_replicate(model, cfg, mesh["dp"])
     # A meta-device model gets its local shards now: after FSDP2/replicate sharded it, before DDP,

@@ -7,8 +7,10 @@ to parallelize, the pipeline runner, the trainer and the checkpoint manager: not
 rank from the environment or builds groups.
 
 Rank order follows Megatron: tensor-parallel ranks are adjacent (fastest-varying), then data
-parallel, then pipeline. The mesh is always 3-D, ("pp", "dp", "tp"), with size-1 dimensions kept, so
-`mesh["dp"]` exists in every layout.
+parallel, then pipeline. The mesh is ("pp", "dp", "tp"), with size-1 dimensions kept, so `mesh["dp"]`
+exists in every layout. Hybrid sharding (parallel.dp_shard < dp) splits dp into ("dp_replicate",
+"dp_shard"), shard ranks adjacent, and names their flattening "dp": the same data-parallel ranks and
+group, and `fsdp_mesh` the 2-D replicate x shard mesh FSDP2 shards over.
 
 The validity rules of a layout (divisibility, world size, schedule needs) are torch-free and live in
 `config.rules`, where `resolve` applies them before any process group exists.
@@ -20,11 +22,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.rules import check_layout, stage_ids, stage_layer_counts, stage_rank
+from ..config.rules import check_layout, dp_shard_size, stage_ids, stage_layer_counts, stage_rank
 from ..config.schema import Config
 from ..errors import ConfigError
 
 MESH_DIMS = ("pp", "dp", "tp")
+HSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 __all__ = ["MESH_DIMS", "ParallelDims", "check_layout", "stage_ids", "stage_layer_counts", "stage_rank"]
 
@@ -37,14 +40,29 @@ class ParallelDims:
     virtual_stages: int = 1
     schedule: str = "1f1b"
     rank: int = 0  # this process's global rank
-    # the ("pp", "dp", "tp") DeviceMesh; None for a plain single-process run without a process group
+    dp_shard: int = -1  # ranks a ZeRO-2/3 parameter is sharded over (-1: dp); < dp is hybrid sharding
+    # the ("pp", "dp", "tp") DeviceMesh (HSDP: ("pp", "dp_replicate", "dp_shard", "tp")); None for a
+    # plain single-process run without a process group
     mesh: Any = field(default=None, compare=False, repr=False)
+    # HSDP: the flattened ("dp_replicate", "dp_shard") mesh, kept here as torch asks (slicing a
+    # flattened dimension from the root mesh is deprecated)
+    flat_dp_mesh: Any = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------ sizes
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def shard_size(self) -> int:
+        """The data-parallel ranks FSDP2 shards over: dp, or dp_shard under hybrid sharding."""
+        return self.dp if self.dp_shard == -1 else self.dp_shard
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding (HSDP): replicas of dp_shard-way shards."""
+        return self.shard_size < self.dp
 
     @property
     def num_stages(self) -> int:
@@ -63,6 +81,7 @@ class ParallelDims:
             virtual_stages=p.virtual_pipeline_stages,
             schedule=p.pipeline_schedule,
             rank=rank,
+            dp_shard=dp_shard_size(p),
         )
 
     @classmethod
@@ -72,6 +91,8 @@ class ParallelDims:
         # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         import torch.distributed as dist
 
+        from .torch_compat import flatten_mesh
+
         if not dist.is_initialized():
             return cls.from_config(cfg)
         dims = cls.from_config(cfg, dist.get_rank())
@@ -80,7 +101,9 @@ class ParallelDims:
                 f"the layout has {dims.world_size} ranks (dp x tp x pp) but the process group has "
                 f"{dist.get_world_size()}"
             )
-        return dataclasses.replace(dims, mesh=dims.build_mesh(device_type))
+        mesh = dims.build_mesh(device_type)
+        flat = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if dims.hybrid else None
+        return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat)
 
     # ------------------------------------------------------------ this rank
 
@@ -129,10 +152,24 @@ class ParallelDims:
         # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        if not self.hybrid:
+            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        shape = (self.pp, self.dp // self.shard_size, self.shard_size, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=HSDP_MESH_DIMS)
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """The mesh FSDP2 shards over: the data-parallel one, or (dp_replicate, dp_shard) under HSDP."""
+        assert self.mesh is not None
+        return self.mesh["dp_replicate", "dp_shard"] if self.hybrid else self.mesh["dp"]
+
+    def sub_mesh(self, dim: str) -> Any:
+        """The 1-D mesh of "pp", "dp" or "tp" (HSDP's "dp": its replicate x shard ranks flattened)."""
+        assert self.mesh is not None
+        return self.flat_dp_mesh if dim == "dp" and self.flat_dp_mesh is not None else self.mesh[dim]
 
     def _group(self, dim: str, size: int) -> Any:
-        return self.mesh[dim].get_group() if self.mesh is not None and size > 1 else None
+        return self.sub_mesh(dim).get_group() if self.mesh is not None and size > 1 else None
 
     @property
     def dp_group(self) -> Any:

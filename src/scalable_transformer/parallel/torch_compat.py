@@ -21,6 +21,10 @@ Routed through this module (call these functions, never the internal):
                              `_checkpoint_wrapped_module` into parameter names: parallel/init.py's
                              `_WRAPPER_PARTS` and checkpoint/manager.py strip it (with torch.compile's
                              `_orig_mod` and FSDP1's `_fsdp_wrapped_module`).
+  flatten_mesh               DeviceMesh._flatten(mesh_dim_name): one dimension over several of a mesh's
+                             (hybrid sharding's dp_replicate x dp_shard as "dp", what torchtitan does),
+                             reachable from the root mesh by name. Without it parallel/dims.py cannot
+                             name the data-parallel group of an HSDP layout (parallel.dp_shard < dp).
   replicate                  torch.distributed._composable.replicate_with_fsdp.replicate(module, *,
                              mesh, mp_policy): ZeRO-0 with tensor parallel (parallel/apply.py).
   unset_fake_temporarily     torch._subclasses.fake_tensor.unset_fake_temporarily(): building on the
@@ -151,6 +155,11 @@ def checkpoint_wrapped(module: nn.Module, checkpoint_fn: Callable[..., Any] | No
     if checkpoint_fn is None:
         return checkpoint_wrapper(module, checkpoint_impl=impl)
     return checkpoint_wrapper(module, checkpoint_impl=impl, checkpoint_fn=checkpoint_fn)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """`mesh` (a sub-mesh of several dimensions) as one dimension called `name` of its root mesh."""
+    return mesh._flatten(name)
 
 
 def replicate(module: nn.Module, *, mesh: Any, mp_policy: Any) -> Any:

@@ -28,6 +28,7 @@ class Layout:
     reduce_each_micro_batch: bool = False
     distribute_saved_activations: bool = False
     cpu_checkpointing: bool = False
+    dp_shard: int = -1  # ZeRO-2/3: ranks sharded over (-1: dp); < dp is hybrid sharding (HSDP)
 
     @property
     def world_size(self) -> int:
@@ -62,6 +63,7 @@ class Layout:
             reduce_each_micro_batch=p.reduce_each_micro_batch,
             distribute_saved_activations=p.distribute_saved_activations,
             cpu_checkpointing=p.cpu_checkpointing,
+            dp_shard=p.dp_shard,
         )
 
     def apply(self, cfg: Config) -> Config:
@@ -81,6 +83,7 @@ class Layout:
             reduce_each_micro_batch=self.reduce_each_micro_batch,
             distribute_saved_activations=self.distribute_saved_activations,
             cpu_checkpointing=self.cpu_checkpointing,
+            dp_shard=self.dp_shard,
             pipeline_layers=cfg.parallel.pipeline_layers if self.pp == cfg.parallel.pp else None,
         )
         train = dataclasses.replace(
@@ -106,6 +109,7 @@ class Layout:
             "parallel.reduce_each_micro_batch": self.reduce_each_micro_batch,
             "parallel.distribute_saved_activations": self.distribute_saved_activations,
             "parallel.cpu_checkpointing": self.cpu_checkpointing,
+            "parallel.dp_shard": self.dp_shard,
             "train.micro_batch_size": self.micro_batch_size,
             "train.gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
@@ -114,6 +118,8 @@ class Layout:
         parts = [f"dp={self.dp} tp={self.tp} pp={self.pp} zero{self.zero_stage}"]
         if self.offload_optimizer or self.offload_param:
             parts[-1] += "+offload" + ("(param)" if self.offload_param else "")
+        if 0 < self.dp_shard < self.dp:
+            parts.append(f"dp_shard={self.dp_shard}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.pp > 1:

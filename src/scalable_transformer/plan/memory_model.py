@@ -19,6 +19,7 @@ from ..config.model_shapes import (
     stage_params,
     vocab,
 )
+from ..config.rules import dp_shard_size
 from ..config.schema import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -350,7 +351,8 @@ def _sharded_states(
     bytes offloading keeps on the host."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    P, dp, zero = sp_.total, p.dp, p.zero_stage
+    # sharded over dp_shard ranks: all of dp, or (hybrid sharding) each replica's shard group
+    P, dp, zero = sp_.total, dp_shard_size(p), p.zero_stage
     k = optimizer_bytes_per_param(cfg)
     offload = p.offload_optimizer or p.offload_param
     gather_bytes = _gather_bytes(cfg)

@@ -182,12 +182,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(cfg: Config, world_size: int, global_batch: int) -> list[Layout]:
+def candidate_layouts(
+    cfg: Config, world_size: int, global_batch: int, devices_per_node: int | None = None
+) -> list[Layout]:
     """Every layout of world_size devices for this global batch: tp (powers of two dividing the
     heads), pp (divisors of the layers), dp the rest; ZeRO 0-3 with the offload variants; micro-batch
     sizes dividing the per-replica batch; recompute none/selective/full; schedules with 2 and 4
-    virtual stages for the interleaved ones; sequence parallel with tp > 1. Invalid ones are dropped
-    by config.rules.check_layout."""
+    virtual stages for the interleaved ones; sequence parallel with tp > 1; for ZeRO-2/3 whose dp
+    spans nodes, hybrid sharding within a node (dp_shard = devices_per_node / tp). Invalid ones are
+    dropped by config.rules.check_layout."""
     m = cfg.model
     out: list[Layout] = []
     tps = [t for t in _divisors(world_size) if t & (t - 1) == 0 and m.num_attention_heads % t == 0]
@@ -217,11 +220,15 @@ def candidate_layouts(cfg: Config, world_size: int, global_batch: int) -> list[L
                 acc = per_replica // mb
                 layout = Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp)
                 out += _memory_variants(layout)
+                node_shard = (devices_per_node or 0) // tp
+                if zero >= 2 and 1 < node_shard < dp and dp % node_shard == 0:
+                    out += _memory_variants(dataclasses.replace(layout, dp_shard=node_shard))
     return out
 
 
 # Layout fields printed beside --json's "layout" object (whose keys issue 13 fixed)
 MEMORY_OPTIONS = (
+    "dp_shard",
     "sequence_parallel",
     "reduce_each_micro_batch",
     "distribute_saved_activations",
@@ -250,7 +257,7 @@ def search_layouts(cfg: Config, cluster: Cluster, global_batch: int | None = Non
     gbs = global_batch or base.train.global_batch_size
     assert gbs is not None
     results: list[Prediction] = []
-    for layout in candidate_layouts(base, cluster.world_size, gbs):
+    for layout in candidate_layouts(base, cluster.world_size, gbs, cluster.devices_per_node):
         if layout.cpu_checkpointing and cluster.kind == "cpu":
             continue  # the host is the device: nothing moves
         candidate = layout.apply(base)
