@@ -287,6 +287,15 @@ ARCH_MODELS = {
     # one key/value group on tp 2: the q/k/v weight and bias replicated, each rank slicing its heads
     "qwen2-mqa": [*LLAMA, "model.num_query_groups=1", "model.add_qkv_bias=true"],
     # with NeoX llama2/'s biases: none on attention, on the MLP (column- and row-parallel under tp)
+    # packed documents: positions and attention restart after each end-of-document token, no loss
+    # across one (the document ids reach every pipeline stage and the SP/recompute paths)
+    "packed-documents": [
+        "model.type=gpt",
+        "model.position_embedding_type=rotary",
+        "model.reset_position_ids=true",
+        "model.reset_attention_mask=true",
+        "data.eod_mask_loss=true",
+    ],
     "alibi-mlp-bias-only": [
         "model.type=gpt",
         "model.position_embedding_type=alibi",

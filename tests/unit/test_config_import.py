@@ -111,8 +111,15 @@ def test_sources_that_disagree_are_an_error(tmp_path):
 
 
 def test_unsupported_feature_asked_for_is_an_error():
-    with pytest.raises(ConfigError, match=r"'reset-position-ids' = True: resetting positions"):
-        import_configs(ImportSources(megatron_args="pretrain_gpt.py --num-layers 2 --reset-position-ids"))
+    with pytest.raises(ConfigError, match=r"'num-unique-layers' = 2: layers sharing weights"):
+        import_configs(ImportSources(megatron_args="pretrain_gpt.py --num-layers 4 --num-unique-layers 2"))
+
+
+def test_document_masking_switches_are_carried():
+    line = "pretrain_gpt.py --num-layers 2 --reset-position-ids --reset-attention-mask --eod-mask-loss"
+    values = {p: v for p, (v, _) in import_configs(ImportSources(megatron_args=line)).values.items()}
+    assert values["model.reset_position_ids"] and values["model.reset_attention_mask"]
+    assert values["data.eod_mask_loss"]
 
 
 def _import(tmp_path, capsys, *argv):

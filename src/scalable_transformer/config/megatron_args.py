@@ -128,9 +128,6 @@ MEGATRON_FILE_IGNORED: dict[str, str] = {
 MEGATRON_FILE_REFUSED: dict[str, str] = {
     "num_unique_layers": "layers sharing weights are not supported; every layer has its own",
     "param_sharing_style": "layers sharing weights are not supported; every layer has its own",
-    "reset_position_ids": "resetting positions at document ends is not supported (samples span documents)",
-    "reset_attention_mask": "masking attention at document ends is not supported (samples span documents)",
-    "eod_mask_loss": "masking the loss on end-of-document tokens is not supported",
     "cpu_optimizer": "set parallel.offload_optimizer: true (with parallel.zero_stage 2 or 3) to step the "
     "optimizer on the CPU",
 }

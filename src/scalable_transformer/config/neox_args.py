@@ -269,7 +269,7 @@ NEOX_ARGS: dict[str, Rule] = {
     ),
     "lazy_mpu_init": _i("is a Megatron initialisation-order switch"),
     "short_seq_prob": _c("data.short_seq_prob"),
-    "eod_mask_loss": _r("masking the loss on end-of-document tokens is not supported"),
+    "eod_mask_loss": _c("data.eod_mask_loss"),
     "adlr_autoresume": _i("is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)"),
     "adlr_autoresume_interval": _i("is NVIDIA's cluster autoresume (resume with checkpoint.load=auto)"),
     "seed": _c("train.seed"),

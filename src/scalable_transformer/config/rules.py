@@ -46,6 +46,8 @@ def _check_architecture(m: ModelConfig) -> None:
     for key, named in (
         ("sliding_window", m.sliding_window is not None),
         ("position_embedding_type", m.position_embedding_type == "alibi"),
+        ("reset_position_ids", m.reset_position_ids),
+        ("reset_attention_mask", m.reset_attention_mask),
     ):
         if named and m.type != "gpt":
             raise ConfigError(

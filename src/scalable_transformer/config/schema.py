@@ -191,6 +191,18 @@ class ModelConfig:
         aliases=("sliding-window",),
         gt=0,
     )
+    reset_position_ids: bool = opt(
+        False,
+        "GPT, packed samples: positions restart after every end-of-document token (Megatron "
+        "--reset-position-ids); the data loader passes each token's document.",
+        aliases=("reset-position-ids",),
+    )
+    reset_attention_mask: bool = opt(
+        False,
+        "GPT, packed samples: a token attends to the earlier tokens of its own document only (a "
+        "block-causal mask: Megatron --reset-attention-mask, torchtitan's document masking).",
+        aliases=("reset-attention-mask",),
+    )
     rotary_base: int = opt(
         10000,
         "Base of the rotary frequencies (rotary only; Llama 3: 500000).",
@@ -432,6 +444,12 @@ class DataConfig:
         aliases=("short-seq-prob",),
         ge=0,
         lt=1,
+    )
+    eod_mask_loss: bool = opt(
+        False,
+        "GPT: no loss where the input token is an end-of-document token (predicting the next document's "
+        "first token from the last one's end; Megatron and GPT-NeoX --eod-mask-loss).",
+        aliases=("eod-mask-loss",),
     )
     binary_head_task: str = opt(
         "nsp", "BERT binary head task: next-sentence (nsp) or sentence-order (sop).", choices=("nsp", "sop")

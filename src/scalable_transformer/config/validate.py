@@ -36,6 +36,8 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
         m.vocab_size = cfg.data.tokenizer_vocab_size
     cfg.model = m = family_options(m)  # a GPT has no binary head (the planner applies the same rule)
     rules.check_model(m)
+    if cfg.data.eod_mask_loss and m.type != "gpt":
+        raise ConfigError(f"data.eod_mask_loss masks a GPT's next-token loss; model.type is {m.type}")
 
     # layout: dp inferred here; every layout rule is checked by config.rules.check_layout below
     p.dp = rules.infer_dp(cfg, world_size)

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from scalable_transformer.cache import cache_dir
 from scalable_transformer.errors import IndexedDatasetError
 from scalable_transformer.files import atomic_output
+from scalable_transformer.models.spec import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from scalable_transformer.data.indexed import IndexedDataset
@@ -267,7 +268,10 @@ class GPTDataset(CachedIndexMixin, Dataset):
 
     Item i is {"input_ids": [s], "labels": [s]} (LongTensors), labels being the input shifted left
     by one token. len() is every sample of the epochs built, at least `num_samples`
-    (None = one epoch).
+    (None = one epoch). With `eod_id` (packed documents, their ends marked by that token):
+    `documents` adds "document_ids" [s], each token's document within the sample (0, 1, ...: a
+    document starts after each end-of-document token), and `mask_eod_loss` sets the label of every
+    position whose input is that token to -100 (no loss predicting across a document's end).
     """
 
     INDEX_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
@@ -279,7 +283,13 @@ class GPTDataset(CachedIndexMixin, Dataset):
         seed: int,
         num_samples: int | None = None,
         documents: tuple[int, int] | None = None,
+        eod_id: int | None = None,
+        document_ids: bool = False,
+        mask_eod_loss: bool = False,
     ) -> None:
+        if (document_ids or mask_eod_loss) and eod_id is None:
+            raise ValueError("document ids and the end-of-document loss mask need the tokenizer's eod_id")
+        self.eod_id, self.document_ids, self.mask_eod_loss = eod_id, document_ids, mask_eod_loss
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
         if num_samples is not None and num_samples < 0:
@@ -341,4 +351,12 @@ class GPTDataset(CachedIndexMixin, Dataset):
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         window = torch.from_numpy(self.tokens(idx))
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        item = {"input_ids": window[:-1], "labels": window[1:]}
+        if self.eod_id is not None:  # set when documents or the loss mask are asked for
+            ends = item["input_ids"].eq(self.eod_id)
+            if self.mask_eod_loss:
+                item["labels"] = item["labels"].masked_fill(ends, IGNORE_INDEX)
+            if self.document_ids:
+                # the token after an end-of-document token starts the next document
+                item["document_ids"] = torch.cumsum(ends, 0) - ends.to(torch.int64)
+        return item

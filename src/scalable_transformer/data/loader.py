@@ -148,7 +148,19 @@ def _causal_lm_dataset(
     documents: tuple[int, int],
     num_samples: int | None,
 ) -> Dataset:
-    return GPTDataset(indexed, cfg.model.seq_length, cfg.train.seed, num_samples, documents)
+    m = cfg.model
+    documents_ids = m.reset_position_ids or m.reset_attention_mask
+    packed = documents_ids or cfg.data.eod_mask_loss
+    return GPTDataset(
+        indexed,
+        m.seq_length,
+        cfg.train.seed,
+        num_samples,
+        documents,
+        eod_id=tokenizer.eod_id if packed else None,
+        document_ids=documents_ids,
+        mask_eod_loss=cfg.data.eod_mask_loss,
+    )
 
 
 def _masked_lm_dataset(

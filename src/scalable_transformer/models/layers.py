@@ -112,16 +112,24 @@ class Embedding(nn.Module):
             self.sinusoid_ph = self._sinusoid().to(self.sinusoid_ph.device)
 
     def forward(
-        self, input_ids_bs: torch.Tensor, token_type_ids_bs: torch.Tensor | None = None
+        self,
+        input_ids_bs: torch.Tensor,
+        token_type_ids_bs: torch.Tensor | None = None,
+        positions_bs: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """positions_bs: each token's position (packed documents restart at 0); default 0..s-1."""
         seq = input_ids_bs.shape[1]
         if seq > self.max_positions:
             raise ValueError(f"sequence length {seq} > model.max_position_embeddings={self.max_positions}")
         x_bsh = self.word(input_ids_bs)
         if self.position is not None:
-            x_bsh = x_bsh + self.position(torch.arange(seq, device=input_ids_bs.device))
+            positions = (
+                torch.arange(seq, device=input_ids_bs.device) if positions_bs is None else positions_bs
+            )
+            x_bsh = x_bsh + self.position(positions)
         elif self.sinusoid_ph is not None:
-            x_bsh = x_bsh + self.sinusoid_ph[:seq].to(x_bsh.dtype)
+            table = self.sinusoid_ph[:seq] if positions_bs is None else self.sinusoid_ph[positions_bs]
+            x_bsh = x_bsh + table.to(x_bsh.dtype)
         if self.tokentype is not None:
             if token_type_ids_bs is None:
                 token_type_ids_bs = torch.zeros_like(input_ids_bs)
@@ -158,9 +166,15 @@ class RotaryEmbedding(nn.Module):
         cos_pd, sin_pd = self._tables()
         self.cos_pd, self.sin_pd = cos_pd.to(self.cos_pd.device), sin_pd.to(self.sin_pd.device)
 
-    def forward(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq: int, positions_bs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [s, d] tables of positions 0..s-1, or with positions_bs (packed documents) each token's
+        row as [b, 1, s, d], broadcast over the heads."""
         if seq > self.max_positions:
             raise ValueError(f"sequence length {seq} > model.max_position_embeddings={self.max_positions}")
+        if positions_bs is not None:
+            return self.cos_pd[positions_bs].unsqueeze(1), self.sin_pd[positions_bs].unsqueeze(1)
         return self.cos_pd[:seq], self.sin_pd[:seq]
 
 
@@ -370,6 +384,31 @@ def shared_bias(layers: nn.Module, seq: int, x_bsh: torch.Tensor) -> torch.Tenso
     device = x_bsh.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x_bsh.dtype
     return core.bias(seq, device, dtype)
+
+
+def document_positions(document_ids_bs: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (0 at a document's first token) from the document
+    ids of packed samples (non-decreasing along the sequence)."""
+    index_bs = torch.arange(document_ids_bs.shape[1], device=document_ids_bs.device).expand_as(
+        document_ids_bs
+    )
+    starts_bs = torch.ones_like(document_ids_bs, dtype=torch.bool)
+    starts_bs[:, 1:] = document_ids_bs[:, 1:] != document_ids_bs[:, :-1]
+    return index_bs - torch.where(starts_bs, index_bs, 0).cummax(dim=1).values
+
+
+def document_mask(document_ids_bs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Block-causal attention over packed documents: query i sees key j when j <= i in the same
+    document, combined with the blocks' shared bias (a sliding window's [s, s] mask or ALiBi's
+    [n, s, s] scores, causality included): a [b, 1, s, s] boolean mask or a [b, n, s, s] bias."""
+    s = document_ids_bs.shape[1]
+    causal_ss = torch.ones(s, s, dtype=torch.bool, device=document_ids_bs.device).tril()
+    allowed_b1ss = ((document_ids_bs.unsqueeze(2) == document_ids_bs.unsqueeze(1)) & causal_ss).unsqueeze(1)
+    if bias is None:
+        return allowed_b1ss
+    if bias.dtype == torch.bool:
+        return allowed_b1ss & bias
+    return bias.masked_fill(~allowed_b1ss, float("-inf"))
 
 
 def blocks_of(layers: nn.Module) -> Iterable[nn.Module]:

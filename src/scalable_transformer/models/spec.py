@@ -234,6 +234,8 @@ class ModelSpec:
     batch_shapes(cfg, b)  key -> shape of a collated micro-batch of b samples (int64), as the data
                           loader makes it (default: every input and label key [b, seq_length]); a
                           dry run (dryrun/dry_run.py) feeds such batches without data
+    optional_inputs       (batch key, forward keyword) pairs passed when the batch has the key (GPT's
+                          document ids of packed samples)
     """
 
     name: str
@@ -249,6 +251,7 @@ class ModelSpec:
     data: DataSpec
     hf: tuple[HFMapping, ...] = ()
     batch_shapes: Callable[[ModelConfig, int], dict[str, tuple[int, ...]]] | None = None
+    optional_inputs: tuple[tuple[str, str], ...] = ()
 
     def micro_batch_shapes(self, cfg: ModelConfig, micro_batch: int) -> dict[str, tuple[int, ...]]:
         """Shapes of a collated micro-batch (see `batch_shapes`)."""
@@ -263,6 +266,10 @@ class ModelSpec:
         if missing:
             raise KeyError(f"{self.name} batch lacks {missing}; it has {sorted(batch)}")
         return tuple(batch[key] for key in self.input_keys)
+
+    def optional_kwargs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward that this batch carries (`optional_inputs`)."""
+        return {kw: batch[key] for key, kw in self.optional_inputs if key in batch}
 
     def stage(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
         """`model` with the parts a pipeline stage does not hold removed: layers `layer_ids` only (an

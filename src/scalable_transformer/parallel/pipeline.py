@@ -280,6 +280,7 @@ class PipelineRunner:
         pipeline = self.spec.pipeline
         args = tuple(whole[k] for k in pipeline.first_stage_keys) if self.has_first else ()
         kwargs: dict[str, Any] = {kw: whole[key] for key, kw in pipeline.every_stage_kwargs}
+        kwargs |= self.spec.optional_kwargs(whole)  # to every stage, as every_stage_kwargs
         target = pipeline.pack_target(whole) if self.has_last else None
         return args, kwargs, target
 

@@ -189,7 +189,7 @@ class Trainer:
             sync = i == last or self.cfg.parallel.reduce_each_micro_batch
             with gradient_sync(self.model, sync), loss_parallel_context(dims.tp):
                 with self.timers("forward-compute"), autocast_context(precision, self.device):
-                    outputs = self.model(*self.spec.inputs(micro))
+                    outputs = self.model(*self.spec.inputs(micro), **self.spec.optional_kwargs(micro))
                 if i == 0:
                     self._wait_for_count(counted)  # its all-reduce ran behind the first forward
                 with self.timers("forward-compute"), autocast_context(precision, self.device):
@@ -278,7 +278,7 @@ class Trainer:
                     autocast_context(self.cfg.train.precision, self.device),
                     loss_parallel_context(self.dims.tp),
                 ):
-                    outputs = self.model(*self.spec.inputs(batch))
+                    outputs = self.model(*self.spec.inputs(batch), **self.spec.optional_kwargs(batch))
                     _, metrics = self.spec.loss(outputs, batch, normalizers, loss_ops(self.dims.tp))
                 accumulate(sums, metrics)
             keys = sorted(sums)

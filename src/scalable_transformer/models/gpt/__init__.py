@@ -28,6 +28,14 @@ def _labels(target_bs: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"labels": target_bs}
 
 
+def _batch_shapes(cfg: ModelConfig, micro_batch: int) -> dict[str, tuple[int, ...]]:
+    """input_ids and labels, and the document ids of packed samples when the model restarts at them."""
+    keys = ["input_ids", "labels"]
+    if cfg.reset_position_ids or cfg.reset_attention_mask:
+        keys.append("document_ids")
+    return dict.fromkeys(keys, (micro_batch, cfg.seq_length))
+
+
 SPEC = ModelSpec(
     name="gpt",
     build=GPTModel,
@@ -46,6 +54,8 @@ SPEC = ModelSpec(
         unpack_target=_labels,
     ),
     data=DataSpec(corpus="eod", dataset="causal-lm", tokenizer_vocab=False, label_keys=("labels",)),
+    batch_shapes=_batch_shapes,
+    optional_inputs=(("document_ids", "document_ids_bs"),),
     hf=(
         HFMapping(
             model_type="gpt2",

@@ -16,6 +16,8 @@ from scalable_transformer.models.layers import (
     TransformerBlock,
     blocks_of,
     check_model_config,
+    document_mask,
+    document_positions,
     init_weights,
     make_norm,
     rotary_for,
@@ -53,13 +55,20 @@ class GPTModel(nn.Module):
         """Name-seeded Megatron init (models.layers.init_weights); seed None: torch.initial_seed()."""
         init_weights(self, self.cfg, seed)
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, document_ids_bs: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s] (or, without the embedding, hidden states x [b, s, h]) -> next-token
-        logits [b, s, v], or x [b, s, h] without the head."""
-        x_bsh = self.embedding(inputs) if self.has_embedding else inputs
-        seq = rotary_length(inputs, self.has_embedding, None, self.cfg.seq_length)
-        rotary = None if self.rotary is None else self.rotary(seq)
+        logits [b, s, v], or x [b, s, h] without the head. document_ids_bs: each token's document in
+        a packed sample, which model.reset_position_ids / reset_attention_mask restart positions and
+        attention at (every pipeline stage gets them)."""
+        cfg = self.cfg
+        docs = document_ids_bs
+        positions_bs = document_positions(docs) if docs is not None and cfg.reset_position_ids else None
+        x_bsh = self.embedding(inputs, positions_bs=positions_bs) if self.has_embedding else inputs
+        seq = rotary_length(inputs, self.has_embedding, docs, cfg.seq_length)
+        rotary = None if self.rotary is None else self.rotary(seq, positions_bs)
         bias = shared_bias(self.layers, seq, x_bsh)  # sliding window, ALiBi: causality included
+        if docs is not None and cfg.reset_attention_mask:
+            bias = document_mask(docs, bias)
         x_bsh = run_blocks(
             blocks_of(self.layers), x_bsh, bias, rotary, self.recompute_chunk, self.recompute_checkpoint
         )
