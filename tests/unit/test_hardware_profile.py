@@ -436,6 +436,41 @@ def _plan_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)["layouts"][0]
 
 
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (
+            ["gpt-1b", "--nodes", "4", "--gpus-per-node", "8", "--device", "a100-40gb"],
+            ("a100", "1B-10B", "several nodes"),
+        ),
+        (["gpt-125m", "--world-size", "8", "--device", "h100-sxm"], ("h100", "< 1B", "one node")),
+        (["gpt-13b", "--world-size", "8", "--device", "h200-sxm"], None),  # no published H200 runs
+        (["tiny-gpt", "--world-size", "1", "--device", "cpu"], None),  # a CPU: not the GPU validation's
+    ],
+)
+def test_plan_shows_the_validation_error_of_its_class_of_layout(capsys, argv, key):
+    """`stx plan` reads the expected error from the table the GPU validation generates
+    (plan/validation_error.py): the class is the GPU family, the parameters' band and one node or several."""
+    from scalable_transformer.cli import main
+    from scalable_transformer.plan.validation_error import ERRORS
+
+    layout = _plan_json(capsys, *argv, "--no-probe")
+    if key is None:
+        assert layout["expected_error"] is None
+        return
+    runs, median, p90 = ERRORS[key]
+    assert layout["expected_error"] == {
+        "class": ", ".join(key),
+        "runs": runs,
+        "median_error": median,
+        "p90_abs_error": p90,
+    }
+    assert runs > 0
+    assert main(["plan", *argv, "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert f"expected error: on {runs} published runs of this class ({', '.join(key)})" in out
+
+
 def test_attention_kernel_option_times_only_the_attention_core_at_that_kernels_rates(capsys):
     """`stx plan --attention-kernel triton` (another engine's run: llm-foundry's Triton FlashAttention)
     changes the attention class by the ratio of the profile's rates and nothing else; memory keeps the
