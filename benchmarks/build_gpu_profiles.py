@@ -37,6 +37,8 @@ ATTENTION_KERNELS = {
     "xformers": "mem_efficient",
     "PyTorch standard attention": "math",
     "FlashAttention Triton": "triton",
+    # FlashAttention 1 (flash-attn 0.2.x, CUDA): what MosaicGPT's `attn_impl: flash` ran in early 2023
+    "FlashAttention (v1)": "flash1",
 }
 
 

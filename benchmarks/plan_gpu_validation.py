@@ -18,6 +18,7 @@ import contextlib
 import csv
 import io
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class Row:
     published: float
     predicted: float | None = None
     note: str = ""
+    gpus: int = 0
+    seq: int = 0  # llm-foundry and MosaicGPT rows: sequence length and micro-batch (code-base table)
+    micro_batch: int = 0
+    params: float | None = None  # the planned model's parameters (stx plan --json), for the error classes
 
     @property
     def error(self) -> float | None:
@@ -136,8 +141,34 @@ def _foundry(r: dict) -> Row | None:
     label = f"{n} GPUs, mb {r['micro_batch']}, seq {r['seq_len']}, {r['zero_or_fsdp']}"
     label += f", AC {r['activation_checkpointing']}"
     return Row(
-        "llm-foundry", r["table"], r["model"], label, args, "tokens/s/GPU", float(r["tokens_per_s_per_gpu"])
-    )
+        "llm-foundry", r["table"], r["model"], label, args, "tokens/s/GPU", float(r["tokens_per_s_per_gpu"]),
+        seq=int(r["seq_len"]), micro_batch=int(r["micro_batch"]),
+    )  # fmt: skip
+
+
+def _mosaicgpt(r: dict) -> Row:
+    """mosaicml/examples MosaicGPT, February 2023 (release 0.0.3): Composer 0.12 / torch 1.13 FSDP, the
+    yaml's `attn_impl: flash` (FlashAttention 1), linear and LayerNorm biases, learned positions, the
+    vocabulary padded to a multiple of 16 (sweep.sh). Where the per-GPU batch is not a multiple of the
+    micro-batch the run's last micro-batch was smaller; it is planned as GradAccum full micro-batches."""
+    args = ["gpt-13b", *_base_args(r, r["layers"], r["hidden"], r["heads"], r["seq_len"], r["vocab"])]
+    # the CSV's vocabulary is the run's (padded to 16 or not): no further padding
+    args = [a.replace("divisible_by=128", "divisible_by=1") for a in args]
+    args += ["model.add_bias_linear=true", "train.precision=bf16", "parallel.reduce_each_micro_batch=true"]
+    # FSDP mixed_precision DEFAULT as Composer's prepare_fsdp_module of late 2022 maps it: fp32 parameters
+    # gathered (autocast casts them), gradients reduced in the autocast dtype (gpu_validation/README.md)
+    args += ["parallel.fsdp_param_dtype=fp32", "parallel.grad_reduce_dtype=bf16"]
+    n, mb, accum = int(r["n_gpus"]), int(r["micro_batch"]), int(r["grad_accum"])
+    args += _layout(1, 1, n, mb, mb * accum * n, _zero(r["zero_or_fsdp"]),
+                    _recompute(r["activation_checkpointing"]), False)  # fmt: skip
+    args += ["--attention-kernel", "flash1"]
+    per_gpu = int(r["global_batch_seqs"]) // n
+    label = f"{n} GPUs, mb {mb} x {accum}, batch {r['global_batch_seqs']}, seq {r['seq_len']}"
+    label += f", AC {r['activation_checkpointing']}"
+    note = "" if per_gpu == mb * accum else f"{per_gpu} seqs/GPU published, planned as {accum} x {mb}"
+    published = float(r["tokens_per_s_per_gpu"])
+    return Row("mosaicgpt-2023-02", r["table"], r["model"], label, args, "tokens/s/GPU", published,
+               note=note, seq=int(r["seq_len"]), micro_batch=mb)  # fmt: skip
 
 
 def _korthikanti(r: dict) -> Row:
@@ -192,6 +223,7 @@ def _torchtitan(r: dict) -> Row | None:
 
 READERS = {
     "llm_foundry_mpt.csv": _foundry,
+    "mosaicml_examples_2023_02.csv": _mosaicgpt,
     "megatron_korthikanti2022_table5.csv": _korthikanti,
     "megatron_narayanan2021_table1.csv": _narayanan,
     "megatron_core_h100_2024.csv": _megatron_core,
@@ -209,10 +241,21 @@ def load_rows(limit: int | None = None) -> list[tuple[Row, str, int]]:
                 device = _device(r["gpu"])
                 if row is None or device is None:
                     continue
-                out.append((row, device, int(r["n_gpus"])))
+                row.gpus = int(r["n_gpus"])
+                out.append((row, device, row.gpus))
                 if limit and sum(1 for o in out if o[0].source == row.source) >= limit:
                     break
     return out
+
+
+def _params(row: Row, gpus: int) -> int:
+    """The planned model's parameters, as `stx plan` counts them for its expected-error class."""
+    from scalable_transformer.config.load import load_config
+    from scalable_transformer.config.model_shapes import total_params
+    from scalable_transformer.plan.search import prepare
+
+    overrides = [a for a in row.args[1:] if "=" in a and not a.startswith("--")]
+    return total_params(prepare(load_config(row.args[0], overrides), gpus).model)
 
 
 def predict(row: Row, device: str, gpus: int) -> None:
@@ -227,6 +270,7 @@ def predict(row: Row, device: str, gpus: int) -> None:
         row.note = (row.note + "; " if row.note else "") + f"stx plan exit {code}"
         return
     layout = json.loads(out.getvalue())["layouts"][0]
+    row.params = _params(row, gpus)
     seconds = layout["step_seconds"]
     if row.metric == "tokens/s/GPU":
         row.predicted = layout["tokens_per_second"] / gpus
@@ -296,6 +340,8 @@ def write_report(rows: list[Row], summary: dict, path: Path, devices: dict[str, 
         "| --- | --- | ---: | ---: | ---: | ---: |",
         *_per_source(rows, devices),
         "",
+        *_without_older_code(rows),
+        "",
         "| source | table | model | GPU | layout | metric | published | predicted | error | note |",
         "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |",
     ]
@@ -315,7 +361,16 @@ def write_report(rows: list[Row], summary: dict, path: Path, devices: dict[str, 
     ]
     for (src, table, model), rho in summary["spearman"].items():
         lines.append(f"| {src} | {table} | {model} | {rho:.2f} |")
-    lines += ["", MISSES]
+    lines += [
+        "",
+        *_distributions(rows, devices),
+        "",
+        MOSAICGPT_2023_02,
+        "",
+        *_code_base(rows, devices),
+        "",
+        MISSES,
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, "\n".join(lines) + "\n")
 
@@ -332,15 +387,222 @@ def _per_source(rows: list[Row], devices: dict[int, str]) -> list[str]:
     ]
 
 
+def _stats(errors: list[float], labels: list[str]) -> str:
+    """median error | median |error| | 90th percentile |error| | worst (signed) and its layout."""
+    ranked = sorted(abs(e) for e in errors)
+    p90 = ranked[min(len(ranked) - 1, round(0.9 * (len(ranked) - 1)))]
+    worst = max(range(len(errors)), key=lambda i: abs(errors[i]))
+    return (
+        f"{statistics.median(errors):+.1%} | {statistics.median(ranked):.1%} | {p90:.1%} | "
+        f"{errors[worst]:+.1%} ({labels[worst]})"
+    )
+
+
+def _without_older_code(rows: list[Row]) -> list[str]:
+    """The headline over the sources of a current code base: mosaicgpt-2023-02 runs an older, slower
+    code base (below), which the time model does not model and which is not fitted away."""
+    kept = [abs(r.error) for r in rows if r.error is not None and r.source not in OLDER_CODE]
+    if not kept:
+        return []
+    within = sum(e <= 0.25 for e in kept) / len(kept)
+    return [
+        f"Without {', '.join(sorted(OLDER_CODE))} (an older code base, see below): {len(kept)} rows, median "
+        f"|error| {statistics.median(kept):.1%}, within 25%: {within:.0%}."
+    ]
+
+
+OLDER_CODE = {"mosaicgpt-2023-02"}
+EXPECTED_ERROR = ROOT / "src" / "scalable_transformer" / "plan" / "validation_error.py"
+DEVICE_FAMILY = {"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100"}
+SIZE_BANDS = ((1e9, "< 1B"), (1e10, "1B-10B"), (math.inf, ">= 10B"))  # parameters
+
+
+def _error_class(row: Row, device: str) -> tuple[str, str, str] | None:
+    """(GPU family, size band, one node or several) of a row, as validation_error.error_class keys it."""
+    family = DEVICE_FAMILY.get(device)
+    if family is None or row.params is None:
+        return None
+    band = next(name for limit, name in SIZE_BANDS if row.params < limit)
+    return family, band, "one node" if row.gpus <= 8 else "several nodes"
+
+
+def write_expected_error(rows: list[Row], devices: dict[int, str], path: Path = EXPECTED_ERROR) -> None:
+    """plan/validation_error.py: per class of layout the rows, median error and 90th percentile |error| of
+    this report's rows (not the older code base's), which `stx plan` shows beside its step time."""
+    from scalable_transformer.files import write_atomic
+
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for r in rows:
+        key = _error_class(r, devices[id(r)])
+        if key is not None and r.error is not None and r.source not in OLDER_CODE:
+            groups.setdefault(key, []).append(r.error)
+    entries = []
+    for key, errs in sorted(groups.items()):
+        ranked = sorted(abs(e) for e in errs)
+        p90 = ranked[min(len(ranked) - 1, round(0.9 * (len(ranked) - 1)))]
+        name = ", ".join(f'"{k}"' for k in key)
+        entries.append(f"    ({name}): ({len(errs)}, {statistics.median(errs):.3f}, {p90:.3f}),")
+    write_atomic(path, EXPECTED_ERROR_MODULE.format(entries="\n".join(entries)))
+
+
+EXPECTED_ERROR_MODULE = '''"""How far `stx plan`'s GPU step time was off on published runs, by layout class.
+
+GENERATED by benchmarks/plan_gpu_validation.py from benchmarks/results/plan_gpu_validation.md (do not
+edit; rerun the benchmark). Error = predicted / published throughput - 1 (positive: the plan was too
+fast). Keys: (GPU family, parameters band, one node or several); values: (published runs, median
+error, 90th percentile of |error|). The older code base's rows (MosaicGPT 2023-02) are left out.
+"""
+
+from __future__ import annotations
+
+ERRORS: dict[tuple[str, str, str], tuple[int, float, float]] = {{
+{entries}
+}}
+FAMILIES = {{"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100"}}
+BANDS = ((1e9, "< 1B"), (1e10, "1B-10B"), (float("inf"), ">= 10B"))
+
+
+def error_class(
+    device: str, params: float, world_size: int, devices_per_node: int
+) -> tuple[str, str, str] | None:
+    """The class a layout's expected error is read from, or None for a device without published runs."""
+    family = FAMILIES.get(device)
+    if family is None:
+        return None
+    band = next(name for limit, name in BANDS if params < limit)
+    return family, band, "one node" if world_size <= devices_per_node else "several nodes"
+
+
+def expected_error(device: str, params: float, world_size: int, devices_per_node: int) -> dict | None:
+    """{{"class", "runs", "median_error", "p90_abs_error"}} for the layout's class, None without runs."""
+    key = error_class(device, params, world_size, devices_per_node)
+    if key is None or key not in ERRORS:
+        return None
+    runs, median, p90 = ERRORS[key]
+    return {{"class": ", ".join(key), "runs": runs, "median_error": median, "p90_abs_error": p90}}
+'''
+
+
+def _distributions(rows: list[Row], devices: dict[int, str]) -> list[str]:
+    """Error distributions by source and model, and by source, GPU and GPU count."""
+    by_model: dict[tuple, list[Row]] = {}
+    by_gpus: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.error is not None:
+            by_model.setdefault((r.source, r.model), []).append(r)
+            by_gpus.setdefault((r.source, devices[id(r)], r.gpus), []).append(r)
+    head = "| rows | median error | median abs error | 90th pct abs error | worst (layout) |"
+    out = ["## Error distributions by model and by GPU count", "",
+           "| source | model " + head, "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for (src, model), g in by_model.items():
+        out.append(
+            f"| {src} | {model} | {len(g)} | " + _stats([r.error for r in g], [r.label for r in g]) + " |"
+        )  # type: ignore[misc]
+    out += ["", "| source | GPU | GPUs " + head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for (src, dev, n), g in sorted(by_gpus.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        stats = _stats([r.error for r in g], [f"{r.model}, {r.label}" for r in g])  # type: ignore[misc]
+        out.append(f"| {src} | {dev} | {n} | {len(g)} | {stats} |")
+    return out
+
+
+def _code_base(rows: list[Row], devices: dict[int, str]) -> list[str]:
+    """The same model on the same 8 GPUs at seq 2048 in the two MosaicML publications: the published
+    ratio (February 2023 / April 2023) against the predicted one, which holds what the planner knows
+    of the two runs (micro-batch, recompute, FlashAttention 1 vs Triton, biases, gather dtype). What
+    the prediction does not explain is the older code base."""
+    pick: dict[tuple, dict[str, list[Row]]] = {}
+    for r in rows:
+        if r.predicted is None or r.gpus != 8 or r.seq != 2048 or not devices[id(r)].startswith("a100"):
+            continue
+        if r.source in ("mosaicgpt-2023-02", "llm-foundry"):
+            size = r.model.split("-")[-1]
+            pick.setdefault((size, devices[id(r)]), {}).setdefault(r.source, []).append(r)
+    out = [
+        "### The older code base: the same model and GPUs in February and April 2023",
+        "",
+        "| model | GPU | 2023-02 mb | tokens/s/GPU | llm-foundry mb | tokens/s/GPU | published ratio | "
+        "predicted ratio | published / predicted |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    ratios = []
+    for (size, dev), by in pick.items():
+        if len(by) < 2:
+            continue
+        feb = max(by["mosaicgpt-2023-02"], key=lambda r: r.published)
+        for apr in by["llm-foundry"]:
+            pub, pred = feb.published / apr.published, feb.predicted / apr.predicted  # type: ignore[operator]
+            ratios.append(pub / pred)
+            out.append(
+                f"| {size} | {dev} | {feb.micro_batch} | {feb.published:,.0f} | {apr.micro_batch} | "
+                f"{apr.published:,.0f} | {pub:.2f} | {pred:.2f} | {pub / pred:.2f} |"
+            )
+    if ratios:
+        median = statistics.median(ratios)
+        out += ["", f"Median published / predicted: {median:.2f} over {len(ratios)} pairs: the February 2023 "
+                f"code ran {1 - median:.0%} slower than its layout explains."]  # fmt: skip
+    return out
+
+
+MOSAICGPT_2023_02 = """## MosaicGPT, February 2023 (mosaicml/examples release 0.0.3): FSDP collective latency
+
+Issue 41 planned 87 MosaicGPT runs of mosaicml/examples (A100 40/80GB, 8-64 GPUs) and found the model
+too fast everywhere, worst for small models across nodes. `mosaicml_examples_2023_02.csv` transcribes
+all 149 rows of those tables at d14a7c94 (the 139 rows under 30B at 8-64 GPUs and the ten 30B/70B
+rows the README calls outdated). Each is planned as its run was: the yaml's `attn_impl: flash` is
+FlashAttention 1 (flash-attn 0.2.8; `--attention-kernel flash1`, the FA2 README's A100 figures of it),
+linear and LayerNorm biases, learned positions, the vocabulary padded to a multiple of 16, FSDP with
+Composer 0.12's `mixed_precision: DEFAULT` (fp32 parameters gathered, gradients reduced in bf16) and
+its per-micro-batch reduce-scatter. Where the per-GPU batch is not a multiple of the micro-batch the
+run's last micro-batch was smaller; it is planned as GradAccum full ones. The issue's figures (87 runs,
+39 of them 125M at +53%) are not reproduced: these tables hold 24 rows of 125M, and planned as the issue
+says (no biases, Triton attention, before the change below) the 149 rows are +20% (median), 125M +27%,
+16/32/64 GPUs +20/+25/+32%. Planned as above, before the change: +20.3% median, 90th percentile
+30.5%, worst +58.8% (125M on 64 A100 40GB, micro-batch 4); A100 40GB by GPU count 8/16/32/64:
++20/+23/+25/+33%; by model 125M +26.5%, 350M +19.5%, 760M +23.9%, 1B +25.5%, 3B +18.3%, 7B +15.8%, 13B +7.3%
+(after: +25.1%, +18.1%, +22.1%, +24.5%, +17.7%, +15.4%, +7.3%).
+
+**Two effects, separated.** (1) The older code base: at 8 GPUs in one node the same model runs 13-23%
+slower (median 17%) than in the April 2023 tables of the same hardware (the table below), beyond what
+the planner knows differs between the two runs (7b and 13b on 80GB compare layouts with and without
+recompute, and say little). That is torch 1.13 / Composer 0.12 against later releases, not a
+time-model term, and it is not fitted: these rows stay about +19% (median) too fast. (2) What grows
+with the GPU count: per published step time split into per-micro-batch and per-step parts (rows of one
+layout at 2-4 gradient-accumulation counts), the per-micro-batch time grew over the 8-GPU one by 3.8,
+5.4 and 11.0 ms on 16, 32 and 64 GPUs (MosaicGPT-125m, micro-batch 16, A100 40GB) where the model
+added about nothing: it hid every FSDP collective behind compute. The growth tracks the latency of the
+unit's ring collectives (n - 1 hops each; 38 of them per micro-batch), from the profile's own
+collective data (nccl_collectives.csv: 43.8 us for the 8-GPU A100 all_reduce at 32 KB, scaled by
+hops): 1.9, 5.7 and 13.3 ms. Only the bandwidth part hides: each FSDP unit's collective waits for the
+compute before it on every rank (FSDP issues it at most one unit ahead), so its n - 1 ring steps
+are on the critical path; NCCL's own tuning model (2.14, src/graph/tuning.cc: 3.4 us per NVLink and
+9.6 us per network ring step, Simple protocol) gives 266 us for a 64-rank all-gather over 8 nodes
+against 394 us from the profile.
+
+**How the change was chosen** (2026-11-28): on the 149 rows of this table only (and the calibration
+data), the criterion was the error's growth with the GPU count over the same layout's 8-GPU error,
+not its level (the level is the code base). Candidates: (a) nothing hidden (every FSDP collective in
+series with compute): removes the growth but also takes 5-14% off single-node predictions, i.e. would
+fit away part of the code-base gap and contradicts the H100 trace of our engine, whose FSDP
+communication overlaps; (b) only the latency in series: removes the growth (median 16/32/64-GPU
+excess over the 8-GPU error +2.2/+5.4/+8.1% -> +1.4/+2.8/+0.6%; worst row +58.8% -> +34.5%) and moves
+single-node predictions by under 1%. (b) was taken (`_dp_seconds`: every FSDP gather and scatter's
+time at one byte is exposed, no new constant), then checked untouched on the other tables: llm-foundry
+125M-350M on 16-64 GPUs median |error| 2.2% -> 1.6% (must show: <= 15%); llm-foundry's large-scale
+H100 rows (128-512 GPUs, a later code base) +22/+26/+34% -> +16/+14/+11% (MPT-1b) and +19/+22/+28% ->
++13/+10/+6% (MPT-3b); the 240 rows of the other sources 7.2% -> 6.6% median |error|, 92% -> 95%
+within 25%. Megatron-Core's rows (distributed optimizer planned as ZeRO-2, whose one bucketed
+reduce-scatter per step the per-unit model does not describe) moved 1-4 points further slow."""
+
+
 MISSES = """## Where the model still misses and why
 
 The model is calibrated on kernel data only (benchmarks/data/gpu_kernels: public kernel benchmarks and
 `stx calibrate` on one H100 and one H200); no constant was tuned on these tables. Each llm-foundry row
 is planned with the attention kernel its run took (`--attention-kernel`, from the publisher's scripts:
 `triton` for the A100 and H100 tables, `flash` or `triton` per model in the large-scale table); every
-other row with SDPA's flash kernel. It is close on Megatron's tables (A100: median -1% to -3%; H100:
--14%) and on llm-foundry's up to seq 8192 (A100 -6% to +1%, H100 -5% to +7%); the large-scale H100
-rows are +17.5% (median), torchtitan's +49%.
+other row with SDPA's flash kernel (MosaicGPT 2023-02: FlashAttention 1, above). It is close on
+Megatron's tables (A100: median -1% to -3%; H100: -15%) and on llm-foundry's up to seq 8192; the
+large-scale H100 rows are +11% (median; +17.5% before the FSDP latency term), torchtitan's +47%.
 
 - **Attention kernel, per run**: llm-foundry's benchmark script defaulted to `attn_impl: triton`, the
   Triton FlashAttention of 2022, which FlashAttention-2's README figures put at 68-80 TFLOP/s fwd+bwd
@@ -353,8 +615,9 @@ rows are +17.5% (median), torchtitan's +49%.
   at hidden 4096, 0.68-0.95 of mamf-finder's best shape); that took llm-foundry's H100 rows from +42%
   to +22%. The A100s have no measured surface: their best-shape point times the H100's measured share
   of its best, an assumption (their rows moved from +31/+33% to +15/+17%).
-- **Communication overlapped with compute is free in the model**: FSDP's all-gathers and
-  reduce-scatters hide behind compute, but NCCL kernels take SMs and HBM bandwidth from the GEMMs they
+- **Communication overlapped with compute is free in the model**, but for each FSDP collective's
+  latency (above): FSDP's all-gathers and reduce-scatters hide their bandwidth part behind compute,
+  but NCCL kernels take SMs and HBM bandwidth from the GEMMs they
   overlap. A public characterization (Jain et al. 2025, arXiv 2507.03114: 4 A100s / H100s, GPT and
   LLaMA) measured compute 18.9% slower on average while overlapped (40% at most). If the
   hidden communication is about a tenth of the compute, as the model has it for 8-GPU MPT-7b, that adds
@@ -372,8 +635,8 @@ rows are +17.5% (median), torchtitan's +49%.
 - **Megatron's attention**: Megatron 2021/2022 ran unfused softmax attention. The planner models SDPA's
   flash kernel, so its selective-recompute rows come out faster than published (+15% to +38%).
 - **Rank order at one shape**: where layouts differ only in GPU count (MPT-70b on 128/256/512 GPUs:
-  published 1058 -> 1007 tokens/s/GPU), the model hides the extra inter-node time behind compute. It
-  predicts a flat line, so the rank correlation of a 5% spread is meaningless (-1.00).
+  published 1058 -> 1007 tokens/s/GPU) the model predicted a flat line (rank correlation -1.00) while
+  it hid every collective; with their latency exposed it falls with the GPU count too (1162 -> 1135).
 - **Unstated layouts** are assumed (Narayanan's tp/pp split and micro-batch, Megatron-Core's
   micro-batch, recompute and optimizer sharding, torchtitan's sequence length).
 - **Memory**: the planner says "does not fit" for 65 of the llm-foundry rows, flagged in the notes
@@ -397,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r, _, _ in loaded]
     summary = summarize(rows)
     write_report(rows, summary, args.output, devices)
+    if args.output == OUTPUT and not args.limit:  # the full run writes what `stx plan` reads
+        write_expected_error(rows, devices)
     print(
         f"{summary['predicted']}/{summary['rows']} rows: median |error| {summary['median_abs_error']:.1%}, "
         f"within 25% {summary['within_25']:.0%}, Spearman median {summary['spearman_median']:.2f}; "

@@ -197,6 +197,16 @@ def _gpt(tp: int = 1, zero: int = 0, recompute: str = "none"):
     )  # fmt: skip
 
 
+def load_gpt(zero: int, *extra: str):
+    from scalable_transformer.config.load import load_config
+
+    return load_config(
+        "gpt-13b",
+        ["model.num_layers=4", "model.hidden_size=1024", "model.num_attention_heads=8",
+         f"parallel.zero_stage={zero}", "train.micro_batch_size=1", *extra],
+    )  # fmt: skip
+
+
 def test_step_time_classes_sum_to_the_breakdown_and_corrections_scale_them():
     import dataclasses
 
@@ -220,6 +230,47 @@ def test_step_time_classes_sum_to_the_breakdown_and_corrections_scale_them():
     st2 = step_time(cfg, dataclasses.replace(cluster, profile=doubled))
     assert st2.classes["forward"]["gemm"] == pytest.approx(2 * st.classes["forward"]["gemm"])
     assert st2.classes["forward"]["attention"] == pytest.approx(st.classes["forward"]["attention"])
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_collectives_hide_their_bandwidth_but_not_their_latency(zero):
+    """Each FSDP unit's gather and scatter hides behind compute except its latency (its time at one
+    byte, the ring's n - 1 hops): across more nodes the exposed data-parallel time grows by the
+    collectives' count times their latency growth, the hidden share does not shrink."""
+    from scalable_transformer.plan.cluster import table_cluster
+    from scalable_transformer.plan.search import prepare
+    from scalable_transformer.plan.speed import _rates, step_time
+
+    def plan(nodes: int):
+        cluster = table_cluster("a100-40gb", nodes, 8)
+        cfg = prepare(
+            load_gpt(zero, f"parallel.dp={8 * nodes}", f"train.global_batch_size={16 * nodes}"),
+            cluster.world_size,
+        )
+        return cfg, cluster, step_time(cfg, cluster)
+
+    cfg2, c2, two = plan(2)
+    cfg8, c8, eight = plan(8)
+    m = cfg8.train.gradient_accumulation_steps
+    assert m == cfg2.train.gradient_accumulation_steps == 2
+    layers = cfg8.model.num_layers
+    units = layers + 1  # the blocks and the root parameters
+    gathers = m * (units + (units - 1 if zero == 3 else 0))
+    scatters = (m if cfg8.parallel.reduce_each_micro_batch else 1) * units
+
+    def latency(cfg, cluster) -> float:
+        r = _rates(cluster)
+        dp = cfg.parallel.dp
+        return (gathers - m) * r.collective("all_gather", dp, 1.0, 1) + (scatters - 1) * r.collective(
+            "reduce_scatter", dp, 1.0, 1
+        )
+
+    lat2, lat8 = latency(cfg2, c2), latency(cfg8, c8)
+    assert lat8 > 3 * lat2 > 0  # 63 hops against 15
+    exposed2 = two.breakdown["dp_communication"]
+    exposed8 = eight.breakdown["dp_communication"]
+    assert exposed8 - exposed2 >= 0.9 * (lat8 - lat2)
+    assert exposed8 >= lat8
 
 
 def test_gpu_validation_runs_on_a_few_rows(tmp_path):
@@ -385,6 +436,41 @@ def _plan_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)["layouts"][0]
 
 
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (
+            ["gpt-1b", "--nodes", "4", "--gpus-per-node", "8", "--device", "a100-40gb"],
+            ("a100", "1B-10B", "several nodes"),
+        ),
+        (["gpt-125m", "--world-size", "8", "--device", "h100-sxm"], ("h100", "< 1B", "one node")),
+        (["gpt-13b", "--world-size", "8", "--device", "h200-sxm"], None),  # no published H200 runs
+        (["tiny-gpt", "--world-size", "1", "--device", "cpu"], None),  # a CPU: not the GPU validation's
+    ],
+)
+def test_plan_shows_the_validation_error_of_its_class_of_layout(capsys, argv, key):
+    """`stx plan` reads the expected error from the table the GPU validation generates
+    (plan/validation_error.py): the class is the GPU family, the parameters' band and one node or several."""
+    from scalable_transformer.cli import main
+    from scalable_transformer.plan.validation_error import ERRORS
+
+    layout = _plan_json(capsys, *argv, "--no-probe")
+    if key is None:
+        assert layout["expected_error"] is None
+        return
+    runs, median, p90 = ERRORS[key]
+    assert layout["expected_error"] == {
+        "class": ", ".join(key),
+        "runs": runs,
+        "median_error": median,
+        "p90_abs_error": p90,
+    }
+    assert runs > 0
+    assert main(["plan", *argv, "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert f"expected error: on {runs} published runs of this class ({', '.join(key)})" in out
+
+
 def test_attention_kernel_option_times_only_the_attention_core_at_that_kernels_rates(capsys):
     """`stx plan --attention-kernel triton` (another engine's run: llm-foundry's Triton FlashAttention)
     changes the attention class by the ratio of the profile's rates and nothing else; memory keeps the
@@ -428,7 +514,7 @@ def test_attention_kernel_option_refuses_a_kernel_it_cannot_plan(capsys, argv, m
     err = capsys.readouterr().err
     assert message in err
     if "points" in err:
-        assert "it has flash, math, mem_efficient" in err
+        assert "it has flash, " in err and "math, mem_efficient" in err
 
 
 def _gpu_profile(**extra: object) -> hp.HardwareProfile:

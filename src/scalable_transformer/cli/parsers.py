@@ -340,7 +340,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "--attention-kernel",
         metavar="KERNEL",
         help="time the attention core at this kernel's rates from the hardware profile (flash, "
-        "mem_efficient, math, cudnn, triton: those it has points of) instead of the kernel this "
+        "mem_efficient, math, cudnn, triton, flash1: those it has points of) instead of the kernel this "
         "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
         "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
     )

@@ -267,6 +267,13 @@ def render_one(r: Any, cluster: Any) -> None:
         )
     print(("fits" if r.fits else "DOES NOT FIT") + (f": {r.reason}" if r.reason else ""))
     print(f"step time: {r.time.total * 1000:,.1f} ms ({r.time_method})")
+    if r.expected_error:
+        e = r.expected_error
+        print(
+            f"  expected error: on {e['runs']} published runs of this class ({e['class']}) the planned "
+            f"throughput was off by {e['median_error']:+.0%} (median; + = too fast), by at most "
+            f"{e['p90_abs_error']:.0%} on 9 in 10 (benchmarks/results/plan_gpu_validation.md)"
+        )
     for key, value in r.time.breakdown.items():
         print(f"  {key.replace('_', ' '):<24} {value * 1000:>12,.1f} ms")
     if r.time.dp_overlapped_seconds:

@@ -52,8 +52,9 @@ from ..files import write_atomic
 
 FORMAT = 1
 KINDS = ("cpu", "gpu")
-# SDPA's kernels, and Triton FlashAttention (2022) for planning runs of engines that use it
-ATTENTION_KERNELS = ("flash", "mem_efficient", "math", "cudnn", "triton")
+# SDPA's kernels, and for planning runs of engines that used them: Triton FlashAttention (2022) and
+# FlashAttention 1 (flash-attn 0.x, 2022-2023)
+ATTENTION_KERNELS = ("flash", "mem_efficient", "math", "cudnn", "triton", "flash1")
 PASSES = ("fwd", "bwd")
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 SCOPES = ("intra_node", "inter_node")

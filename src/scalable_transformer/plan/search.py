@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import rules
-from ..config.model_shapes import family_options
+from ..config.model_shapes import family_options, total_params
 from ..config.schedule import check_schedule
 from ..config.schema import Config
 from ..config.validate import batch_sizes
@@ -19,6 +19,7 @@ from .layout import Layout
 from .memory_model import StageMemory, stage_memory
 from .probe import ProbeError, probe_step_time
 from .speed import StepTime, attention_kernel, step_time
+from .validation_error import expected_error
 
 RATE_MODEL = "time model by op class (plan/speed.py)"
 
@@ -41,6 +42,8 @@ class Prediction:
     time_method: str = RATE_MODEL
     # `--dry-run`: the engine on fake tensors at this world size (dryrun/dry_run.py), or {"error": ...}
     dry_run: dict[str, Any] | None = None
+    # how far the time model was off on published runs of this class of layout (plan/validation_error.py)
+    expected_error: dict[str, Any] | None = None
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -78,6 +81,7 @@ class Prediction:
             "time_classes_seconds": self.time.classes,
             "stage_peak_memory_bytes": [st.total for st in self.stages],
             "time_method": self.time_method,
+            "expected_error": self.expected_error,
             **({"dry_run": self.dry_run} if self.dry_run is not None else {}),
         }
 
@@ -134,6 +138,11 @@ def predict(
             method = f"{method}; the probe failed: {e}"
     seconds = st.total
     gbs = layout.global_batch_size
+    known = None
+    if cluster.kind == "gpu" and cluster.profile is not None and method.startswith(RATE_MODEL):
+        # a built-in profile's name is its device key; a calibrated one's is not in the table
+        params = total_params(cfg.model)
+        known = expected_error(cluster.profile.name, params, layout.world_size, cluster.devices_per_node)
     peak_flops = cluster.peak(cfg.train.precision)
     tflops = st.model_flops / seconds / layout.world_size
     return Prediction(
@@ -150,6 +159,7 @@ def predict(
         peak_flops=peak_flops,
         dtype=cfg.train.precision,
         time_method=method,
+        expected_error=known,
     )
 
 

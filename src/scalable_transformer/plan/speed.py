@@ -534,9 +534,14 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
         backward_gathers = count - int(kept)
     collectives = m * (forward_gathers + backward_gathers) + scatters * count  # each pays unit_seconds
     comm = m * (gather + backward_gather) + scatters * scatter + collectives * rates.unit_seconds
-    # the first unit's gather of each micro-batch and the last unit's reduce-scatter are exposed
+    # the first unit's gather of each micro-batch and the last unit's reduce-scatter are exposed whole,
+    # every other collective its latency (its time at one byte: the ring's hops, n - 1 per gather or
+    # scatter): only the bandwidth part hides behind compute (docs/PLANNER.md#fsdp-collective-latency)
     first = rates.collective("all_gather", dp, gather_e * units[0][0], stride)
     exposed = m * first + rates.collective("reduce_scatter", dp, grad_e * units[-1][0], stride)
+    others = m * (forward_gathers + backward_gathers - 1)
+    exposed += others * rates.collective("all_gather", dp, 1.0, stride)
+    exposed += (scatters * count - 1) * rates.collective("reduce_scatter", dp, 1.0, stride)
     return comm, max(0.0, comm - exposed)
 
 
