@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.model_shapes import ModelShape, causal_attention, gated_mlp, query_groups, stage_params, vocab
+from ..config.rules import dp_shard_size
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
@@ -521,6 +522,10 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
         return comm, max(0.0, comm - last)
     units = [(sp_.block, sp_.layers)] + ([(sp_.root, 1)] if sp_.root else [])
     scatters = m if p.reduce_each_micro_batch else 1
+    # hybrid sharding: gathers and reduce-scatters within the dp_shard ranks (adjacent in dp), then
+    # each unit's gradient shard all-reduced across the dp / dp_shard replicas (FSDP2 HSDP)
+    replicas, dp = dp // dp_shard_size(p), dp_shard_size(p)
+    across = [rates.collective("all_reduce", replicas, grad_e * u / dp, stride * dp) for u, _ in units]
     gather = sum(n * rates.collective("all_gather", dp, gather_e * u, stride) for u, n in units)
     scatter = sum(n * rates.collective("reduce_scatter", dp, grad_e * u, stride) for u, n in units)
     count = sum(n for _, n in units)
@@ -534,6 +539,8 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
         backward_gathers = count - int(kept)
     collectives = m * (forward_gathers + backward_gathers) + scatters * count  # each pays unit_seconds
     comm = m * (gather + backward_gather) + scatters * scatter + collectives * rates.unit_seconds
+    if replicas > 1:
+        comm += scatters * sum(n * a for (_, n), a in zip(units, across, strict=True))
     # the first unit's gather of each micro-batch and the last unit's reduce-scatter are exposed whole,
     # every other collective its latency (its time at one byte: the ring's hops, n - 1 per gather or
     # scatter): only the bandwidth part hides behind compute (docs/PLANNER.md#fsdp-collective-latency)
@@ -542,6 +549,10 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     others = m * (forward_gathers + backward_gathers - 1)
     exposed += others * rates.collective("all_gather", dp, 1.0, stride)
     exposed += (scatters * count - 1) * rates.collective("reduce_scatter", dp, 1.0, stride)
+    if replicas > 1:  # the last unit's all-reduce waits for its reduce-scatter; the others' latency
+        exposed += across[-1] + (scatters * count - 1) * rates.collective(
+            "all_reduce", replicas, 1.0, stride * dp
+        )
     return comm, max(0.0, comm - exposed)
 
 
@@ -570,7 +581,7 @@ def _optimizer_seconds(cfg: Config, rates: _ProfileRates, total_params: int) -> 
     the host link."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    shard = total_params / (p.dp if p.zero_stage >= 1 else 1)
+    shard = total_params / (p.dp if p.zero_stage == 1 else dp_shard_size(p) if p.zero_stage >= 2 else 1)
     opt_bytes = shard * optimizer_step_bytes(cfg)
     offload = p.offload_optimizer or p.offload_param
     out: dict[str, dict[str, float]] = {}
