@@ -83,3 +83,22 @@ def test_bert_175b_on_64_ranks():
     # a rank holds 1/64 of the 175B model's fp32 states: 16 bytes x 175e9 / 64 ~ 41 GiB
     states = sum(d["ranks"][0]["memory_breakdown_bytes"].get(k, 0) for k in ("parameters", "optimizer_state"))
     assert 30 * 2**30 < states < 50 * 2**30
+
+
+def test_bert_175b_with_64_micro_batches_per_step_simulates_two_short_steps():
+    """tp 8 x pp 8, 1F1B, 64 micro-batches per step (issue 41: had not finished after 300 s): each
+    pipeline rank is simulated with 9 and 10 micro-batches (stages + 1, + 2), the rest extrapolated."""
+    proc = stx(
+        "plan", "bert-175b", "parallel.tp=8", "parallel.pp=8", "parallel.zero_stage=1",
+        "parallel.activation_checkpointing=full", "train.micro_batch_size=1", "train.global_batch_size=64",
+        "--nodes", "8", "--gpus-per-node", "8", "--device", "a100-80gb", "--dry-run", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)["layouts"][0]["dry_run"]
+    assert "error" not in d, d
+    assert d["micro_batches"] == {"per_step": 64, "simulated": [9, 10], "extrapolated": 54}
+    assert [r["stage"] for r in d["ranks"]] == list(range(8))
+    # the first stage sends each micro-batch's activations forward and receives its gradient back
+    calls = {(c["group"], c["kind"]): c["count"] for c in d["collectives"]}
+    assert calls[("pp", "send")] == calls[("pp", "recv")] == 64, calls
+    assert any("64 micro-batches per step: simulated with 9 and with 10" in note for note in d["notes"])

@@ -390,3 +390,39 @@ def test_few_micro_batches_are_all_simulated_and_many_are_not():
     cfg = resolve(load_config("tiny-gpt", [*TINY, "train.gradient_accumulation_steps=64"]), 4)
     shorter = resolve(dry.with_accumulation(cfg, 3), 4)
     assert (shorter.train.gradient_accumulation_steps, shorter.train.global_batch_size) == (3, 2 * 3 * 4)
+
+
+LOCAL_STEP_CHILD = """
+import json, sys
+from scalable_transformer.config.load import load_config
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.dryrun import dry_run as dry
+tiny, overrides = json.loads(sys.argv[1])
+cfg = resolve(load_config("tiny-gpt", [*tiny, *overrides]), 4)
+runs = [dry._in_own_process(dry.run_rank, cfg, 4, 0, "cuda", 8, local) for local in (False, True)]
+print(json.dumps([[r.peak_memory_bytes, r.memory_breakdown_bytes, r.peak_at, r.collectives] for r in runs]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA is for CPU-only builds")
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.zero_stage=3"],
+        ["parallel.zero_stage=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ],
+)
+def test_the_optimizer_step_on_local_shards_allocates_and_communicates_as_on_dtensors(overrides):
+    """dryrun/local_step.py: the same peak, breakdown, place of the peak and collectives as the step on
+    the DTensor parameters (each run in a process of its own: fake CUDA, DTensor's caches)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LOCAL_STEP_CHILD, json.dumps([TINY, overrides])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on_dtensors, on_shards = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert on_shards == on_dtensors
+    assert on_dtensors[1].get("optimizer_state", 0) > 0

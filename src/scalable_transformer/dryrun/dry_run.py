@@ -10,6 +10,10 @@ steps: the step with its micro-batches or pipeline schedule, gradient clipping, 
 optimizer step, the second one a logging step. No tensor holds data and collectives return at once,
 so a 175B model on 64 ranks costs seconds and a few GB of Python objects.
 
+A step of many micro-batches is not simulated whole: its figures are affine in the micro-batch count
+once the schedule repeats, so the dry run simulates two short steps and continues each figure
+(`shortened_accumulation`, `extrapolated`); the output says how many it simulated and extrapolated.
+
 `dryrun/dry_run_trace.py` observes it: live tensor bytes per rank and where their peak is, the
 collectives per step and every host read of a device value. docs/PLANNER.md#dry-runs says what a dry
 run exercises and what it cannot (kernel workspaces, allocator caching, NCCL's own buffers).
@@ -500,23 +504,28 @@ def dry_run(
 ) -> DryRun:
     """Dry-run a resolved config's layout on `world_size` fake ranks in this process (see the module
     docstring; `dry_run_isolated` runs it in a child, with `fork_ranks`: each rank in a child of that
-    child, `_in_own_process`, which only a process that has not run autograd may do)."""
+    child, `_in_own_process`, one per CPU at a time, which only a process that has not run autograd
+    may do). A step of many micro-batches is simulated with fewer (`shortened_accumulation`) unless
+    `shorten` is False."""
     start = time.perf_counter()
     p = cfg.parallel
 
     counts = shortened_accumulation(cfg) if shorten else None
+    layouts = [cfg] if counts is None else [with_accumulation(cfg, n) for n in counts]
 
-    def simulate(rank: int, layout: Config) -> RankDryRun:
-        args = (layout, world_size, rank, device_type, devices_per_node)
-        return _in_own_process(run_rank, *args) if fork_ranks else run_rank(*args)
-
-    def one(rank: int) -> RankDryRun:
+    def simulate(ranks: list[int]) -> list[RankDryRun]:
+        calls = [
+            (run_rank, layout, world_size, rank, device_type, devices_per_node)
+            for rank in ranks
+            for layout in layouts
+        ]
+        done = _in_own_processes(calls, _parallel_ranks()) if fork_ranks else [c[0](*c[1:]) for c in calls]
         if counts is None:
-            return simulate(rank, cfg)
-        short, long = (simulate(rank, with_accumulation(cfg, n)) for n in counts)
-        return extrapolated(short, long, cfg.train.gradient_accumulation_steps)
+            return done
+        n = cfg.train.gradient_accumulation_steps
+        return [extrapolated(done[i], done[i + 1], n) for i in range(0, len(done), 2)]
 
-    runs = [one(rank) for rank in representative_ranks(cfg)]
+    runs = simulate(representative_ranks(cfg))
     notes = []
     if p.zero_stage == 1 and p.dp > 1:
         extra = []
@@ -530,7 +539,7 @@ def dry_run(
                         f"ZeRO-1: dp rank {heaviest} of pipeline rank {r.stage} holds the largest optimizer "
                         f"shard ({shards[heaviest]:,} vs {shards[0]:,} elements on dp rank 0)"
                     )
-        runs += [one(rank) for rank in extra]
+        runs += simulate(extra)
     if counts is not None:
         n = cfg.train.gradient_accumulation_steps
         notes.append(
@@ -541,6 +550,11 @@ def dry_run(
     return DryRun(runs, time.perf_counter() - start, device_type, world_size, notes)
 
 
+def _parallel_ranks() -> int:
+    """How many rank processes a dry run runs at once: one per CPU this process may use."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
 def _in_own_process(fn: Any, *args: Any) -> Any:
     """fn(*args) in a child forked from this process, which must not have run autograd (torch refuses
     autograd in a fork of a process that did) and runs no engine itself: torch keeps state
@@ -548,6 +562,29 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
     the new rank's but holds the last rank's process groups: "Could not resolve the process group
     registered under the name 41" once a second pipeline rank with sequence parallelism ran in the
     same process). Its result, or the exception it raised, comes back pickled through a pipe."""
+    return _in_own_processes([(fn, *args)], 1)[0]
+
+
+def _in_own_processes(calls: list[tuple[Any, ...]], width: int) -> list[Any]:
+    """Each (fn, *args) of `calls` as `_in_own_process` runs it, up to `width` children at a time (the
+    simulated ranks are independent); the results in the order of `calls`. An error stops the rest."""
+    pending, running, results = list(calls), [], []
+    try:
+        while pending or running:
+            while pending and len(running) < width:
+                running.append(_fork(*pending.pop(0)))
+            results.append(_collect(*running.pop(0)))
+    finally:
+        for pid, read_fd in running:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.close(read_fd)
+                os.waitpid(pid, 0)
+    return results
+
+
+def _fork(fn: Any, *args: Any) -> tuple[int, int]:
+    """Start fn(*args) in a forked child (see `_in_own_process`): its pid and the pipe to read."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -564,6 +601,11 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
         sys.stderr.flush()
         os._exit(0)  # no teardown (see _worker_main)
     os.close(write_fd)
+    return pid, read_fd
+
+
+def _collect(pid: int, read_fd: int) -> Any:
+    """The result of a child `_fork` started (its exception raised here)."""
     with os.fdopen(read_fd, "rb") as pipe:
         data = pipe.read()
     _, status = os.waitpid(pid, 0)
