@@ -339,10 +339,10 @@ SHORTENED = {
         "train.gradient_accumulation_steps=16",
     ],
 }
-# Scalars that Python's cyclic garbage collector frees (autograd graphs in reference cycles) die when
-# it runs, which its allocation counters decide: a run of another length frees them a few ops
-# earlier or later (measured: up to 40 bytes apart at the peak; the line through 2 and 3
-# micro-batches instead of 3 and 4 missed by 2,556 bytes, which this catches)
+# Not byte-exact: a run of another length differs at its peak by a few scalars' bytes (measured: up
+# to 40 bytes, on peaks of 4-6 MB); likely tensors in reference cycles, which die when Python's
+# cyclic collector runs, at a point its allocation counters decide. The line through 2 and 3
+# micro-batches instead of 3 and 4 missed by 2,556 bytes, which this tolerance catches.
 GC_SLACK_BYTES = 256
 
 

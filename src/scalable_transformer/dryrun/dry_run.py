@@ -410,7 +410,7 @@ def shortened_accumulation(cfg: Config) -> tuple[int, int] | None:
     metrics per micro-batch of the step (affine in n again) once n fills the warm-up; GPipe and
     looped BFS keep every micro-batch's activations, affine from n = 2. Interleaved schedules need n
     to be a multiple of pp: the two counts are pp apart."""
-    p, n = cfg.parallel, cfg.train.gradient_accumulation_steps
+    p, n = cfg.parallel, cfg.train.gradient_accumulation_steps or 1
     stages = p.pp * p.virtual_pipeline_stages
     first, stride = 3, 1
     if p.pp > 1 and p.pipeline_schedule in INTERLEAVED_SCHEDULES:
@@ -522,7 +522,7 @@ def dry_run(
         done = _in_own_processes(calls, _parallel_ranks()) if fork_ranks else [c[0](*c[1:]) for c in calls]
         if counts is None:
             return done
-        n = cfg.train.gradient_accumulation_steps
+        n = cfg.train.gradient_accumulation_steps or 1
         return [extrapolated(done[i], done[i + 1], n) for i in range(0, len(done), 2)]
 
     runs = simulate(representative_ranks(cfg))
@@ -541,7 +541,7 @@ def dry_run(
                     )
         runs += simulate(extra)
     if counts is not None:
-        n = cfg.train.gradient_accumulation_steps
+        n = cfg.train.gradient_accumulation_steps or 1
         notes.append(
             f"{n} micro-batches per step: simulated with {counts[0]} and with {counts[1]}, the other "
             f"{n - counts[1]} extrapolated (each adds the same collectives and bytes once the schedule "
@@ -568,7 +568,8 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
 def _in_own_processes(calls: list[tuple[Any, ...]], width: int) -> list[Any]:
     """Each (fn, *args) of `calls` as `_in_own_process` runs it, up to `width` children at a time (the
     simulated ranks are independent); the results in the order of `calls`. An error stops the rest."""
-    pending, running, results = list(calls), [], []
+    pending, results = list(calls), []
+    running: list[tuple[int, int]] = []
     try:
         while pending or running:
             while pending and len(running) < width:
