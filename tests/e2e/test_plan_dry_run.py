@@ -83,3 +83,22 @@ def test_bert_175b_on_64_ranks():
     # a rank holds 1/64 of the 175B model's fp32 states: 16 bytes x 175e9 / 64 ~ 41 GiB
     states = sum(d["ranks"][0]["memory_breakdown_bytes"].get(k, 0) for k in ("parameters", "optimizer_state"))
     assert 30 * 2**30 < states < 50 * 2**30
+
+
+def test_a_pipeline_step_of_64_micro_batches_is_simulated_as_two_short_ones():
+    """1F1B over 4 stages, 64 micro-batches per step (issue 41: bert-175b tp 8 x pp 8 so had not
+    finished after 300 s): each pipeline rank is simulated with 5 and 6 micro-batches (stages + 1, + 2)
+    and the other 58 extrapolated; the first stage still sends and receives once per micro-batch."""
+    proc = stx(
+        "plan", "tiny-gpt", *TINY, "model.num_layers=4", "parallel.pp=4", "parallel.pipeline_schedule=1f1b",
+        "train.micro_batch_size=1", "train.global_batch_size=128",
+        "--world-size", "8", "--device", "a100-80gb", "--dry-run", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)["layouts"][0]["dry_run"]
+    assert "error" not in d, d
+    assert d["micro_batches"] == {"per_step": 64, "simulated": [5, 6], "extrapolated": 58}
+    assert [r["stage"] for r in d["ranks"]] == [0, 1, 2, 3]
+    calls = {(c["group"], c["kind"]): c["count"] for c in d["collectives"]}
+    assert calls[("pp", "send")] == calls[("pp", "recv")] == 64, calls
+    assert any("64 micro-batches per step: simulated with 5 and with 6" in note for note in d["notes"])

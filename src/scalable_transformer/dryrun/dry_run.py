@@ -10,6 +10,10 @@ steps: the step with its micro-batches or pipeline schedule, gradient clipping, 
 optimizer step, the second one a logging step. No tensor holds data and collectives return at once,
 so a 175B model on 64 ranks costs seconds and a few GB of Python objects.
 
+A step of many micro-batches is not simulated whole: its figures are affine in the micro-batch count
+once the schedule repeats, so the dry run simulates two short steps and continues each figure
+(`shortened_accumulation`, `extrapolated`); the output says how many it simulated and extrapolated.
+
 `dryrun/dry_run_trace.py` observes it: live tensor bytes per rank and where their peak is, the
 collectives per step and every host read of a device value. docs/PLANNER.md#dry-runs says what a dry
 run exercises and what it cannot (kernel workspaces, allocator caching, NCCL's own buffers).
@@ -43,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.load import load_config, to_yaml
+from ..config.rules import INTERLEAVED_SCHEDULES, V_SHAPED_SCHEDULES
 from ..config.schema import Config
 from ..config.validate import resolve
 from ..errors import StxError
@@ -61,6 +66,7 @@ from ..train.build import (
 from .dry_run_trace import DryRunTrace
 from .engine_stubs import engine_stubs, patched
 from .fake_cuda import fake_cuda
+from .local_step import step_on_local_shards
 from .torch_internals import FakeStore, FakeTensorMode, ModTracker
 
 # the first step (lazy initialisation: optimizer states, the pipeline schedule's warm-up), then a plain
@@ -87,6 +93,8 @@ class RankDryRun:
     host_syncs_per_step: int
     zero1_shard_numel: list[int] | None = None  # ZeRO-1: elements of the optimizer shard per dp rank
     saved_for_backward_bytes: int = 0  # the first micro-batch's forward, alive at its backward
+    micro_batches: int = 1  # per step, as the config trains them
+    simulated: tuple[int, ...] = ()  # micro-batches per step of each simulation (one: all of them)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +104,7 @@ class RankDryRun:
             "memory_breakdown_bytes": self.memory_breakdown_bytes,
             "peak_at": self.peak_at,
             "saved_for_backward_bytes": self.saved_for_backward_bytes,
+            "micro_batches": micro_batch_counts(self.micro_batches, self.simulated),
         }
 
 
@@ -117,6 +126,7 @@ class DryRun:
         first = self.ranks[0]
         return {
             "peak_memory_bytes": self.peak_memory_bytes,
+            "micro_batches": micro_batch_counts(first.micro_batches, first.simulated),
             "ranks": [r.to_dict() for r in self.ranks],
             # rank 0's collectives in a step without logging (every simulated rank's: ranks_detail)
             "collectives": first.collectives,
@@ -215,9 +225,15 @@ def _summarize_reads(reads: list[Any], step: int) -> list[dict[str, Any]]:
 
 
 def run_rank(
-    cfg: Config, world_size: int, rank: int, device_type: str, devices_per_node: int = 8
+    cfg: Config,
+    world_size: int,
+    rank: int,
+    device_type: str,
+    devices_per_node: int = 8,
+    local_step: bool = True,
 ) -> RankDryRun:
-    """Dry-run `rank` of a resolved config on a fake process group of `world_size`."""
+    """Dry-run `rank` of a resolved config on a fake process group of `world_size` (`local_step`: the
+    optimizer steps the local shards of DTensor parameters, dryrun/local_step.py)."""
 
     cfg = resolve(dry_run_config(cfg), world_size)
     holder: dict[str, Any] = {}  # the trace, once it exists: torch.cuda.synchronize() is a host sync
@@ -244,6 +260,8 @@ def run_rank(
                 trace.module_tracker = modules
                 model, pipeline = build_parallel_model(cfg, dims, device)
                 optimizer, scheduler = build_optimizer_and_scheduler(cfg, model, dims)  # type: ignore[arg-type]
+                if local_step:
+                    step_on_local_shards(optimizer)
                 flops = step_flops(cfg, count_parameters(cfg.model))
                 measurement = build_measurement(cfg, device, dims, flops, NO_PEAK, [])  # type: ignore[arg-type]
                 data = RunData(fake_batches(cfg, device), list)
@@ -283,6 +301,8 @@ def run_rank(
             host_syncs_per_step=sum(r["count"] for r in plain),
             zero1_shard_numel=_zero1_partition(optimizer) if cfg.parallel.zero_stage == 1 else None,
             saved_for_backward_bytes=trace.saved_for_backward(),
+            micro_batches=cfg.train.gradient_accumulation_steps,
+            simulated=(cfg.train.gradient_accumulation_steps,),
         )
 
 
@@ -375,6 +395,97 @@ def _target_device(device_type: str, rank: int, devices_per_node: int, on_sync: 
         yield torch.device("cuda", index)
 
 
+# ------------------------------------------------------------------ many micro-batches, few simulated
+
+
+def shortened_accumulation(cfg: Config) -> tuple[int, int] | None:
+    """The two micro-batch counts per step a dry run simulates instead of the config's, or None when
+    simulating all of them costs no more.
+
+    A step's micro-batches repeat: every figure the dry run reports is affine in their number n once
+    the schedule's steady state is reached. Without pipelining the first micro-batch differs from the
+    others (its backward allocates the accumulated gradients) and the last (the data-parallel
+    gradient reduction runs there, ZeRO-1/2/3 alike), the middle ones are alike: from n = 2 on, each
+    one more adds the same collectives, and the same bytes at the peak (its batch, loaded with the
+    step's). A pipeline rank holds at most its schedule's in-flight micro-batches (1F1B: its stage
+    count; interleaved: its warm-up of about 2 x pp chunks), and keeps a receive buffer, a loss and
+    metrics per micro-batch of the step (affine in n again) once n fills the warm-up; GPipe and
+    looped BFS keep every micro-batch's activations, affine from n = 2. Interleaved schedules need n
+    to be a multiple of pp: the two counts are pp apart."""
+    p, n = cfg.parallel, cfg.train.gradient_accumulation_steps or 1
+    stages = p.pp * p.virtual_pipeline_stages
+    first, stride = 3, 1
+    if p.pp > 1 and p.pipeline_schedule in INTERLEAVED_SCHEDULES:
+        first, stride = 3 * p.pp, p.pp
+    elif p.pp > 1 and (p.pipeline_schedule == "1f1b" or p.pipeline_schedule in V_SHAPED_SCHEDULES):
+        first = stages + 1
+    second = first + stride
+    if n <= first + second or (n - second) % stride:
+        return None
+    return first, second
+
+
+def with_accumulation(cfg: Config, n: int) -> Config:
+    """A resolved config with n micro-batches per step (the global batch to match)."""
+    t = cfg.train
+    train = dataclasses.replace(
+        t,
+        gradient_accumulation_steps=n,
+        global_batch_size=t.micro_batch_size * n * cfg.parallel.dp,
+        derive_micro_batch_size=False,
+    )
+    return dataclasses.replace(cfg, train=train)
+
+
+def extrapolated(short: RankDryRun, long: RankDryRun, n: int) -> RankDryRun:
+    """A rank's figures for n micro-batches per step from its simulations with fewer (`short` and
+    `long`, see `shortened_accumulation`): each figure continued along the line through the two."""
+    n1, n2 = short.micro_batches, long.micro_batches
+    strides = (n - n2) // (n2 - n1)
+
+    def line(a: int, b: int) -> int:
+        return b + (b - a) * strides
+
+    def by_key(
+        rows_a: list[dict[str, Any]],
+        rows_b: list[dict[str, Any]],
+        keys: tuple[str, ...],
+        values: tuple[str, ...],
+    ) -> list[dict[str, Any]]:
+        a = {tuple(r[k] for k in keys): r for r in rows_a}
+        b = {tuple(r[k] for k in keys): r for r in rows_b}
+        zero = dict.fromkeys(values, 0)
+        rows = []
+        for key in sorted(set(a) | set(b)):
+            ra, rb = a.get(key, zero), b.get(key, zero)
+            rows.append({**dict(zip(keys, key, strict=True)), **{v: line(ra[v], rb[v]) for v in values}})
+        return [r for r in rows if any(r[v] for v in values)]
+
+    breakdown_a, breakdown_b = short.memory_breakdown_bytes, long.memory_breakdown_bytes
+    breakdown = {
+        key: line(breakdown_a.get(key, 0), breakdown_b.get(key, 0))
+        for key in [*breakdown_b, *(k for k in breakdown_a if k not in breakdown_b)]
+    }
+    syncs = by_key(short.host_syncs, long.host_syncs, ("where", "logging_step"), ("count",))
+    return dataclasses.replace(
+        long,
+        peak_memory_bytes=line(short.peak_memory_bytes, long.peak_memory_bytes),
+        memory_breakdown_bytes={k: v for k, v in breakdown.items() if v},
+        collectives=by_key(short.collectives, long.collectives, ("group", "kind"), ("count", "bytes")),
+        host_syncs=syncs,
+        host_syncs_per_step=sum(s["count"] for s in syncs if not s["logging_step"]),
+        micro_batches=n,
+        simulated=(n1, n2),
+    )
+
+
+def micro_batch_counts(n: int, simulated: tuple[int, ...]) -> dict[str, Any]:
+    """What `--json` says of a step's micro-batches: how many the step has, the counts the dry run
+    simulated (one: all of them; two: the figures are continued along the line through both) and how
+    many of the step's it did not simulate."""
+    return {"per_step": n, "simulated": list(simulated), "extrapolated": n - max(simulated, default=n)}
+
+
 # ------------------------------------------------------------------ a layout
 
 
@@ -391,18 +502,32 @@ def dry_run(
     device_type: str = "cpu",
     devices_per_node: int = 8,
     fork_ranks: bool = False,
+    shorten: bool = True,
 ) -> DryRun:
     """Dry-run a resolved config's layout on `world_size` fake ranks in this process (see the module
     docstring; `dry_run_isolated` runs it in a child, with `fork_ranks`: each rank in a child of that
-    child, `_in_own_process`, which only a process that has not run autograd may do)."""
+    child, `_in_own_process`, one per CPU at a time, which only a process that has not run autograd
+    may do). A step of many micro-batches is simulated with fewer (`shortened_accumulation`) unless
+    `shorten` is False."""
     start = time.perf_counter()
     p = cfg.parallel
 
-    def one(rank: int) -> RankDryRun:
-        args = (cfg, world_size, rank, device_type, devices_per_node)
-        return _in_own_process(run_rank, *args) if fork_ranks else run_rank(*args)
+    counts = shortened_accumulation(cfg) if shorten else None
+    layouts = [cfg] if counts is None else [with_accumulation(cfg, n) for n in counts]
 
-    runs = [one(rank) for rank in representative_ranks(cfg)]
+    def simulate(ranks: list[int]) -> list[RankDryRun]:
+        calls = [
+            (run_rank, layout, world_size, rank, device_type, devices_per_node)
+            for rank in ranks
+            for layout in layouts
+        ]
+        done = _in_own_processes(calls, _parallel_ranks()) if fork_ranks else [c[0](*c[1:]) for c in calls]
+        if counts is None:
+            return done
+        n = cfg.train.gradient_accumulation_steps or 1
+        return [extrapolated(done[i], done[i + 1], n) for i in range(0, len(done), 2)]
+
+    runs = simulate(representative_ranks(cfg))
     notes = []
     if p.zero_stage == 1 and p.dp > 1:
         extra = []
@@ -416,8 +541,20 @@ def dry_run(
                         f"ZeRO-1: dp rank {heaviest} of pipeline rank {r.stage} holds the largest optimizer "
                         f"shard ({shards[heaviest]:,} vs {shards[0]:,} elements on dp rank 0)"
                     )
-        runs += [one(rank) for rank in extra]
+        runs += simulate(extra)
+    if counts is not None:
+        n = cfg.train.gradient_accumulation_steps or 1
+        notes.append(
+            f"{n} micro-batches per step: simulated with {counts[0]} and with {counts[1]}, the other "
+            f"{n - counts[1]} extrapolated (each adds the same collectives and bytes once the schedule "
+            "repeats)"
+        )
     return DryRun(runs, time.perf_counter() - start, device_type, world_size, notes)
+
+
+def _parallel_ranks() -> int:
+    """How many rank processes a dry run runs at once: one per CPU this process may use."""
+    return max(1, len(os.sched_getaffinity(0)))
 
 
 def _in_own_process(fn: Any, *args: Any) -> Any:
@@ -427,6 +564,30 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
     the new rank's but holds the last rank's process groups: "Could not resolve the process group
     registered under the name 41" once a second pipeline rank with sequence parallelism ran in the
     same process). Its result, or the exception it raised, comes back pickled through a pipe."""
+    return _in_own_processes([(fn, *args)], 1)[0]
+
+
+def _in_own_processes(calls: list[tuple[Any, ...]], width: int) -> list[Any]:
+    """Each (fn, *args) of `calls` as `_in_own_process` runs it, up to `width` children at a time (the
+    simulated ranks are independent); the results in the order of `calls`. An error stops the rest."""
+    pending, results = list(calls), []
+    running: list[tuple[int, int]] = []
+    try:
+        while pending or running:
+            while pending and len(running) < width:
+                running.append(_fork(*pending.pop(0)))
+            results.append(_collect(*running.pop(0)))
+    finally:
+        for pid, read_fd in running:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.close(read_fd)
+                os.waitpid(pid, 0)
+    return results
+
+
+def _fork(fn: Any, *args: Any) -> tuple[int, int]:
+    """Start fn(*args) in a forked child (see `_in_own_process`): its pid and the pipe to read."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -443,6 +604,11 @@ def _in_own_process(fn: Any, *args: Any) -> Any:
         sys.stderr.flush()
         os._exit(0)  # no teardown (see _worker_main)
     os.close(write_fd)
+    return pid, read_fd
+
+
+def _collect(pid: int, read_fd: int) -> Any:
+    """The result of a child `_fork` started (its exception raised here)."""
     with os.fdopen(read_fd, "rb") as pipe:
         data = pipe.read()
     _, status = os.waitpid(pid, 0)
