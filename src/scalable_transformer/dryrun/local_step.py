@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .torch_internals import local_tensor
+
 
 def _local_ready(p: torch.Tensor) -> bool:
     """A DTensor parameter whose gradient (if any) is a DTensor of the same mesh and placements."""
@@ -45,9 +47,9 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
             params = group["params"]
             if not params or not all(_local_ready(p) for p in params):
                 continue
-            shards = [p._local_tensor for p in params]  # stable objects: the state's keys
+            shards = [local_tensor(p) for p in params]  # stable objects: the state's keys
             for p, shard in zip(params, shards, strict=True):
-                shard.grad = None if p.grad is None else p.grad._local_tensor
+                shard.grad = None if p.grad is None else local_tensor(p.grad)
             swapped.append((group, params))
             group["params"] = shards
 

@@ -33,6 +33,10 @@ Attributes the dry run reads or replaces (`ATTRIBUTES`; checked by `missing`):
 - `torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p` and a stage's `_user_meta`:
   the pipeline's shape vote, answered locally.
 - `ShardingPropagator._propagate_tensor_meta_non_cached`: paused, as above.
+- `DTensor._local_tensor` (`local_tensor`): the dry run's optimizer steps the local shards of DTensor
+  parameters (dryrun/local_step.py), which must be the same tensor objects every step (the optimizer
+  state's keys); `to_local()` makes a new view each call. parallel/grads.py reads it too, and
+  tests/unit/test_torch_compat.py checks it.
 
 Native symbols (`NATIVE_SYMBOLS`, ctypes into torch's libraries; dryrun/fake_cuda.py): c10's device
 guard registry and the CUDAHooksInterface vtable and getter in libtorch_cpu. Without them a GPU
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,6 +104,11 @@ NATIVE_SYMBOLS: list[tuple[str, str, str]] = [
     ("libtorch_cpu.so", "_ZN2at6detail12getCUDAHooksEv", "fake CUDA's hooks (isBuilt, hasPrimaryContext)"),
     ("libtorch_cpu.so", "_ZTVN2at18CUDAHooksInterfaceE", "fake CUDA's hooks vtable"),
 ]
+
+
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """A DTensor's local shard, the same object on every call (see the module docstring)."""
+    return dtensor._local_tensor
 
 
 def torch_library(name: str) -> ctypes.CDLL:
