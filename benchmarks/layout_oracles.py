@@ -25,11 +25,13 @@ from it each time, so a long batch can be watched and stopped:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import secrets
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,20 +62,39 @@ SMALL_EXTRA = [
 
 
 def run_stx(stx: str, argv: list[str], timeout: float) -> tuple[dict | None, str, float]:
-    """One `stx` command with --json: (parsed output or None, error text, wall seconds)."""
+    """One `stx` command with --json: (parsed output or None, error text, wall seconds). On a timeout
+    its whole process group is stopped: killing `stx plan` alone leaves the dry run's worker
+    processes running (they were found still busy minutes later)."""
     start = time.perf_counter()
+    cmd = [stx, *argv]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run([stx, *argv], capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _stop_group(proc)
         return None, f"timeout after {timeout:.0f} s", time.perf_counter() - start
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        lines = (stderr or stdout).strip().splitlines()
         return None, f"exit {proc.returncode}: " + " | ".join(lines[-4:]), wall
     try:
-        return json.loads(proc.stdout), "", wall
+        return json.loads(stdout), "", wall
     except json.JSONDecodeError as e:
-        return None, f"output is not JSON ({e}): {proc.stdout[-300:]}", wall
+        return None, f"output is not JSON ({e}): {stdout[-300:]}", wall
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group, SIGKILL if it is still there 10 s later."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.communicate(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def plan_and_dry_run(stx: str, layout: SampledLayout, extra: list[str], timeout: float) -> dict:
