@@ -25,13 +25,11 @@ from it each time, so a long batch can be watched and stopped:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
 import secrets
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -62,39 +60,21 @@ SMALL_EXTRA = [
 
 
 def run_stx(stx: str, argv: list[str], timeout: float) -> tuple[dict | None, str, float]:
-    """One `stx` command with --json: (parsed output or None, error text, wall seconds). On a timeout
-    its whole process group is stopped: killing `stx plan` alone leaves the dry run's worker
-    processes running (they were found still busy minutes later)."""
+    """One `stx` command with --json: (parsed output or None, error text, wall seconds); on a timeout
+    every process it started is stopped (plan_accuracy.run_command)."""
     start = time.perf_counter()
-    cmd = [stx, *argv]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        proc = plan_accuracy.run_command([stx, *argv], timeout)
     except subprocess.TimeoutExpired:
-        _stop_group(proc)
         return None, f"timeout after {timeout:.0f} s", time.perf_counter() - start
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        lines = (stderr or stdout).strip().splitlines()
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
         return None, f"exit {proc.returncode}: " + " | ".join(lines[-4:]), wall
     try:
-        return json.loads(stdout), "", wall
+        return json.loads(proc.stdout), "", wall
     except json.JSONDecodeError as e:
-        return None, f"output is not JSON ({e}): {stdout[-300:]}", wall
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group, SIGKILL if it is still there 10 s later."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.communicate(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        return None, f"output is not JSON ({e}): {proc.stdout[-300:]}", wall
 
 
 def plan_and_dry_run(stx: str, layout: SampledLayout, extra: list[str], timeout: float) -> dict:
