@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -37,13 +35,10 @@ EXTRA = ["train.train_iters=4", "logging.log_interval=2"]
 
 
 def real_run(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Path) -> tuple[list, str]:
-    cmd = [stx, "launch", "-n", str(nproc), "train", base, *overrides, f"logging.run_dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    summaries = sorted(run_dir.glob("*/summary.json"))
-    if proc.returncode != 0 or not summaries:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"exit {proc.returncode}: {tail}")
-    return json.loads(summaries[-1].read_text())["peak_tensor_bytes_per_rank"], shlex.join(cmd)
+    measured = plan_accuracy.measure(stx, base, nproc, overrides, run_dir, timeout=900)
+    if "error" in measured:
+        raise RuntimeError(measured["error"])
+    return measured["peak_tensor_bytes_per_rank"], measured["command"]
 
 
 def main() -> int:

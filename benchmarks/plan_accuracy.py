@@ -16,11 +16,13 @@ within 10%, step time within 25%. Layouts run one after the other (never more th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -121,10 +123,47 @@ def _profiles(paths: list[str]) -> dict[int, str]:
     return out
 
 
+def run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`cmd` with its output captured; on a timeout every process it started is stopped (SIGTERM,
+    then SIGKILL 10 s later) before TimeoutExpired is raised: killing `stx launch` or `stx plan
+    --dry-run` alone left their training ranks or dry-run workers (own sessions) running for minutes."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *_descendants(proc.pid)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=10)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc: children first found, then theirs)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
+
+
 def measure(stx: str, base: str, nproc: int, overrides: list[str], run_dir: Path, timeout: float) -> dict:
     cmd = [stx, "launch", "-n", str(nproc), "train", base, *overrides, f"logging.run_dir={run_dir}"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = run_command(cmd, timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s", "command": shlex.join(cmd)}
     wall = time.perf_counter() - start
     load_after = os.getloadavg()[0]
     summaries = sorted(run_dir.glob("*/summary.json"))

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from scalable_transformer.config.load import load_config
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.models.registry import build_model
+
 pytestmark = pytest.mark.slow
 
 STX = str(Path(sys.executable).with_name("stx"))
@@ -31,3 +35,16 @@ def test_the_default_bert_without_a_binary_head_trains_under_pipeline_parallelis
     assert [r["iteration"] for r in train] == [2, 4] and len(valid) == 2
     assert all(0 < r["loss"] < 20 for r in train + valid)  # an MLM loss alone: no binary term was added
     assert all("binary_loss" not in r for r in train + valid)
+
+
+def test_the_planner_sizes_a_derived_swiglu_mlp_as_the_engine_builds_it() -> None:
+    """llama-tiny gives no model.ffn_hidden_size: resolve (and so the engine) derives Llama's 2/3 x 4h
+    rounded to ffn_multiple_of (352), but the planner's own preparation took 4h (512) and planned 5%
+    more parameters (and their gradients and optimizer state) than any sampled Llama-shaped layout ran."""
+    overrides = ["model.vocab_size=16384", "model.hidden_size=192", "model.num_attention_heads=4"]
+    argv = [STX, "plan", "llama-tiny", *overrides, "--world-size", "1", "--device", "a100-80gb", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    planned = json.loads(proc.stdout)["layouts"][0]["memory_breakdown_bytes"]["parameters"]
+    model = build_model(resolve(load_config("llama-tiny", overrides), 1).model)
+    assert planned == 4 * sum(p.numel() for p in model.parameters())  # fp32 parameters, ZeRO-0

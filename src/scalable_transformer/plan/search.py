@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import rules
-from ..config.model_shapes import family_options, total_params
+from ..config.model_shapes import default_ffn_hidden_size, family_options, total_params
 from ..config.schedule import check_schedule
 from ..config.schema import Config
 from ..config.validate import batch_sizes
@@ -169,7 +169,7 @@ def prepare(cfg: Config, world_size: int) -> Config:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     model = dataclasses.replace(
         family_options(m),
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden_size(m),  # resolve's: 2/3 of it with swiglu
         max_position_embeddings=m.max_position_embeddings or m.seq_length,
         vocab_size=m.vocab_size or cfg.data.tokenizer_vocab_size,
     )
