@@ -48,3 +48,18 @@ def test_the_planner_sizes_a_derived_swiglu_mlp_as_the_engine_builds_it() -> Non
     planned = json.loads(proc.stdout)["layouts"][0]["memory_breakdown_bytes"]["parameters"]
     model = build_model(resolve(load_config("llama-tiny", overrides), 1).model)
     assert planned == 4 * sum(p.numel() for p in model.parameters())  # fp32 parameters, ZeRO-0
+
+
+def test_a_zero_bubble_pipeline_under_zero3_dry_runs() -> None:
+    """The zero-bubble schedules compute a stage's input gradients with torch.autograd.grad, where the
+    dry run's module tracker (its backward hooks ask autograd which nodes will run) made torch raise "A
+    leaf node was passed to _will_engine_execute_node" (found by a sampled layout; the real run trains)."""
+    from scalable_transformer.dryrun import dry_run as dry
+
+    overrides = ["model.num_layers=4", "parallel.pp=2", "parallel.zero_stage=3"]
+    overrides += ["parallel.pipeline_schedule=zero-bubble", "parallel.virtual_pipeline_stages=2"]
+    overrides += ["train.gradient_accumulation_steps=2", "train.micro_batch_size=1"]
+    cfg = resolve(load_config("tiny-gpt", overrides), 4)
+    rank = dry.run_rank(cfg, 4, 0, "cpu")
+    assert rank.peak_memory_bytes > 0 and rank.peak_at["phase"]
+    assert any(c["kind"] == "reduce_scatter" for c in rank.collectives), rank.collectives
