@@ -253,13 +253,8 @@ def run_rank(
         trace = DryRunTrace(_group_names(dims), backend=backend, device_type=device.type)
         holder["trace"] = trace
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        # ModTracker's backward hooks ask autograd whether a node will run, which torch refuses inside
-        # torch.autograd.grad: the zero-bubble schedules' split backward (input gradients first) runs
-        # there. Those dry runs name no module for their peak.
-        split_backward = cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-        tracker = contextlib.nullcontext() if split_backward else ModTracker()
         try:
-            with fake, trace, tracker as modules, warnings.catch_warnings():
+            with fake, trace, _module_tracker(cfg) as modules, warnings.catch_warnings():
                 # model_state_bytes dedupes storages by data_ptr, which fake tensors only warn about
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 trace.module_tracker = modules
@@ -398,6 +393,15 @@ def _target_device(device_type: str, rank: int, devices_per_node: int, on_sync: 
     index = rank % devices_per_node
     with fake_cuda(index, on_sync=on_sync):
         yield torch.device("cuda", index)
+
+
+def _module_tracker(cfg: Config) -> Any:
+    """torch's ModTracker (the module a peak or a failure happened in), or none for the zero-bubble
+    schedules: its backward hooks ask autograd whether a node will run, which torch refuses inside
+    torch.autograd.grad, where their split backward (input gradients first) runs. Those dry runs name
+    no module for their peak."""
+    split_backward = cfg.parallel.pp > 1 and cfg.parallel.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+    return contextlib.nullcontext() if split_backward else ModTracker()
 
 
 # schedules whose backward of a stage's input runs under torch.autograd.grad (torch.distributed.pipelining's

@@ -344,7 +344,8 @@ def overrides_from_llama(hf: Any) -> dict[str, Any]:
     problems, settings = _llama_overrides(hf, "Llama", ("default", "llama3"))
     _refuse_config(problems, "Llama")
     attention, mlp = bool(hf.attention_bias), bool(getattr(hf, "mlp_bias", False))
-    return settings | {"add_bias_linear": attention, "add_mlp_bias": None if mlp == attention else mlp}
+    apart = {"add_mlp_bias": mlp} if mlp != attention else {}  # else add_mlp_bias follows add_bias_linear
+    return settings | {"add_bias_linear": attention} | apart
 
 
 def overrides_from_mistral(hf: Any) -> dict[str, Any]:
