@@ -450,15 +450,16 @@ def _plan_json(capsys, *argv: str) -> dict:
 )
 def test_plan_shows_the_validation_error_of_its_class_of_layout(capsys, argv, key):
     """`stx plan` reads the expected error from the table the GPU validation generates
-    (plan/validation_error.py): the class is the GPU family, the parameters' band and one node or several."""
+    (plan/validation_errors.json): the class is the GPU family, the parameters' band and one node or
+    several."""
     from scalable_transformer.cli import main
-    from scalable_transformer.plan.validation_error import ERRORS
+    from scalable_transformer.plan.validation_error import errors
 
     layout = _plan_json(capsys, *argv, "--no-probe")
     if key is None:
         assert layout["expected_error"] is None
         return
-    runs, median, p90 = ERRORS[key]
+    runs, median, p90 = errors()[key]
     assert layout["expected_error"] == {
         "class": ", ".join(key),
         "runs": runs,
