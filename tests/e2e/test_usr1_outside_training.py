@@ -1,9 +1,11 @@
-"""SIGUSR1 to `stx train` outside Trainer.fit (cli/train.py): one that comes while the run still starts
-(a scheduler's --signal=USR1@... reaching a job that is loading its checkpoint) stops the run after
+"""SIGUSR1 to `stx train` outside Trainer.fit (cli.EarlyStopRequest): one that comes while the run still
+starts (a scheduler's --signal=USR1@... reaching a job that is importing torch or loading its
+checkpoint) stops the run after
 its first step, with the checkpoint and exit status 75; one that comes while the final checkpoint is
 written (a second stop request) changes nothing. Before, SIGUSR1's default action killed the process
 in both cases (measured: a second SIGUSR1 0.8 s after the first, during the final save, left exit
-status -10 and no checkpoint)."""
+status -10 and no checkpoint; one during the imports ended the rank with exit status 138, which ended
+a requeue chain)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,16 @@ def with_signal(cfg, console=None, callbacks=(), predict=None):
     return original(cfg, console, [*callbacks, AfterFit()], predict)
 
 run_module.run_training = with_signal
+if when == "importing":  # while `stx` imports the command's module (torch, the engine), before run_training
+    import importlib
+    import scalable_transformer.cli.parsers as parsers
+    real_import = importlib.import_module
+
+    def signalled_import(name, package=None):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return real_import(name, package)
+
+    parsers.importlib = type("Importlib", (), {"import_module": staticmethod(signalled_import)})
 entry(lambda: main(argv))
 """
 
@@ -60,8 +72,9 @@ def train(tmp_path: Path, when: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
 
-def test_sigusr1_before_training_stops_the_run_after_its_first_step(tmp_path):
-    proc = train(tmp_path, "before")
+@pytest.mark.parametrize("when", ["importing", "before"])
+def test_sigusr1_before_training_stops_the_run_after_its_first_step(tmp_path, when):
+    proc = train(tmp_path, when)
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert "stopped by SIGUSR1 after iteration 1 of 10: checkpoint saved in ckpt" in proc.stdout
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000001"

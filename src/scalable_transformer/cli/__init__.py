@@ -145,6 +145,21 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+class EarlyStopRequest:
+    """SIGUSR1 while `stx train` is not training (Trainer.fit handles it there): kept instead of
+    ending the process. Installed before the command's module (and torch) is imported: a scheduler's
+    `--signal=USR1@...` may come while a job still starts (Slurm sends it up to a minute early; a
+    rank's imports took over 20 s on a loaded machine), and a rank that died of it (exit 138) ended a
+    requeue chain. cli/train.py hands a request caught before the first step to the trainer (the run
+    stops after that step, with its checkpoint); one caught after the last step changes nothing."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signum = self.signum or signum
+
+
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
     """The command line, with overrides allowed after options as well as before them (`stx plan
     gpt-13b --world-size 64 parallel.tp=4`): argparse's nargs="*" positional stops at the first option,
@@ -167,7 +182,10 @@ def _main(argv: list[str] | None) -> int:
         args = parse_command_line(argv)
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, _terminate) for sig in STOP_SIGNALS}
+        handlers: dict[int, Callable[[int, object], None]] = {sig: _terminate for sig in STOP_SIGNALS}
+        if getattr(args, "keeps_usr1", False):  # `stx train`: a stop request, see EarlyStopRequest
+            args.early_stop = handlers[signal.SIGUSR1] = EarlyStopRequest()
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
         return args.fn(args)
     except Terminated as e:

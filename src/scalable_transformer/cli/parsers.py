@@ -48,7 +48,7 @@ def register_train(sub: argparse._SubParsersAction) -> None:
         "path; overrides take dotted (optim.lr=3e-4) or Megatron/NeoX (num-layers=4) names.",
     )
     p.add_argument("items", nargs="*", metavar="CONFIG|key=value")
-    p.set_defaults(fn=command("train", "run"))
+    p.set_defaults(fn=command("train", "run"), keeps_usr1=True)  # cli.EarlyStopRequest
 
 
 def register_config(sub: argparse._SubParsersAction) -> None:

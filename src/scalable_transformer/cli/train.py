@@ -8,7 +8,6 @@ import dataclasses
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from ..calibrate.this_machine import run_prediction
 from ..config.load import load_config
@@ -16,6 +15,7 @@ from ..parallel.cluster_env import apply_cluster_env
 from ..train.resilience import exit_status
 from ..train.run import run_training
 from ..train.trainer import Callback, Trainer
+from . import EarlyStopRequest
 from .parsers import split_config_args
 
 
@@ -37,41 +37,28 @@ def run(args: argparse.Namespace) -> int:
     # Started by srun / mpiexec rather than torchrun: RANK, WORLD_SIZE... from their variables.
     apply_cluster_env()
     cfg = load_config(opts.config, list(opts.overrides))
-    with usr1_outside_training() as early:
-        _, summary = run_training(cfg, callbacks=[early.callback()], predict=run_prediction)
+    with usr1_outside_training(getattr(args, "early_stop", None)) as early:
+        _, summary = run_training(cfg, callbacks=[hand_over(early)], predict=run_prediction)
     return exit_status(summary)
 
 
-class EarlyStopRequest:
-    """SIGUSR1 while `stx train` is not training (Trainer.fit handles it there): kept instead of
-    killing the process, its default action. One caught before the first step stops the run after
-    that step, with its checkpoint, as during training: a scheduler's `--signal=USR1@...` may come
-    while a job still starts (Slurm sends it up to a minute early). One caught after the last step
-    (a second request while the final checkpoint is written) changes nothing."""
+def hand_over(request: EarlyStopRequest) -> Callback:
+    """The trainer callback that hands a stop request caught before the first step to the trainer."""
 
-    def __init__(self) -> None:
-        self.signum = 0
+    class HandOver(Callback):
+        def on_step_start(self, trainer: Trainer) -> None:
+            if request.signum:
+                trainer.stop_signals.caught = trainer.stop_signals.caught or request.signum
+                request.signum = 0
 
-    def __call__(self, signum: int, frame: object) -> None:
-        self.signum = self.signum or signum
-
-    def callback(self) -> Any:
-        """The trainer callback that hands a request caught before the first step to the trainer."""
-
-        request = self
-
-        class HandOver(Callback):
-            def on_step_start(self, trainer: Trainer) -> None:
-                if request.signum:
-                    trainer.stop_signals.caught = trainer.stop_signals.caught or request.signum
-                    request.signum = 0
-
-        return HandOver()
+    return HandOver()
 
 
 @contextlib.contextmanager
-def usr1_outside_training() -> Iterator[EarlyStopRequest]:
-    early = EarlyStopRequest()
+def usr1_outside_training(early: EarlyStopRequest | None = None) -> Iterator[EarlyStopRequest]:
+    """SIGUSR1 kept as `early` (the one `stx`'s entry installed before this module was imported, which
+    may already hold a request) while the block runs."""
+    early = early or EarlyStopRequest()
     if threading.current_thread() is not threading.main_thread():  # handlers live there only
         yield early
         return
