@@ -21,8 +21,10 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# two workers: the tests bound to the cluster daemons (Slurm time limits, signals) wait while the other worker
+# computes; the cluster's tests stay together on one worker (xdist_group, they share its daemons)
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # the inner loop: lint and the unit tests but their slowest (marked slow: a dry run, a CPU measurement, a
 # subprocess; CI runs them all), no daemons

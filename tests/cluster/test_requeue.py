@@ -31,7 +31,13 @@ import pytest
 
 from scalable_transformer.launch.batch import SchedulerLauncher
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.distributed]
+# xdist_group: `make test` runs two pytest workers; the tests sharing the session's daemons stay on one
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    pytest.mark.distributed,
+    pytest.mark.xdist_group("cluster"),
+]
 
 STX = str(Path(sys.executable).with_name("stx"))
 TINY = [
