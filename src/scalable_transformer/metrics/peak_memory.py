@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -138,9 +139,15 @@ class MemoryTracker:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is."""
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is; a wrapper
+    subclass (torchao's float8 weight under FSDP2, train.fp8) is its inner tensor, which holds the
+    storage (the wrapper's own storage is not one)."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    t = to_local() if callable(to_local) else t
+    while is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        t = getattr(t, names[0])
+    return t
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
