@@ -21,8 +21,9 @@ Recipes (torchao's names):
               and its tensor-parallel styles assume tensorwise, so under tp the plain styles shard the
               float8 linears (each rank scales its local shard).
 The config rules (config/rules.py) guarantee bf16 precision and dimensions divisible by 16.
-On the CPU, sequence parallelism is refused (`check_float8_layout`: gloo cannot all-gather the float8
-gradients it gathers); everything else composes: FSDP2 (float8 all-gathers too), TP, pipelines.
+On the CPU, tensorwise with sequence parallelism is refused (`check_float8_layout`: gloo cannot
+all-gather the float8 gradients it gathers); everything else composes: FSDP2 (float8 all-gathers
+too), TP with and without SP (rowwise), pipelines.
 `torch.compile` compiles the converted blocks as any others (parallelize's order).
 """
 
@@ -45,17 +46,20 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 def check_float8_layout(recipe: str, tp: int, sequence_parallel: bool, device: torch.device) -> None:
-    """What the device's collectives cannot carry: with sequence parallelism, the row-parallel float8
-    linears' output gradients (float8, sequence-sharded) are all-gathered in backward, and gloo (the
-    CPU backend) refuses float8 tensors ("Invalid scalar type" in torchao's float8 cat after the
-    all-gather; measured with both recipes, torch 2.13 / torchao 0.18). NCCL carries them. FSDP2's
-    float8 weight all-gathers work on gloo: FSDP2 gathers into a byte buffer."""
-    if recipe != "none" and tp > 1 and sequence_parallel and device.type == "cpu":
+    """What the device's collectives cannot carry: under tensorwise with sequence parallelism,
+    torchao's float8 TP styles cast the row-parallel linears' output gradients to float8 before
+    DTensor all-gathers them along the sequence in backward, and gloo (the CPU backend) refuses float8
+    tensors ("Invalid scalar type" in torchao's float8 cat after the all-gather; measured on 2 gloo
+    ranks, torch 2.13 / torchao 0.18). NCCL carries them. Rowwise (plain TP styles: every collective
+    in bf16, the float8 casts local) trains with sequence parallelism on gloo (measured), and FSDP2's
+    float8 weight all-gathers work on gloo too: FSDP2 gathers into a byte buffer."""
+    if recipe == "tensorwise" and tp > 1 and sequence_parallel and device.type == "cpu":
         raise ConfigError(
             f"train.fp8 = {recipe} with parallel.sequence_parallel on the CPU: sequence parallelism "
             "all-gathers the float8 output gradients of the row-parallel linears in backward, and gloo "
             "cannot all-gather float8 tensors; set parallel.sequence_parallel = false (tensor "
-            "parallelism alone works) or run on CUDA (NCCL)"
+            "parallelism alone works), use train.fp8 = rowwise (its collectives stay bf16) or run on "
+            "CUDA (NCCL)"
         )
 
 
