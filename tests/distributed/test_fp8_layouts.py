@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from harness import run_distributed
+from torch.distributed.checkpoint import FileSystemReader
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.train.run import run_training
@@ -87,6 +88,7 @@ def _runs(rank: int, world_size: int, cases: dict[str, tuple[list[str], int]], r
 def test_fp8_trains_under_zero3_and_tensor_parallel_like_bf16(tmp_path):
     results = run_distributed(_runs, 2, CASES, str(tmp_path), tmp_dir=tmp_path, timeout=1800)[0]
     reference = results["zero3-bf16"]["losses"][-1]
+    print({name: (got["losses"][-1], got["losses"][-1] / reference - 1) for name, got in results.items()})
     for name in ("zero3-tensorwise", "tp2-tensorwise"):
         loss = results[name]["losses"][-1]
         assert abs(loss - reference) <= FP8_LOSS_RTOL * reference, (name, loss, reference)
@@ -102,3 +104,36 @@ def test_fp8_trains_under_zero3_and_tensor_parallel_like_bf16(tmp_path):
     rowwise = min(results["zero3-rowwise"]["gathered"])
     assert 0.49 < tensorwise / rowwise < 0.51, (tensorwise, rowwise)
     assert not results["tp2-tensorwise"]["gathered"]  # no FSDP under tp alone
+
+
+def _checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """ZeRO-3 tensorwise (float8 weights gathered in float8) saves at 2; a bf16 run resumes from it and
+    saves at 4; a float8 run resumes from that: (final iteration, iterations run) of the two."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    common = [*SMALL, "parallel.zero_stage=3", "logging.log_interval=1", "checkpoint.save_interval=2"]
+    out: dict[str, Any] = {}
+    for name, steps, fp8, load in (
+        ("a", 2, "tensorwise", None),
+        ("b", 4, "none", "a"),
+        ("c", 6, "tensorwise", "b"),
+    ):
+        cfg = load_config(
+            "llama-tiny",
+            [*common, f"train.train_iters={steps}", f"train.fp8={fp8}", f"checkpoint.save={root}/{name}"]
+            + ([f"checkpoint.load={root}/{load}"] if load else [])
+            + [f"logging.run_dir={root}/run-{name}"],
+        )
+        _, summary = run_training(cfg)
+        out[name] = (summary["final_iteration"], summary["iterations"])
+    return out
+
+
+def test_a_zero3_float8_checkpoint_loads_into_a_bf16_run_and_back(tmp_path):
+    """FSDP2 shards torchao's float8 weight wrapper; the checkpoint still holds plain fp32 tensors
+    (DCP's metadata says so), which a bf16 run resumes from, and a float8 run from the bf16 one's."""
+    got = run_distributed(_checkpoints, 2, str(tmp_path), tmp_dir=tmp_path, timeout=900)[0]
+    assert got == {"a": (2, 2), "b": (4, 2), "c": (6, 2)}
+    saved = next(p for p in (tmp_path / "a").iterdir() if p.name.startswith("iter_0000002"))
+    meta = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    model = {k: v for k, v in meta.items() if k.startswith("model.")}
+    assert model and {str(v.properties.dtype) for v in model.values()} == {"torch.float32"}

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..parallel.torch_compat import wrapped_tensor
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -143,11 +144,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     subclass (torchao's float8 weight under FSDP2, train.fp8) is its inner tensor, which holds the
     storage (the wrapper's own storage is not one)."""
     to_local = getattr(t, "to_local", None)
-    t = to_local() if callable(to_local) else t
-    while is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        t = getattr(t, names[0])
-    return t
+    return wrapped_tensor(to_local() if callable(to_local) else t)
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

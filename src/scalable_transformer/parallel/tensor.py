@@ -71,12 +71,12 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..models import PLAIN_LOSS_OPS, LossOps, spec_for
 from ..models.layers import Attention, CoreAttention
 from ..models.spec import TensorParallelNames
 from .float8_training import float8_tp_style
+from .torch_compat import is_wrapper_tensor
 
 
 def _child(module: nn.Module, name: str) -> nn.Module | None:
@@ -303,7 +303,7 @@ class SavedShards:
             and not (saved.is_leaf and saved.requires_grad)
             # a float8 linear's saved input is a torchao float8 tensor (train.fp8): 1 byte a value
             # with its scale, kept whole (a slice of it would need the scale and a float8 all-gather)
-            and not is_traceable_wrapper_subclass(saved.to_local())
+            and not is_wrapper_tensor(saved.to_local())
         ):
             return saved
         flat = saved.to_local().reshape(-1)
