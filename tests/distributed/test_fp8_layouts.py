@@ -24,7 +24,8 @@ from scalable_transformer.train.run import run_training
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# the shapes and tolerance of tests/unit/test_fp8.py (a test module cannot import another's)
+# the shapes and tolerance of tests/unit/test_fp8.py, which holds the measured gaps (a test module
+# cannot import another's)
 SMALL = [
     "train.precision=bf16",
     "train.micro_batch_size=2",
