@@ -12,6 +12,8 @@ import inspect
 import pytest
 import torch
 from torch import nn
+from torchao.float8 import Float8LinearConfig
+from torchao.float8.float8_linear import Float8Linear
 
 from scalable_transformer.parallel import torch_compat
 
@@ -294,3 +296,16 @@ def test_internals_used_in_place_keep_their_shape():
         "SubprocessContext.subprocess_handlers",
         "launch/local.py",
     )
+
+
+def test_wrapper_subclasses_unwrap_to_the_tensor_holding_the_storage():
+    """torchao's float8 weight wrapper (train.fp8 under FSDP2) is a traceable wrapper subclass whose
+    own storage is invalid; wrapped_tensor reaches the fp32 weight inside."""
+    attribute("torch.utils._python_dispatch:is_traceable_wrapper_subclass")
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    weight = Float8Linear.from_float(nn.Linear(16, 16), config).weight
+    assert torch_compat.is_wrapper_tensor(weight)
+    inner = torch_compat.wrapped_tensor(weight)
+    assert not torch_compat.is_wrapper_tensor(inner) and inner.untyped_storage().nbytes() == 16 * 16 * 4
+    plain = torch.zeros(2)
+    assert torch_compat.wrapped_tensor(plain) is plain and not torch_compat.is_wrapper_tensor(plain)

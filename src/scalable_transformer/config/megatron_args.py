@@ -7,7 +7,7 @@ already maps (schema aliases, and the Megatron names a config file of ours may u
 `MEGATRON_FILE_SWITCHES` / `_IGNORED` / `_REFUSED` here, which load.py's tables are built from). An
 argument in neither is refused: an unknown argument might be a model shape or a layout
 (`--num-experts`), and dropping one silently imports another model. Training-recipe arguments with no
-equivalent (a decoupled embedding learning rate, FP8 GEMMs, a batch-size ramp) are ignored with their reason,
+equivalent (a decoupled embedding learning rate, a batch-size ramp) are ignored with their reason,
 listed in the imported file; model shape and layout arguments are carried or refused, never ignored.
 
 A value the script cannot give without running (a `$1`, a command substitution: shell_script.py) is
@@ -163,10 +163,11 @@ WHY = "_why"  # a handler's key for "accepted, nothing to carry: why"
 _KERNEL = "picks a kernel or Megatron's implementation of the same model (no effect on what is trained)"
 _FUSION = "is a CUDA kernel-fusion switch (same numerics unfused)"
 _OVERLAP = "overlaps communication with compute: a speed setting, the same training"
-_FP8 = (
-    "is an FP8 (Transformer Engine) setting: FP8 GEMMs are not built here, so the imported run computes "
-    "in train.precision (--bf16 / --fp16)"
+_FP8_DELAYED = (
+    "tunes Transformer Engine's delayed scaling (an amax history): train.fp8 = tensorwise scales each "
+    "tensor from its current amax (torchao has no delayed scaling)"
 )
+_FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "tensorwise"}
 _DATA_LOADING = "is a data-loading switch of Megatron's loader (the same samples)"
 _HOUSEKEEPING = "is memory housekeeping of Megatron's loop"
 _TOKENIZER = "names the original run's tokenizer: set data.tokenizer"
@@ -245,6 +246,34 @@ def _rotary(args: dict[str, Any]) -> bool:
     return str(args.get("position_embedding_type", "")).lower() == "rope" or bool(
         args.get("use_rotary_position_embeddings")
     )
+
+
+def _fp8_format(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """--fp8-format hybrid (e4m3 inputs and weights, e5m2 gradients: torchao's float8 formats) turns
+    FP8 on with --fp8-recipe's scaling: tensorwise (current per-tensor scaling) is train.fp8 =
+    tensorwise; delayed (Megatron's default: per-tensor scales from an amax history) is carried as
+    tensorwise too, the same GEMMs and granularity with the scale from the current amax. Refused:
+    e4m3 gradients, and the block-scaled recipes (mxfp8, blockwise), which have no equivalent here."""
+    if value != "hybrid":
+        raise ConfigError(
+            f"--fp8-format {value}: FP8 here is torchao's float8 training, which casts the output "
+            "gradients to e5m2 and the rest to e4m3 (Megatron's hybrid); --fp8-format e4m3 (e4m3 "
+            "gradients) has no equivalent: use --fp8-format hybrid, or drop it to train in --bf16"
+        )
+    recipe = args.get("fp8_recipe", "delayed")
+    if recipe not in _FP8_RECIPES:
+        raise ConfigError(
+            f"--fp8-recipe {recipe}: its block scaling has no equivalent in torchao's float8 training "
+            "(train.fp8 = tensorwise or rowwise); use --fp8-recipe tensorwise (or delayed, carried as "
+            "tensorwise), or drop --fp8-format to train in --bf16"
+        )
+    return {"fp8": _FP8_RECIPES[recipe]}
+
+
+def _fp8_recipe(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    if args.get("fp8") is None and args.get("fp8_format") is None:
+        return {WHY: "Megatron reads it only with --fp8-format (FP8 is off)"}
+    return {WHY: "carried with --fp8-format as train.fp8"}
 
 
 def _kv_channels(value: Any, args: dict[str, Any]) -> dict[str, Any]:
@@ -400,11 +429,18 @@ MEGATRON_ARGS: dict[str, Rule] = {
         "averages the loss over tokens instead of micro-batches: every sample here has seq_length "
         "tokens, so both give the same mean"
     ),
+    **dict.fromkeys(("fp8", "fp8_format"), _handle(_fp8_format)),
+    "fp8_recipe": _handle(_fp8_recipe),
     **dict.fromkeys(
-        ("fp8", "fp8_format", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len"),
-        _ignore(_FP8),
+        ("fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo"), _ignore(_FP8_DELAYED)
     ),
-    **dict.fromkeys(("fp8_amax_compute_algo", "fp8_wgrad", "fp8_param_gather"), _ignore(_FP8)),
+    "fp8_wgrad": _ignore(
+        "computes the weight gradients in FP8 (Megatron's default, and torchao's tensorwise recipe's)"
+    ),
+    "fp8_param_gather": _ignore(
+        "all-gathers FP8 parameters: here a tensorwise run under ZeRO-2/3 all-gathers its weights in "
+        "float8 (torchao), with ZeRO-0/1 there is no parameter all-gather"
+    ),
     # kernels, implementations, overlap, housekeeping
     **dict.fromkeys(
         ("attention_backend", "use_mcore_models", "transformer_impl", "use_flash_attn", "use_legacy_models"),

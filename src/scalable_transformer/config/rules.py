@@ -337,6 +337,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
     _check_zero(cfg)
     _check_tensor_parallel(cfg)
     _check_recompute(cfg)
+    check_fp8(cfg)
     if p.pp > 1:
         _check_pipeline(cfg, t.gradient_accumulation_steps or 1)
     elif p.virtual_pipeline_stages != 1 or p.pipeline_layers is not None:
@@ -449,6 +450,58 @@ def _check_recompute(cfg: Config) -> None:
             "parallelism already keeps 1/tp of every checkpointed layer input on each rank; set one "
             "of them (as Megatron requires)"
         )
+
+
+# torch._scaled_mm's rule (torchao's float8 linears inherit it): both dimensions of each operand a
+# multiple of 16, in the forward GEMM and in the two backward ones
+FP8_MULTIPLE = 16
+
+
+def check_fp8(cfg: Config) -> None:
+    """train.fp8 (torchao float8 training of the blocks' linears): the non-GEMM parts compute in bf16
+    (as torchtitan runs it), and every float8 GEMM's dimensions, on each tensor-parallel rank, are
+    multiples of 16: the in/out features of qkv, proj, mlp.up and mlp.down, and the tokens of a
+    micro-batch (the inner dimension of the weight-gradient GEMM)."""
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    if t.fp8 == "none":
+        return
+    if t.precision != "bf16":
+        raise ConfigError(
+            f"train.fp8 = {t.fp8} needs train.precision = bf16 (the embeddings, norms, attention and the "
+            f"output layer compute in bf16 around the float8 GEMMs); it is {t.precision!r}"
+        )
+    head_dim = m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    qkv = (m.num_attention_heads + 2 * groups) * head_dim
+    qkv_tp = qkv if groups % p.tp else qkv // p.tp  # replicated when tp > groups
+    up = (2 if m.activation in ("geglu", "swiglu") else 1) * (m.ffn_hidden_size or 4 * m.hidden_size)
+    sizes = [
+        ("model.hidden_size", m.hidden_size),
+        (
+            f"the qkv projection's output features per tp rank ((heads + 2 groups) x head_dim / {p.tp})",
+            qkv_tp,
+        ),
+        (
+            f"the attention output's input features per tp rank (model.hidden_size / {p.tp})",
+            m.hidden_size // p.tp,
+        ),
+        (f"mlp.up's output features per tp rank ({up} / {p.tp}, from model.ffn_hidden_size)", up // p.tp),
+        (f"model.ffn_hidden_size / parallel.tp ({p.tp})", (m.ffn_hidden_size or 4 * m.hidden_size) // p.tp),
+    ]
+    if t.micro_batch_size is not None:
+        sizes.append(
+            (
+                "train.micro_batch_size x model.seq_length (tokens per micro-batch)",
+                t.micro_batch_size * m.seq_length,
+            )
+        )
+    for name, size in sizes:
+        if size % FP8_MULTIPLE:
+            raise ConfigError(
+                f"train.fp8 = {t.fp8}: {name} = {size} is not a multiple of {FP8_MULTIPLE}, which every "
+                "float8 GEMM dimension must be (torch._scaled_mm); change the model or layout, or set "
+                "train.fp8 = none"
+            )
 
 
 def _check_tensor_parallel(cfg: Config) -> None:

@@ -497,6 +497,16 @@ class TrainConfig:
         "Compute dtype: fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling).",
         choices=("fp32", "bf16", "fp16"),
     )
+    fp8: str = opt(
+        "none",
+        "FP8 training of the transformer blocks' linear layers (torchao float8; the embeddings and the "
+        "output layer compute in train.precision, which must be bf16): none, tensorwise (one dynamic "
+        "scale per tensor; under ZeRO-2/3 the weights are all-gathered in float8) or rowwise (one scale "
+        "per row; weights all-gathered in bf16). Needs model.hidden_size, model.ffn_hidden_size and the "
+        "attention widths divisible by 16 (the float8 GEMM's rule).",
+        choices=("none", "tensorwise", "rowwise"),
+        aliases=("float8_recipe_name",),
+    )
     loss_scale: float | None = opt(None, "fp16: static loss scale; None = dynamic.", aliases=("loss-scale",))
     initial_scale_power: int = opt(16, "fp16: dynamic loss scale starts at 2**initial_scale_power.")
     loss_scale_window: int = opt(

@@ -254,6 +254,29 @@ def resolve_peak(
     raise ValueError(f"no peak FLOPs for device type {device_type!r}: set logging.peak_tflops")
 
 
+def resolve_fp8_peak(device_type: str, device_name: str | None, override_tflops: float | None) -> PeakInfo:
+    """The float8 peak FLOP/s of one device, for the second MFU of a train.fp8 run (the first is
+    against the bf16 peak, `resolve_peak`); flops_per_second 0.0 when there is none, with the reason
+    as its source: a CPU has no float8 matmul unit (torch._scaled_mm runs a reference path there), a
+    GPU may have none in the table, and a user's logging.peak_tflops names one dtype's peak only."""
+    if override_tflops is not None:
+        return PeakInfo(0.0, "none: logging.peak_tflops overrides the bf16 peak only")
+    if device_type == "cpu" or (device_name or "").strip().lower() == "cpu":
+        return PeakInfo(0.0, "none: a CPU has no float8 matmul unit (float8 GEMMs run a reference path)")
+    if device_name is None and device_type == "cuda":
+        import torch
+
+        raw = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        device_name = detect_device_name(raw) if raw is not None else None
+    if device_name is None:
+        return PeakInfo(0.0, "none: the device is not in the peak-FLOPs table (set logging.device_name)")
+    key = _normalize_name(device_name)
+    try:
+        return PeakInfo(lookup_peak(key, "fp8"), f"{key} fp8 dense table")
+    except ValueError as err:
+        return PeakInfo(0.0, f"none: {err}")
+
+
 # x86 /proc/cpuinfo flags of matmul units that compute the dtype natively (named in the warning).
 _NATIVE_FLAGS = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}
 

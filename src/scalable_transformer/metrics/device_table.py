@@ -33,20 +33,25 @@ _DTYPE_ALIASES = {
     "float32": "fp32",
     "float": "fp32",
     "torch.float32": "fp32",
+    # the float8 tensor-core rate (e4m3/e5m2 inputs): MFU of a train.fp8 run beside the bf16 one;
+    # not a compute dtype of --dtype, so not in DTYPES
+    "fp8": "fp8",
+    "float8": "fp8",
 }
 
 
 # TFLOP/s, dense. Sources: NVIDIA datasheets (A100, H100, H200, GH200, V100, A10, A40, L4, L40, L40S,
-# T4), the GA102 / Ada whitepapers (RTX A6000, RTX 3090, RTX 4090), AMD Instinct datasheets.
+# T4), the GA102 / Ada whitepapers (RTX A6000, RTX 3090, RTX 4090), AMD Instinct datasheets. fp8: the
+# dense float8 tensor-core rate (half the datasheets' "with sparsity" figure), Hopper only so far.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "a100-40gb": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},  # SXM and PCIe alike
     "a100-80gb": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "h100-sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "h100-pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0},
-    "h100-nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    "h200-sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "h200-nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
-    "gh200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h100-sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9, "fp8": 1978.9},
+    "h100-pcie": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0, "fp8": 1513.0},
+    "h100-nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5},
+    "h200-sxm": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9, "fp8": 1978.9},
+    "h200-nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5},
+    "gh200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9, "fp8": 1978.9},
     "v100-16gb": {"fp16": 125.0, "fp32": 15.7},  # SXM2
     "v100-32gb": {"fp16": 125.0, "fp32": 15.7},  # SXM2
     "v100-pcie": {"fp16": 112.0, "fp32": 14.0},
@@ -192,6 +197,9 @@ class PeakInfo:
 
     flops_per_second: float
     source: str
+    # a train.fp8 run's second MFU: the float8 peak (0.0: none, `fp8_source` says why)
+    fp8_flops_per_second: float = 0.0
+    fp8_source: str = ""
 
 
 def lookup_device(device_name: str) -> DeviceSpec:

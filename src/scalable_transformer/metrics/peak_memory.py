@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel.torch_compat import wrapped_tensor
+
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 
@@ -138,9 +140,11 @@ class MemoryTracker:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is."""
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is; a wrapper
+    subclass (torchao's float8 weight under FSDP2, train.fp8) is its inner tensor, which holds the
+    storage (the wrapper's own storage is not one)."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    return wrapped_tensor(to_local() if callable(to_local) else t)
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -153,7 +153,12 @@ class ConsoleSink:
             f"samples/s: {r['samples_per_second']:.2f}",
             f"tokens/s: {r['tokens_per_second']:.0f}",
             f"TFLOPs/dev: {r['tflops_per_device']:.3f}",
-            f"MFU: {percent(r.get('mfu'))}",
+            # an FP8 run's MFU against the bf16 and the float8 peak, each named
+            *(
+                (f"MFU (bf16 peak): {percent(r.get('mfu'))}", f"MFU (fp8 peak): {percent(r['mfu_fp8'])}")
+                if "mfu_fp8" in r
+                else (f"MFU: {percent(r.get('mfu'))}",)
+            ),
             f"HFU: {percent(r.get('hfu'))}",
             f"peak mem ({r.get('peak_memory_kind', 'allocated')}): {_fmt_bytes(r['peak_memory_bytes'])}",
         ]

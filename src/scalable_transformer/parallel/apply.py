@@ -1,7 +1,8 @@
 """parallelize(): apply parallelism to a plain model (or pipeline stage) in one fixed, documented order.
 
-Order (torchtitan's): tensor parallel -> activation checkpointing -> torch.compile -> FSDP/DDP.
-TP must see the plain Linear layers; checkpointing must wrap whole blocks before compile traces
+Order (torchtitan's): float8 conversion -> tensor parallel -> activation checkpointing -> torch.compile
+-> FSDP/DDP. The float8 linears (train.fp8) replace the blocks' nn.Linear before anything shards them;
+TP must see the (float8 or plain) Linear layers; checkpointing must wrap whole blocks before compile traces
 them; FSDP/DDP wrap last so they shard/replicate the final module structure.
 
 Data parallelism by ZeRO stage, as DeepSpeed users name it:
@@ -29,6 +30,7 @@ from ..config.schema import Config
 from ..errors import ConfigError
 from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
 from .dims import ParallelDims
+from .float8_training import check_float8_layout, convert_blocks_to_float8
 from .init import is_meta, materialize
 from .recompute import checkpoint_function
 from .rng import apply_dropout_streams
@@ -195,6 +197,10 @@ def parallelize(
     p = cfg.parallel
     device = device or torch.device("cpu")
     mesh = None if dims is None else dims.mesh
+    if cfg.train.fp8 != "none":
+        check_float8_layout(cfg.train.fp8, p.tp, p.sequence_parallel, device)
+        # first: TP must shard the float8 linears (with torchao's styles), FSDP2 their weights
+        convert_blocks_to_float8(model, cfg.train.fp8, fsdp=mesh is not None and p.zero_stage >= 2)
     if mesh is not None and p.tp > 1:
         # full recompute saves only block inputs, which SP already shards
         shard_saved = p.activation_checkpointing != "full"

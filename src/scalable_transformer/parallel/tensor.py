@@ -75,6 +75,8 @@ from torch.distributed.tensor.parallel import (
 from ..models import PLAIN_LOSS_OPS, LossOps, spec_for
 from ..models.layers import Attention, CoreAttention
 from ..models.spec import TensorParallelNames
+from .float8_training import float8_tp_style
+from .torch_compat import is_wrapper_tensor
 
 
 def _child(module: nn.Module, name: str) -> nn.Module | None:
@@ -299,6 +301,9 @@ class SavedShards:
             and saved.device_mesh == self.mesh
             and all(p.is_replicate() for p in saved.placements)
             and not (saved.is_leaf and saved.requires_grad)
+            # a float8 linear's saved input is a torchao float8 tensor (train.fp8): 1 byte a value
+            # with its scale, kept whole (a slice of it would need the scale and a float8 all-gather)
+            and not is_wrapper_tensor(saved.to_local())
         ):
             return saved
         flat = saved.to_local().reshape(-1)
@@ -358,7 +363,8 @@ def apply_tensor_parallel(
     _check_divisible(module, tp)
     plan = tensor_parallel_plan(module, sequence_parallel, tp)
     for name, style in plan:
-        parallelize_module(module, tp_mesh, {name: style})
+        # a float8 linear (train.fp8 = tensorwise) gets torchao's float8 version of its style
+        parallelize_module(module, tp_mesh, {name: float8_tp_style(module.get_submodule(name), style)})
     if sequence_parallel and shard_saved:
         saved = SavedShards(tp_mesh)
         for _, block in _blocks(module):

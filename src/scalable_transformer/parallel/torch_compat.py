@@ -29,6 +29,13 @@ Routed through this module (call these functions, never the internal):
                              mesh, mp_policy): ZeRO-0 with tensor parallel (parallel/apply.py).
   unset_fake_temporarily     torch._subclasses.fake_tensor.unset_fake_temporarily(): building on the
                              meta device inside a dry run's FakeTensorMode (parallel/init.py).
+  is_wrapper_tensor / wrapped_tensor
+                             torch.utils._python_dispatch.is_traceable_wrapper_subclass(t) and the
+                             subclass protocol's t.__tensor_flatten__() (its inner tensors' attribute
+                             names): torchao's float8 weight wrapper under FSDP2 and its float8
+                             training tensors (train.fp8) hold their storage inside. If they go,
+                             metrics/peak_memory.py cannot count a float8 run's weights and
+                             parallel/tensor.py's SavedShards would slice a float8 tensor.
   is_persistent_buffer       nn.Module._non_persistent_buffers_set: moving buffers off the parameters'
                              device keeps their persistence (parallel/init.py, CPU offload).
   fsdp_mixed_precision       FSDPModule._get_fsdp_state()._mp_policy: the dtype a pipeline stage sends
@@ -91,6 +98,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
@@ -193,6 +201,20 @@ def unset_fake_temporarily() -> contextlib.AbstractContextManager[Any]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily as unset
 
     return unset()
+
+
+def is_wrapper_tensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor subclass that wraps inner tensors (torchao's float8 tensors)."""
+    return bool(is_traceable_wrapper_subclass(t))
+
+
+def wrapped_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The first inner tensor of a wrapper subclass, unwrapped all the way (the one holding the
+    storage); `t` itself when it is no wrapper."""
+    while is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        t = getattr(t, names[0])
+    return t
 
 
 def is_persistent_buffer(module: nn.Module, name: str) -> bool:

@@ -26,7 +26,7 @@ from ..config.validate import with_vocabulary
 from ..data.loader import build_datasets, build_loader, eval_batches
 from ..data.tokenizers import load_tokenizer
 from ..errors import ConfigError
-from ..metrics.device_specs import PeakInfo, resolve_peak
+from ..metrics.device_specs import PeakInfo, resolve_fp8_peak, resolve_peak
 from ..metrics.flops import FlopsCount, step_flops
 from ..metrics.live_tensor_bytes import TensorBytesTracker
 from ..metrics.sinks import Sink, Sinks
@@ -144,7 +144,12 @@ def device_peak(cfg: ResolvedConfig, at: Place) -> PeakInfo:
     """The peak FLOP/s of one device that MFU and HFU divide by (rank 0 measures a CPU's first)."""
     lg = cfg.logging
     with rank_zero_first(at.dims):
-        return resolve_peak(at.device.type, cfg.train.precision, lg.device_name, lg.peak_tflops)
+        peak = resolve_peak(at.device.type, cfg.train.precision, lg.device_name, lg.peak_tflops)
+    if cfg.train.fp8 == "none":
+        return peak
+    # an FP8 run reports MFU against both: the bf16 peak (its precision) and the float8 one
+    fp8 = resolve_fp8_peak(at.device.type, lg.device_name, lg.peak_tflops)
+    return dataclasses.replace(peak, fp8_flops_per_second=fp8.flops_per_second, fp8_source=fp8.source)
 
 
 def build_run_model(cfg: ResolvedConfig, at: Place) -> RunModel:
@@ -225,10 +230,14 @@ def build_measurement(
     flops: FlopsCount,
     peak_flops_per_second: float,
     sinks: list[Sink],
+    fp8_peak_flops_per_second: float = 0.0,
 ) -> Measurement:
     """The run's timers, step clock, memory tracker and step ledger, writing to `sinks`; MFU against
-    `peak_flops_per_second` (FLOP/s per device)."""
-    return Measurement(cfg, device, dims, flops, peak_flops_per_second, Sinks(sinks))
+    `peak_flops_per_second` (FLOP/s per device) and, for a train.fp8 run, against
+    `fp8_peak_flops_per_second` as well (0.0: no float8 peak, its MFU is None)."""
+    measurement = Measurement(cfg, device, dims, flops, peak_flops_per_second, Sinks(sinks))
+    measurement.fp8_peak_flops = fp8_peak_flops_per_second
+    return measurement
 
 
 def build_trainer(

@@ -254,6 +254,7 @@ class Measurement:
     ) -> None:
         self.cfg, self.device, self.dims = cfg, device, dims
         self.flops, self.peak_flops, self.sinks = flops, peak_flops_per_device, sinks
+        self.fp8_peak_flops = 0.0  # a train.fp8 run's float8 peak (build_measurement), 0.0: none
         log = cfg.logging
         self.sync: Callable[[], None] | None = (
             torch.cuda.synchronize if device.type == "cuda" and log.timers_sync else None
@@ -311,6 +312,7 @@ class Measurement:
             "tflops_per_device": perf["tflops_per_device"],
             "mfu": perf["mfu"],
             "hfu": perf["hfu"],
+            **self._fp8_mfu(seconds),
             "peak_memory_bytes": peak.peak_allocated_bytes,
             "peak_memory_kind": "allocated" if self.device.type == "cuda" else "rss",
             "skipped_iterations": sum(s.skipped for s in steps),
@@ -326,6 +328,15 @@ class Measurement:
         if self.dims.world_size > 1:  # every rank logs at the same iterations, so all take part
             self._spread(record, elapsed, comm)
         return record
+
+    def _fp8_mfu(self, seconds: float) -> dict[str, Any]:
+        """A train.fp8 run's MFU against the float8 peak (`mfu` is against the bf16 one): None where
+        the device has no float8 peak (a CPU); nothing for other runs."""
+        if self.cfg.train.fp8 == "none":
+            return {}
+        world = self.dims.world_size
+        peak = self.fp8_peak_flops or None
+        return {"mfu_fp8": throughput_metrics(self.flops, seconds, world, peak)["mfu"]}
 
     def _phase_times(self, n: int) -> tuple[dict[str, float], dict[str, float]]:
         timed = [name for name in (*PHASES, *NESTED) if name in self.timers.names()]

@@ -168,7 +168,19 @@ def print_banner(
         f"({flops.model_flops / 1e9:.2f} model GFLOPs, {flops.hardware_flops / 1e9:.2f} hardware "
         f"GFLOPs per iteration) over {world} device(s); peak {peak.flops_per_second / 1e12:.3f} "
         f"TFLOP/s per device from {peak.source}"
+        + (
+            f"; FP8 run: MFU also against the fp8 peak, {fp8_peak_text(peak)}"
+            if cfg.train.fp8 != "none"
+            else ""
+        )
     )
+
+
+def fp8_peak_text(peak: PeakInfo) -> str:
+    """The float8 peak an FP8 run's second MFU divides by, or why there is none."""
+    if peak.fp8_flops_per_second > 0:
+        return f"{peak.fp8_flops_per_second / 1e12:.3f} TFLOP/s per device from {peak.fp8_source}"
+    return peak.fp8_source or "none"
 
 
 def summarize(
@@ -221,6 +233,7 @@ def summarize(
         "hardware_flops_per_iteration": flops.hardware_flops,
         "peak_flops_per_device": peak.flops_per_second,
         "peak_flops_source": peak.source,
+        **_fp8_summary(cfg, flops, median, num_devices, peak),
         "phase_time_ms_median": phases,
         "peak_memory_bytes": history.peak_memory_bytes,
         "peak_memory_method": history.peak_memory_method,
@@ -333,6 +346,20 @@ def straggler_summary(history: History) -> dict[str, Any]:
     }
 
 
+def _fp8_summary(cfg: ResolvedConfig, flops, median: float, num_devices: int, peak) -> dict:
+    """An FP8 run's MFU against the float8 peak (`mfu` is against the bf16 one) and that peak (FLOP/s
+    per device; null where there is none, the source says why)."""
+    if cfg.train.fp8 == "none":
+        return {}
+    fp8_peak = getattr(peak, "fp8_flops_per_second", 0.0) or None
+    return {
+        "fp8_recipe": cfg.train.fp8,
+        "mfu_fp8": throughput_metrics(flops, median, num_devices, fp8_peak)["mfu"],
+        "peak_flops_fp8_per_device": fp8_peak,
+        "peak_flops_fp8_source": getattr(peak, "fp8_source", ""),
+    }
+
+
 def print_done(console: Console, summary: dict, run_dir: Path, memory_method: str) -> None:
     """The closing line: throughput, TFLOPs/MFU/HFU with their convention, losses, memory per rank."""
     per_rank = summary["peak_memory_bytes_per_rank"]
@@ -340,8 +367,13 @@ def print_done(console: Console, summary: dict, run_dir: Path, memory_method: st
     console.print(
         f"[bold green]done[/]: {summary['iterations']} iterations in {summary['wall_seconds']:.1f} s; "
         f"median {summary['samples_per_second']:.2f} samples/s, {summary['tokens_per_second']:.0f} tokens/s, "
-        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {percent(summary['mfu'])}, "
-        f"HFU {percent(summary['hfu'])} ({summary['flops_convention']} convention, "
+        f"{summary['tflops_per_device']:.3f} TFLOPs/device, MFU {percent(summary['mfu'])}"
+        + (
+            f" of the bf16 peak and {percent(summary['mfu_fp8'])} of the fp8 peak, "
+            if "mfu_fp8" in summary
+            else ", "
+        )
+        + f"HFU {percent(summary['hfu'])} ({summary['flops_convention']} convention, "
         f"{summary['world_size']} device(s)) over iterations "
         f"{summary['warmup_iterations_excluded'] + 1}-{summary['iterations']}; train loss "
         f"{summary['first_logged_train_loss']:.4f} -> {summary['final_train_loss']:.4f}; peak memory per "

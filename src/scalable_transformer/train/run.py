@@ -89,7 +89,7 @@ def _recipe(
     outputs = open_outputs(cfg, at, resume, model, peak)
     callbacks = build_callbacks(cfg, at, outputs.run_dir, given, model.tracker)
     measurement = build_measurement(
-        cfg, at.device, at.dims, model.flops, peak.flops_per_second, outputs.sinks
+        cfg, at.device, at.dims, model.flops, peak.flops_per_second, outputs.sinks, peak.fp8_flops_per_second
     )
     trainer = build_trainer(
         cfg, model.module, optimizer, scheduler, data, measurement, at.dims, model.pipeline, callbacks

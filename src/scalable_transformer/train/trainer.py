@@ -29,6 +29,7 @@ from ..models import spec_for
 from ..parallel.comm import recorders
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import collective_device
+from ..parallel.float8_training import float8_all_gathers, refresh_float8_scales
 from ..parallel.grads import clip_grads, grad_norm, local, reduce_partial_grads
 from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
@@ -129,6 +130,7 @@ class Trainer:
         self.history = measurement.history
         self.sinks = measurement.sinks
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.float8_scales = float8_all_gathers(model)  # train.fp8 = tensorwise under FSDP2
         self.iteration = 0
         self.consumed_samples = 0
         self.last_lr = 0.0
@@ -173,6 +175,8 @@ class Trainer:
                 with self.timers("optimizer-inner-step", 2):
                     self.optimizer.step()
                     self.scheduler.step()
+                if self.float8_scales:  # the next step's float8 all-gathers' scales, in one pass
+                    refresh_float8_scales(self.model)
             self.scaler.update(found_inf)
         return StepResult(metrics, norm, skipped=found_inf or nonfinite, lr=lr, nonfinite=nonfinite)
 
