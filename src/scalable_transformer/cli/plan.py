@@ -286,6 +286,13 @@ def render_one(r: Any, cluster: Any) -> None:
         f"{r.tflops_per_device:,.1f} TFLOP/s per device, MFU {r.mfu:.1%} (megatron convention, "
         f"peak {r.peak_flops / 1e12:,.1f} TFLOP/s {r.dtype} per device: {cluster.source})"
     )
+    if r.fp8 != "none":
+        against = (
+            f"MFU {r.mfu_fp8:.1%} against the fp8 peak {r.peak_flops_fp8 / 1e12:,.1f} TFLOP/s per device"
+            if r.mfu_fp8 is not None and r.peak_flops_fp8
+            else f"no fp8 peak for {cluster.device.name}: MFU against the {r.dtype} peak only"
+        )
+        print(f"  fp8 ({r.fp8}, the blocks' linear layers): {against}")
 
 
 def _pct(x: float | None) -> str:

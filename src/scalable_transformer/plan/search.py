@@ -44,6 +44,10 @@ class Prediction:
     dry_run: dict[str, Any] | None = None
     # how far the time model was off on published runs of this class of layout (plan/validation_error.py)
     expected_error: dict[str, Any] | None = None
+    # train.fp8: MFU against the device's fp8 peak too (None without fp8, or a device with no fp8 peak)
+    fp8: str = "none"
+    mfu_fp8: float | None = None
+    peak_flops_fp8: float | None = None
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -73,6 +77,11 @@ class Prediction:
             "tokens_per_second": self.tokens_per_second,
             "tflops_per_device": self.tflops_per_device,
             "mfu": self.mfu,
+            **(
+                {"fp8": self.fp8, "mfu_fp8": self.mfu_fp8, "peak_flops_fp8": self.peak_flops_fp8}
+                if self.fp8 != "none"
+                else {}
+            ),
             "time_breakdown_seconds": {
                 **self.time.breakdown,
                 "dp_overlapped": self.time.dp_overlapped_seconds,
@@ -145,6 +154,7 @@ def predict(
         known = expected_error(cluster.profile.name, params, layout.world_size, cluster.devices_per_node)
     peak_flops = cluster.peak(cfg.train.precision)
     tflops = st.model_flops / seconds / layout.world_size
+    peak_fp8 = cluster.peak_flops.get("fp8") if cfg.train.fp8 != "none" else None
     return Prediction(
         layout=layout,
         fits=not reasons,
@@ -160,6 +170,9 @@ def predict(
         dtype=cfg.train.precision,
         time_method=method,
         expected_error=known,
+        fp8=cfg.train.fp8,
+        mfu_fp8=tflops / peak_fp8 if peak_fp8 else None,
+        peak_flops_fp8=peak_fp8,
     )
 
 

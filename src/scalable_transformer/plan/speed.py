@@ -251,6 +251,7 @@ class _Shape:
     dropout: bool
     attention_dropout: bool  # of the attention probabilities (counted on the math path)
     sp: bool
+    fp8: str = "none"  # train.fp8: the blocks' linear layers run float8 GEMMs (torchao)
 
     @property
     def tokens(self) -> int:
@@ -280,6 +281,19 @@ def _gemm_seconds(rates: _ProfileRates, gemms: list[tuple[int, int, int]], dtype
         forward, grad_input, grad_weight = rates.linear(m, n, k, dtype)
         fwd += flops / forward
         bwd += flops / grad_input + flops / grad_weight
+    return fwd, bwd
+
+
+def _float8_cast_bytes(sh: _Shape, gemms: list[tuple[int, int, int]]) -> tuple[float, float]:
+    """(forward, backward) bytes that float8 training's casts move on one rank per micro-batch, for the
+    blocks' linears (M, N, K): forward, the input's amax (read) and cast (read, write 1 byte) and the
+    weight's (from its fp32 master); backward, the output gradient's amax and cast, and the transposed
+    float8 copies of the input and the gradient the weight-gradient GEMM reads (read and write 1 byte
+    each). The weight gradient and the GEMMs' outputs stay in the compute dtype."""
+    fwd = bwd = 0.0
+    for m, n, k in gemms:
+        fwd += (2 * sh.e + 1) * m * k + (2 * 4 + 1) * n * k
+        bwd += (2 * sh.e + 1) * m * n + 2 * (m * k + m * n) + (2 * 4 + 1) * n * k
     return fwd, bwd
 
 
@@ -359,6 +373,7 @@ def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shap
         dropout=mc.hidden_dropout > 0,
         attention_dropout=mc.attention_dropout > 0,
         sp=p.sequence_parallel,
+        fp8=cfg.train.fp8,
     )
 
 
@@ -367,9 +382,11 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     recomputed forward (full: the whole layer; selective: the attention core) counts in backward.
     The layer's own work is scaled by the profile's measured layer factor (`layer_factors.layer`:
     the model's real layer over the sum of its kernels), the tensor-parallel layer's fixed cost not."""
-    g_f, g_b = _gemm_seconds(rates, _layer_gemms(sh), sh.dtype)
+    gemms = _layer_gemms(sh)
+    g_f, g_b = _gemm_seconds(rates, gemms, "fp8" if sh.fp8 != "none" else sh.dtype)
     a_f, a_b = _attention_seconds(rates, sh)
     mem = _layer_bytes(sh) / rates.activation_bandwidth
+    cast_f, cast_b = _float8_cast_bytes(sh, gemms) if sh.fp8 != "none" else (0.0, 0.0)
     # a tensor-parallel layer's DTensor dispatch (the profile's measured cost per layer and
     # micro-batch), shared between the passes as their op counts
     tp_layer = rates.tp_layer(sh.tp, sh.sp) if sh.tp > 1 else 0.0
@@ -377,13 +394,13 @@ def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str
     fwd = {
         "gemm": g_f,
         "attention": a_f,
-        "memory_bound": mem,
+        "memory_bound": mem + cast_f / rates.activation_bandwidth,
         "overhead": OPS_FORWARD_PER_LAYER * rates.op_seconds,
     }
     bwd = {
         "gemm": g_b,
         "attention": a_b,
-        "memory_bound": 2 * mem,
+        "memory_bound": 2 * mem + cast_b / rates.activation_bandwidth,
         "overhead": OPS_BACKWARD_PER_LAYER * rates.op_seconds,
     }
     fwd, bwd = ({c: rates.layer_factor * s for c, s in pass_.items()} for pass_ in (fwd, bwd))
@@ -512,6 +529,9 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
         return 0.0, 0.0
     grad_e = DTYPE_BYTES[p.grad_reduce_dtype]
     gather_e = 2 if t.precision != "fp32" and p.fsdp_param_dtype == "auto" else 4
+    # float8 tensorwise under FSDP2: the blocks' weights are all-gathered in float8 (1 byte; their
+    # norms' few parameters are left out), the root's in the compute dtype
+    block_e = 1 if t.fp8 == "tensorwise" else gather_e
     total = sp_.total
     if p.zero_stage <= 1:
         comm = rates.collective("all_reduce", dp, grad_e * total, stride)
@@ -526,7 +546,10 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     # each unit's gradient shard all-reduced across the dp / dp_shard replicas (FSDP2 HSDP)
     replicas, dp = dp // dp_shard_size(p), dp_shard_size(p)
     across = [rates.collective("all_reduce", replicas, grad_e * u / dp, stride * dp) for u, _ in units]
-    gather = sum(n * rates.collective("all_gather", dp, gather_e * u, stride) for u, n in units)
+    unit_e = [block_e, gather_e][: len(units)]  # the blocks', then the root's
+    gather = sum(
+        n * rates.collective("all_gather", dp, e * u, stride) for (u, n), e in zip(units, unit_e, strict=True)
+    )
     scatter = sum(n * rates.collective("reduce_scatter", dp, grad_e * u, stride) for u, n in units)
     count = sum(n for _, n in units)
     forward_gathers = count
@@ -534,7 +557,7 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     if p.zero_stage == 3:  # gathered again in backward, except the last block of a one-stage model,
         kept = p.pp == 1 and sp_.layers > 0  # which stays gathered from its forward (apply_fsdp)
         backward_gather = gather - (
-            rates.collective("all_gather", dp, gather_e * sp_.block, stride) if kept else 0.0
+            rates.collective("all_gather", dp, block_e * sp_.block, stride) if kept else 0.0
         )
         backward_gathers = count - int(kept)
     collectives = m * (forward_gathers + backward_gathers) + scatters * count  # each pays unit_seconds
@@ -544,7 +567,7 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     # the first unit's gather of each micro-batch and the last unit's reduce-scatter are exposed whole,
     # every other collective its latency (its time at one byte: the ring's hops, n - 1 per gather or
     # scatter): only the bandwidth part hides behind compute (docs/PLANNER.md#fsdp-collective-latency)
-    first = rates.collective("all_gather", dp, gather_e * units[0][0], stride)
+    first = rates.collective("all_gather", dp, block_e * units[0][0], stride)
     exposed = m * first + rates.collective("reduce_scatter", dp, grad_e * units[-1][0], stride)
     others = m * (forward_gathers + backward_gathers - 1)
     exposed += others * rates.collective("all_gather", dp, 1.0, stride)
