@@ -158,11 +158,16 @@ FOUR = {
 # context parallelism: each sequence split over 2 ranks (two load-balanced chunks each), keys and values
 # all-gathered, gradients averaged over dp x cp. Kept in their own dicts (run as their own parametrized
 # cases, "-k cp" selects them) so a change to context parallelism is checked without the other layouts.
-CP_TWO = {"cp2": ["parallel.cp=2"]}
+CP_TWO = {
+    "cp2": ["parallel.cp=2"],
+    "cp2-zero1": ["parallel.cp=2", "parallel.zero_stage=1"],
+    "cp2-zero2": ["parallel.cp=2", "parallel.zero_stage=2"],
+}
 CP_FOUR = {
     "dp2-cp2-zero3": ["parallel.cp=2", "parallel.zero_stage=3"],
     "cp2-tp2": ["parallel.cp=2", "parallel.tp=2"],
     "cp2-tp2-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
 }
 SINGLE = {  # numerics-neutral options on one process, and the mixed precisions (LOW_PRECISION_RTOL)
     "bf16": ["train.precision=bf16"],
@@ -257,8 +262,8 @@ LLAMA_TWO = {
     for name in ("tp2", "tp2-sp", "dp2-zero1", "dp2-zero3", "dp2-zero3-offload", "pp2-1f1b", "pp2-zbv")
 } | {"tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]}
 LLAMA_FOUR = {name: FOUR[name] for name in ("dp2-tp2-zero3", "tp2-pp2")}
-LLAMA_CP_TWO = CP_TWO
-LLAMA_CP_FOUR = {name: CP_FOUR[name] for name in ("dp2-cp2-zero3", "cp2-tp2-sp")}
+LLAMA_CP_TWO = {"cp2": CP_TWO["cp2"]}
+LLAMA_CP_FOUR = {name: CP_FOUR[name] for name in ("dp2-cp2-zero3", "cp2-tp2-sp", "cp2-pp2")}
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,10 @@ def test_cp_is_part_of_the_world_size_rank_order_and_label():
     assert (dims.world_size, dims.grad_ranks) == (8, 4)
     plain = resolve(load_config("tiny-gpt", TINY), 8).parallel
     assert "cp=" not in plain.layout_label
+    piped = resolve(
+        load_config("tiny-gpt", [*TINY, "parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=3"]), 8
+    )
+    assert piped.parallel.layout_label == "dp=2 cp=2 tp=1 pp=2 zero3 schedule 1f1b"
 
 
 @pytest.mark.parametrize(
@@ -150,7 +154,6 @@ def test_cp_is_part_of_the_world_size_rank_order_and_label():
             r"parallel.cp = 2: model.seq_length \(36\) must be divisible by 2 x cp x parallel.tp \(2\) under "
             r"sequence parallelism = 8",
         ),
-        (["parallel.cp=2", "parallel.pp=2"], 4, r"parallel.cp = 2 with pipeline parallelism"),
         (
             ["parallel.cp=2", "parallel.zero_stage=3", "parallel.dp_shard=1"],
             4,

@@ -466,7 +466,6 @@ def check_context_parallel(cfg: Config) -> None:
             f"sequence: {valid or 'none above 1'}"
         )
     refused = [
-        (p.pp > 1, f"pipeline parallelism (parallel.pp = {p.pp})"),
         (dp_shard_size(p) < p.dp, f"hybrid sharding (parallel.dp_shard = {p.dp_shard} < dp = {p.dp})"),
         (p.compile, "parallel.compile"),
     ]
@@ -474,8 +473,8 @@ def check_context_parallel(cfg: Config) -> None:
         if refuse:
             raise ConfigError(
                 f"parallel.cp = {p.cp} with {what}: not built yet (context parallelism composes with data "
-                "parallelism (ZeRO 0-3) and tensor parallelism with or without sequence parallelism); "
-                "set parallel.cp = 1"
+                "parallelism (ZeRO 0-3), tensor parallelism with or without sequence parallelism and "
+                "pipeline parallelism); set parallel.cp = 1"
             )
 
 

@@ -437,8 +437,9 @@ def context_parallel_inputs(
     """(positions [1 or b, s], attention mask or bias) of this rank's tokens, for every block of
     `layers` (whose attention modules must agree, as a model's do). The positions are global (with
     reset_position_ids: within each document, computed over the whole sequence); the mask is
-    `context_parallel_mask` in the dtype attention runs in (autocast's, if on). x: the stack's input,
-    for its device and dtype. The document ids and padding are this rank's [b, s] parts: gathered here."""
+    `context_parallel_mask` in the dtype attention runs in (autocast's, if on). x: the model's input
+    (token ids, or a later pipeline stage's hidden states), for its device and floating dtype.
+    The document ids and padding are this rank's [b, s] parts: gathered here."""
     device = x.device
     seq = local_seq * cp.size
     positions_s = cp.positions(local_seq, device)

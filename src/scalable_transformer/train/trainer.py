@@ -29,7 +29,7 @@ from ..models import spec_for
 from ..parallel.comm import recorders
 from ..parallel.context import split_batch
 from ..parallel.dims import ParallelDims
-from ..parallel.distributed import collective_device
+from ..parallel.distributed import all_reduce_floats, collective_device
 from ..parallel.grads import clip_grads, grad_norm, local, reduce_partial_grads
 from ..parallel.tensor import loss_ops, loss_parallel_context
 from .loss_scale import build_loss_scaler
@@ -291,6 +291,8 @@ class Trainer:
         if self.pipeline is not None:
             with autocast_context(self.cfg.train.precision, self.device):
                 totals = self.pipeline.evaluate(batches, normalizers)
+            if cp_group is not None:  # each cp rank's sums cover its tokens only
+                totals = dict(zip(totals, all_reduce_floats(list(totals.values()), cp_group), strict=True))
         else:
             sums: dict[str, torch.Tensor] = {}
             for batch in batches:

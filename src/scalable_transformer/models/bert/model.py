@@ -117,13 +117,15 @@ class BertModel(nn.Module):
         the binary head's token 0 is on cp rank 0 (the loss counts it there only)."""
         cp = self.context_parallel
         assert cp is not None
-        if not self.has_embedding:
-            raise ValueError("context parallelism with pipeline stages is not built")
-        local_seq = input_ids_bs.shape[1]
+        # a later pipeline stage gets hidden states (a sequence shard of them under SP): static length
+        local_seq = input_ids_bs.shape[1] if self.has_embedding else self.cfg.seq_length // cp.size
         positions_bs, mask = context_parallel_inputs(
-            cp, self.layers, self.embedding.word.weight, local_seq, padding_bs=attention_mask_bs
+            cp, self.layers, input_ids_bs, local_seq, padding_bs=attention_mask_bs
         )
-        x_bsh = self.embedding(input_ids_bs, token_type_ids_bs, positions_bs=positions_bs)
+        if self.has_embedding:
+            x_bsh = self.embedding(input_ids_bs, token_type_ids_bs, positions_bs=positions_bs)
+        else:
+            x_bsh = input_ids_bs
         rotary = None if self.rotary is None else self.rotary(local_seq * cp.size, positions_bs)
         return x_bsh, mask, rotary
 

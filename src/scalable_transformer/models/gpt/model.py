@@ -91,19 +91,20 @@ class GPTModel(nn.Module):
         """(stack input, attention mask of global positions, rotary tables) of this cp rank's tokens."""
         cp, cfg = self.context_parallel, self.cfg
         assert cp is not None
-        if not self.has_embedding:
-            raise ValueError("context parallelism with pipeline stages is not built")
-        local_seq = input_ids_bs.shape[1]
+        # a later pipeline stage gets hidden states (a sequence shard of them under SP): static length
+        local_seq = input_ids_bs.shape[1] if self.has_embedding else cfg.seq_length // cp.size
         positions_bs, mask = context_parallel_inputs(
             cp,
             self.layers,
-            self.embedding.word.weight,
+            input_ids_bs,
             local_seq,
             document_ids_bs=docs_bs,
             reset_position_ids=cfg.reset_position_ids,
             reset_attention_mask=cfg.reset_attention_mask,
         )
-        x_bsh = self.embedding(input_ids_bs, positions_bs=positions_bs)
+        x_bsh = (
+            self.embedding(input_ids_bs, positions_bs=positions_bs) if self.has_embedding else input_ids_bs
+        )
         rotary = None if self.rotary is None else self.rotary(local_seq * cp.size, positions_bs)
         return x_bsh, mask, rotary
 
