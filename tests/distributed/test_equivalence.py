@@ -168,6 +168,8 @@ CP_FOUR = {
     "cp2-tp2": ["parallel.cp=2", "parallel.tp=2"],
     "cp2-tp2-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
+    # hybrid sharding: 2 replicas, each sharded over its dp_shard (1) x cp (2) ranks
+    "dp2-cp2-hsdp1-zero3": ["parallel.cp=2", "parallel.zero_stage=3", "parallel.dp_shard=1"],
 }
 SINGLE = {  # numerics-neutral options on one process, and the mixed precisions (LOW_PRECISION_RTOL)
     "bf16": ["train.precision=bf16"],

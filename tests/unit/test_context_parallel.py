@@ -154,11 +154,6 @@ def test_cp_is_part_of_the_world_size_rank_order_and_label():
             r"parallel.cp = 2: model.seq_length \(36\) must be divisible by 2 x cp x parallel.tp \(2\) under "
             r"sequence parallelism = 8",
         ),
-        (
-            ["parallel.cp=2", "parallel.zero_stage=3", "parallel.dp_shard=1"],
-            4,
-            r"parallel.cp = 2 with hybrid sharding",
-        ),
         (["parallel.cp=2", "parallel.compile=true"], 2, r"parallel.cp = 2 with parallel.compile"),
         (["parallel.cp=2", "parallel.dp=2"], 2, r"dp \(2\) x cp \(2\) x tp \(1\) x pp \(1\) = 4 must equal"),
         (["parallel.cp=2"], 3, r"not divisible by parallel.cp \(2\)"),

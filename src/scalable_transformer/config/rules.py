@@ -448,7 +448,8 @@ def cp_sequence_multiple(p: ParallelConfig) -> int:
 
 def check_context_parallel(cfg: Config) -> None:
     """parallel.cp: the sequence splits into 2 cp equal chunks (tp more under sequence parallelism),
-    and only the layouts whose equivalence with the single process is tested compose with it."""
+    and only the layouts whose equivalence with the single process is tested compose with it (all
+    but compile)."""
     p, m = cfg.parallel, cfg.model
     if p.cp < 1:
         raise ConfigError(f"parallel.cp must be >= 1, got {p.cp}")
@@ -465,17 +466,12 @@ def check_context_parallel(cfg: Config) -> None:
             f"= {multiple} (each cp rank keeps two load-balanced chunks); cp values valid for this "
             f"sequence: {valid or 'none above 1'}"
         )
-    refused = [
-        (dp_shard_size(p) < p.dp, f"hybrid sharding (parallel.dp_shard = {p.dp_shard} < dp = {p.dp})"),
-        (p.compile, "parallel.compile"),
-    ]
-    for refuse, what in refused:
-        if refuse:
-            raise ConfigError(
-                f"parallel.cp = {p.cp} with {what}: not built yet (context parallelism composes with data "
-                "parallelism (ZeRO 0-3), tensor parallelism with or without sequence parallelism and "
-                "pipeline parallelism); set parallel.cp = 1"
-            )
+    if p.compile:
+        raise ConfigError(
+            f"parallel.cp = {p.cp} with parallel.compile: not built yet (context parallelism composes with "
+            "data parallelism (ZeRO 0-3, hybrid sharding), tensor parallelism with or without sequence "
+            "parallelism and pipeline parallelism); set parallel.compile = false or parallel.cp = 1"
+        )
 
 
 def _check_recompute(cfg: Config) -> None:

@@ -15,8 +15,9 @@ shard mesh FSDP2 shards over.
 
 Context parallelism splits each sample's sequence over the cp ranks of one data-parallel rank: they
 load the same samples (the data splits over dp only) but hold the same parameters, so gradients are
-reduced, and parameters sharded, over the flattened dp x cp ranks ("dp_cp", torchtitan's
-"dp_shard_cp"): `grad_mesh` / `grad_group`, which are the dp ones when cp = 1.
+reduced, and parameters sharded, over the flattened dp x cp ranks ("dp_cp"): `grad_mesh` /
+`grad_group`, which are the dp ones when cp = 1. With hybrid sharding, FSDP2 shards over dp_shard x cp
+and replicates over dp_replicate (torchtitan's ("dp_replicate", "dp_shard_cp") mesh).
 
 The validity rules of a layout (divisibility, world size, schedule needs) are torch-free and live in
 `config.rules`, where `resolve` applies them before any process group exists.
@@ -56,6 +57,8 @@ class ParallelDims:
     flat_dp_mesh: Any = field(default=None, compare=False, repr=False)
     # cp > 1: the flattened ("dp", "cp") mesh that gradients are reduced (and parameters sharded) over
     dp_cp_mesh: Any = field(default=None, compare=False, repr=False)
+    # HSDP with cp > 1: the 2-D (dp_replicate, dp_shard x cp flattened) mesh FSDP2 shards over
+    hsdp_cp_mesh: Any = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------ sizes
 
@@ -101,7 +104,7 @@ class ParallelDims:
         # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         import torch.distributed as dist
 
-        from .torch_compat import flatten_mesh
+        from .torch_compat import flatten_mesh, unflatten_mesh
 
         if not dist.is_initialized():
             return cls.from_config(cfg)
@@ -113,8 +116,16 @@ class ParallelDims:
             )
         mesh = dims.build_mesh(device_type)
         flat = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if dims.hybrid else None
-        dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp") if dims.cp > 1 and not dims.hybrid else None
-        return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat, dp_cp_mesh=dp_cp)
+        if dims.cp == 1:
+            return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat)
+        if not dims.hybrid:
+            dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")
+            return dataclasses.replace(dims, mesh=mesh, dp_cp_mesh=dp_cp)
+        # torchtitan's meshes: gradients over all three, shards over dp_shard x cp ("dp_shard_cp")
+        dp_cp = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+        replicas = dims.dp // dims.shard_size
+        hsdp = unflatten_mesh(dp_cp, (replicas, dims.shard_size * dims.cp), ("dp_replicate", "dp_shard_cp"))
+        return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat, dp_cp_mesh=dp_cp, hsdp_cp_mesh=hsdp)
 
     # ------------------------------------------------------------ this rank
 
@@ -177,9 +188,11 @@ class ParallelDims:
     @property
     def fsdp_mesh(self) -> Any:
         """The mesh FSDP2 shards over: the data-parallel one (dp x cp flattened under context
-        parallelism), or (dp_replicate, dp_shard) under HSDP."""
+        parallelism), or (dp_replicate, dp_shard) under HSDP ((dp_replicate, dp_shard x cp) with cp)."""
         assert self.mesh is not None
-        return self.mesh["dp_replicate", "dp_shard"] if self.hybrid else self.grad_mesh
+        if not self.hybrid:
+            return self.grad_mesh
+        return self.hsdp_cp_mesh if self.hsdp_cp_mesh is not None else self.mesh["dp_replicate", "dp_shard"]
 
     @property
     def grad_mesh(self) -> Any:
