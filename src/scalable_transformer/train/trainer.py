@@ -248,7 +248,7 @@ class Trainer:
             return self.pipeline.train_step(micro_batches, normalizers, scale)
 
     def _wait_for_count(self, counted: Callable[[], None]) -> None:
-        """Complete the step's token-count all-reduce (timed only when there is one: dp > 1)."""
+        """Complete the step's token-count all-reduce (timed only when there is one: dp x cp > 1)."""
         if self.dims.grad_group is None:
             counted()
             return
