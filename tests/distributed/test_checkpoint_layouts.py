@@ -37,6 +37,9 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "pp2": ["parallel.pp=2", "parallel.pipeline_schedule=1f1b"],
     "pp2-zbv": ["parallel.pp=2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_stages=2"],
+    # context parallelism: parameters replicated over the cp ranks, FSDP2 shards over dp x cp
+    "cp2": ["parallel.cp=2"],
+    "cp2-zero3": ["parallel.cp=2", "parallel.zero_stage=3"],
 }
 
 
@@ -81,6 +84,16 @@ def _two_processes(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _context_parallel(rank: int, world: int, root: str) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    r = Path(root)
+    out = {"save-cp2-zero3": save_at_3("cp2-zero3", r)}
+    out["single-to-cp2"] = resume("cp2", r, "single")
+    out["dp2-zero3-to-cp2-zero3"] = resume("cp2-zero3", r, "dp2-zero3")
+    out["cp2-zero3-to-dp2-zero3"] = resume("dp2-zero3", r, "cp2-zero3")
+    return out
+
+
 def assert_continues(name: str, got: list[dict] | None, want: list[dict]) -> None:
     assert got is not None, name
     assert [r["iteration"] for r in got] == [4, 5, 6], name
@@ -111,3 +124,22 @@ def test_resume_across_layouts(tmp_path):
     assert_continues("hsdp-to-single", resume("single", tmp_path, "dp2-hsdp1-zero3"), reference)
 
     assert_continues("dp2-zero3-to-single", resume("single", tmp_path, "dp2-zero3"), reference)
+
+
+def test_resume_across_context_parallel_layouts(tmp_path):
+    """cp2 x ZeRO-3 saves shards over dp x cp; it resumes under dp2-zero3 and on one process, and a
+    single-process and a dp2-zero3 checkpoint resume under cp2 and cp2-zero3."""
+    reference = train("single", tmp_path, "reference")
+    assert reference is not None and len(reference) == 6
+    assert save_at_3("single", tmp_path) is not None
+    assert run_distributed(save_at_3_on_two, 2, "dp2-zero3", str(tmp_path), tmp_dir=tmp_path, timeout=600)
+    results = run_distributed(_context_parallel, 2, str(tmp_path), tmp_dir=tmp_path, timeout=900)[0]
+    assert [r["iteration"] for r in results["save-cp2-zero3"]] == [1, 2, 3]
+    for name in ("single-to-cp2", "dp2-zero3-to-cp2-zero3", "cp2-zero3-to-dp2-zero3"):
+        assert_continues(name, results[name], reference)
+    assert_continues("cp2-zero3-to-single", resume("single", tmp_path, "cp2-zero3"), reference)
+
+
+def save_at_3_on_two(rank: int, world: int, layout: str, root: str) -> bool:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    return save_at_3(layout, Path(root)) is not None or rank != 0

@@ -155,6 +155,22 @@ FOUR = {
         "parallel.cpu_checkpointing=true",
     ],
 }
+# context parallelism: each sequence split over 2 ranks (two load-balanced chunks each), keys and values
+# all-gathered, gradients averaged over dp x cp. Kept in their own dicts (run as their own parametrized
+# cases, "-k cp" selects them) so a change to context parallelism is checked without the other layouts.
+CP_TWO = {
+    "cp2": ["parallel.cp=2"],
+    "cp2-zero1": ["parallel.cp=2", "parallel.zero_stage=1"],
+    "cp2-zero2": ["parallel.cp=2", "parallel.zero_stage=2"],
+}
+CP_FOUR = {
+    "dp2-cp2-zero3": ["parallel.cp=2", "parallel.zero_stage=3"],
+    "cp2-tp2": ["parallel.cp=2", "parallel.tp=2"],
+    "cp2-tp2-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
+    # hybrid sharding: 2 replicas, each sharded over its dp_shard (1) x cp (2) ranks
+    "dp2-cp2-hsdp1-zero3": ["parallel.cp=2", "parallel.zero_stage=3", "parallel.dp_shard=1"],
+}
 SINGLE = {  # numerics-neutral options on one process, and the mixed precisions (LOW_PRECISION_RTOL)
     "bf16": ["train.precision=bf16"],
     "fp16": ["train.precision=fp16"],
@@ -215,7 +231,11 @@ def test_single_process_options_match(model, reference, tmp_path):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("world, cases", [(2, TWO), (4, FOUR)], ids=["2-processes", "4-processes"])
+@pytest.mark.parametrize(
+    "world, cases",
+    [(2, TWO), (4, FOUR), (2, CP_TWO), (4, CP_FOUR)],
+    ids=["2-processes", "4-processes", "2-processes-cp", "4-processes-cp"],
+)
 def test_layouts_match_single_process(model, world, cases, reference, tmp_path):
     cases = {name: [*MODELS[model], *overrides] for name, overrides in cases.items()}
     results = run_distributed(_layouts, world, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
@@ -244,6 +264,8 @@ LLAMA_TWO = {
     for name in ("tp2", "tp2-sp", "dp2-zero1", "dp2-zero3", "dp2-zero3-offload", "pp2-1f1b", "pp2-zbv")
 } | {"tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]}
 LLAMA_FOUR = {name: FOUR[name] for name in ("dp2-tp2-zero3", "tp2-pp2")}
+LLAMA_CP_TWO = {"cp2": CP_TWO["cp2"]}
+LLAMA_CP_FOUR = {name: CP_FOUR[name] for name in ("dp2-cp2-zero3", "cp2-tp2-sp", "cp2-pp2")}
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +276,9 @@ def llama_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("model", list(LLAMA_MODELS))
 @pytest.mark.parametrize(
-    "world, cases", [(2, LLAMA_TWO), (4, LLAMA_FOUR)], ids=["2-processes", "4-processes"]
+    "world, cases",
+    [(2, LLAMA_TWO), (4, LLAMA_FOUR), (2, LLAMA_CP_TWO), (4, LLAMA_CP_FOUR)],
+    ids=["2-processes", "4-processes", "2-processes-cp", "4-processes-cp"],
 )
 def test_llama_shape_layouts_match_single_process(model, world, cases, llama_reference, tmp_path):
     cases = {name: [*LLAMA_MODELS[model], *overrides] for name, overrides in cases.items()}
@@ -306,6 +330,13 @@ ARCH_MODELS = {
 ARCH_TWO = {name: TWO[name] for name in ("tp2", "pp2-1f1b", "dp2-zero3-recompute-chunks")} | {
     "tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]
 }
+# context parallelism through the masks it rebuilds from global positions: packed documents (positions
+# and attention restarting at document ends), Mistral's sliding window, ALiBi's distance bias
+ARCH_CP_TWO = {
+    "cp2": CP_TWO["cp2"],
+    "cp2-recompute-selective": [*CP_TWO["cp2"], "parallel.activation_checkpointing=selective"],
+}
+ARCH_CP_MODELS = ("packed-documents", "qwen2-window-8", "alibi-mlp-bias-only")
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +348,15 @@ def arch_reference(tmp_path_factory):
 @pytest.mark.parametrize("model", list(ARCH_MODELS))
 def test_architectures_train_to_the_single_process_losses(model, arch_reference, tmp_path):
     cases = {name: [*ARCH_MODELS[model], *overrides] for name, overrides in ARCH_TWO.items()}
+    results = run_distributed(_layouts, 2, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
+    assert results[0] is not None
+    for name, got in results[0].items():
+        assert_same(name, got, arch_reference[model])
+
+
+@pytest.mark.parametrize("model", ARCH_CP_MODELS)
+def test_architectures_under_context_parallelism(model, arch_reference, tmp_path):
+    cases = {name: [*ARCH_MODELS[model], *overrides] for name, overrides in ARCH_CP_TWO.items()}
     results = run_distributed(_layouts, 2, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
     assert results[0] is not None
     for name, got in results[0].items():

@@ -83,8 +83,9 @@ def test_parallel_dims_without_a_process_group_has_no_groups():
         load_config("tiny-gpt", ["parallel.tp=2", "parallel.pp=2", "train.global_batch_size=32"]), 8
     )
     dims = ParallelDims.from_config(cfg, rank=5)
-    assert (dims.dp, dims.world_size, dims.coordinates()) == (2, 8, {"pp": 1, "dp": 0, "tp": 1})
+    assert (dims.dp, dims.world_size, dims.coordinates()) == (2, 8, {"pp": 1, "dp": 0, "cp": 0, "tp": 1})
     assert dims.mesh is None and dims.dp_group is None and dims.pp_group is None and not dims.is_main
+    assert dims.cp_group is None and dims.grad_group is None
 
 
 def test_one_layout_label_and_bubble():

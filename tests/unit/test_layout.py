@@ -32,10 +32,10 @@ def test_dp_is_inferred_and_batch_sizes_follow():
     dims = ParallelDims.from_config(cfg)
     assert dims.world_size == 8
     # Megatron order: tp fastest, then dp, then pp
-    assert dims.coordinates(0) == {"pp": 0, "dp": 0, "tp": 0}
-    assert dims.coordinates(1) == {"pp": 0, "dp": 0, "tp": 1}
-    assert dims.coordinates(2) == {"pp": 0, "dp": 1, "tp": 0}
-    assert dims.coordinates(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert dims.coordinates(0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert dims.coordinates(1) == {"pp": 0, "dp": 0, "cp": 0, "tp": 1}
+    assert dims.coordinates(2) == {"pp": 0, "dp": 1, "cp": 0, "tp": 0}
+    assert dims.coordinates(5) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
 
 
 def test_megatron_and_neox_layout_names():
@@ -60,8 +60,16 @@ def test_deepspeed_zero_block_with_offload(tmp_path):
 @pytest.mark.parametrize(
     "world, overrides, message",
     [
-        (2, ["parallel.dp=4"], r"dp \(4\) x tp \(1\) x pp \(1\) = 4 must equal the world size \(2"),
-        (3, ["parallel.tp=2"], r"world size \(3 processes\) is not divisible by parallel.tp \(2\)"),
+        (
+            2,
+            ["parallel.dp=4"],
+            r"dp \(4\) x cp \(1\) x tp \(1\) x pp \(1\) = 4 must equal the world size \(2",
+        ),
+        (
+            3,
+            ["parallel.tp=2"],
+            r"world size \(3 processes\) is not divisible by parallel.cp \(1\) x parallel.tp \(2\)",
+        ),
         (2, ["parallel.tp=2", "model.num_attention_heads=1"], r"num_attention_heads \(1\) is not divisible"),
         (
             4,

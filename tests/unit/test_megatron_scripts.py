@@ -193,10 +193,6 @@ SHAPE = (
             r"--hidden-size needs \$\(python -c",
         ),
         (f"python pretrain_t5.py {SHAPE}\n", r"run\.sh:2: the entry point 'pretrain_t5\.py'"),
-        (
-            f"python pretrain_gpt.py {SHAPE} --context-parallel-size 2\n",
-            r"context parallelism is not built yet \(issue 42\)",
-        ),
         (f"python pretrain_gpt.py {SHAPE} --num-experts 8\n", r"--num-experts 8: mixture-of-experts"),
         (
             f"python pretrain_gpt.py {SHAPE} --frobnicate 3\n",

@@ -203,15 +203,6 @@ def _split(value: Any, args: dict[str, Any]) -> dict[str, Any]:
     return {"split": ",".join(numbers) if numbers else value}
 
 
-def _context_parallel(value: Any, args: dict[str, Any]) -> dict[str, Any]:
-    if value != 1:
-        raise ConfigError(
-            f"--context-parallel-size {value}: context parallelism is not built yet (issue 42); "
-            "only 1 imports"
-        )
-    return {WHY: "1 is no context parallelism, as here"}
-
-
 def _rotary_percent(value: Any, args: dict[str, Any]) -> dict[str, Any]:
     if not _rotary(args):
         return {WHY: "read only with rope"}
@@ -402,7 +393,6 @@ MEGATRON_ARGS: dict[str, Rule] = {
     "moe_router_topk": _refuse(_MOE),
     "expert_model_parallel_size": _refuse(_MOE, accept=(1,)),
     # layout
-    "context_parallel_size": _handle(_context_parallel),
     "sequence_parallel": _handle(_sequence_parallel),
     "use_distributed_optimizer": _handle(_distributed_optimizer),
     "num_layers_per_virtual_pipeline_stage": _handle(_virtual_stage_layers),

@@ -299,6 +299,7 @@ def layout_label(cfg: Config, with_dp: bool = True) -> str:
     row leaves dp out (`with_dp=False`): there dp follows the process count, which is a column."""
     p = cfg.parallel
     parts = [f"dp={p.dp}"] if with_dp else []
+    parts += [f"cp={p.cp}"] if p.cp > 1 else []
     parts += [f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
     if dp_shard_size(p) < p.dp:  # hybrid sharding: replicas of dp_shard-way shards
         parts.append(f"dp_shard={p.dp_shard}")
@@ -336,6 +337,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.virtual_pipeline_stages must be >= 1, got {p.virtual_pipeline_stages}")
     _check_zero(cfg)
     _check_tensor_parallel(cfg)
+    check_context_parallel(cfg)
     _check_recompute(cfg)
     check_fp8(cfg)
     if p.pp > 1:
@@ -351,18 +353,18 @@ def check_layout(cfg: Config, world_size: int) -> None:
 def infer_dp(cfg: Config, world_size: int) -> int:
     """parallel.dp, inferred from the world size when it is -1."""
     p = cfg.parallel
-    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp)]:
+    for key, value in [("parallel.cp", p.cp), ("parallel.tp", p.tp), ("parallel.pp", p.pp)]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if world_size < 1:
         raise ConfigError(f"the world size must be >= 1 process, got {world_size}")
     if p.dp != -1:
         return p.dp
-    model_parallel = p.tp * p.pp
+    model_parallel = p.cp * p.tp * p.pp
     if world_size % model_parallel:
         raise ConfigError(
-            f"the world size ({world_size} processes) is not divisible by parallel.tp ({p.tp}) x "
-            f"parallel.pp ({p.pp}) = {model_parallel}"
+            f"the world size ({world_size} processes) is not divisible by parallel.cp ({p.cp}) x "
+            f"parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {model_parallel}"
         )
     return world_size // model_parallel
 
@@ -373,14 +375,16 @@ def dp_shard_size(p: ParallelConfig) -> int:
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
-    """dp x tp x pp must be the number of processes."""
+    """dp x cp x tp x pp must be the number of processes."""
     p = cfg.parallel
-    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.dp", p.dp)]:
+    pairs = [("parallel.cp", p.cp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.dp", p.dp)]
+    for key, value in pairs:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1 (or dp = -1 to infer it), got {value}")
-    if p.dp * p.tp * p.pp != world_size:
+    ranks = p.dp * p.cp * p.tp * p.pp
+    if ranks != world_size:
         raise ConfigError(
-            f"parallel.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {p.dp * p.tp * p.pp} must equal the "
+            f"parallel.dp ({p.dp}) x cp ({p.cp}) x tp ({p.tp}) x pp ({p.pp}) = {ranks} must equal the "
             f"world size ({world_size} processes)"
         )
 
@@ -432,6 +436,42 @@ def _check_zero(cfg: Config) -> None:
         raise ConfigError(
             "parallel.zero_stage = 1 with pipeline parallel: ZeroRedundancyOptimizer over pipeline stage "
             "modules is not supported; use parallel.zero_stage = 2 or 3 (FSDP2 composes with pipelining)"
+        )
+
+
+def cp_sequence_multiple(p: ParallelConfig) -> int:
+    """What model.seq_length must be a multiple of under context parallelism: 2 cp load-balanced
+    chunks, each split again over tp under sequence parallelism (1 without cp)."""
+    if p.cp == 1:
+        return 1
+    return 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+
+
+def check_context_parallel(cfg: Config) -> None:
+    """parallel.cp: the sequence splits into 2 cp equal chunks (tp more under sequence parallelism),
+    and only the layouts whose equivalence with the single process is tested compose with it (all
+    but compile)."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp < 1:
+        raise ConfigError(f"parallel.cp must be >= 1, got {p.cp}")
+    if p.cp == 1:
+        return
+    multiple = cp_sequence_multiple(p)
+    if m.seq_length % multiple:
+        under = f" x parallel.tp ({p.tp}) under sequence parallelism" if p.sequence_parallel else ""
+        per_cp = multiple // p.cp
+        fits = [str(d) for d in range(2, m.seq_length // per_cp + 1) if m.seq_length % (per_cp * d) == 0]
+        valid = ", ".join(fits[:12]) + (", ..." if len(fits) > 12 else "")
+        raise ConfigError(
+            f"parallel.cp = {p.cp}: model.seq_length ({m.seq_length}) must be divisible by 2 x cp{under} "
+            f"= {multiple} (each cp rank keeps two load-balanced chunks); cp values valid for this "
+            f"sequence: {valid or 'none above 1'}"
+        )
+    if p.compile:
+        raise ConfigError(
+            f"parallel.cp = {p.cp} with parallel.compile: not built yet (context parallelism composes with "
+            "data parallelism (ZeRO 0-3, hybrid sharding), tensor parallelism with or without sequence "
+            "parallelism and pipeline parallelism); set parallel.compile = false or parallel.cp = 1"
         )
 
 

@@ -232,7 +232,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = opt(-1, "Data-parallel size; -1 = world_size / (tp * pp).", aliases=("data-parallel-size",))
+    dp: int = opt(
+        -1, "Data-parallel size; -1 = world_size / (cp * tp * pp).", aliases=("data-parallel-size",)
+    )
     tp: int = opt(
         1, "Tensor-parallel size.", aliases=("tensor-model-parallel-size", "model-parallel-size"), ge=1
     )
@@ -240,6 +242,15 @@ class ParallelConfig:
         1,
         "Pipeline-parallel size.",
         aliases=("pipeline-model-parallel-size", "pipe-parallel-size"),
+        ge=1,
+    )
+    cp: int = opt(
+        1,
+        "Context-parallel size: each sample's sequence is split over this many ranks (two load-balanced "
+        "chunks each, i and 2cp-1-i of 2cp), keys and values all-gathered in every attention layer; "
+        "parameters are replicated over cp and their gradients reduced over dp x cp (Megatron "
+        "context-parallel-size, torchtitan context_parallel_degree).",
+        aliases=("context-parallel-size", "context_parallel_degree", "context-parallel-degree"),
         ge=1,
     )
     zero_stage: int = opt(

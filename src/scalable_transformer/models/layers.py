@@ -26,6 +26,7 @@ from torch import nn
 from scalable_transformer.config.model_shapes import gated_mlp, mlp_bias, qkv_bias, qkv_width, query_groups
 from scalable_transformer.config.rules import check_model
 from scalable_transformer.config.schema import ModelConfig, check_section
+from scalable_transformer.models.context_parallel import ContextParallel, context_parallel_mask
 
 _CHOICES = {
     "activation": ("gelu", "openai-gelu", "geglu", "swiglu"),
@@ -219,7 +220,11 @@ class CoreAttention(nn.Module):
     heads. window: causal attention sees at most that many positions, itself included (Mistral's
     sliding window: key j is visible from query i when i - window < j <= i). slopes: ALiBi's slopes
     of the heads this module computes (tensor parallelism keeps each rank's heads', see
-    parallel/tensor.py), a bias slope * (j - i) on the scores."""
+    parallel/tensor.py), a bias slope * (j - i) on the scores.
+
+    Context parallelism (`context_parallel` set, models/context_parallel.py): q, k and v hold this
+    rank's tokens; k and v of every cp rank are gathered (the g key/value heads only) and the mask,
+    which the model then always passes, covers the local queries against all keys."""
 
     def __init__(
         self, dropout: float, causal: bool, window: int | None = None, slopes: list[float] | None = None
@@ -229,6 +234,7 @@ class CoreAttention(nn.Module):
         # plain lists, not buffers: derived from the config, on no device; `slopes` are the heads'
         # this module computes (all of them until tensor parallelism keeps a rank's, `keep_heads`)
         self.all_slopes = self.slopes = slopes
+        self.context_parallel: ContextParallel | None = None  # set by parallel/context.py
 
     def keep_heads(self, start: int, stop: int) -> None:
         """Compute query heads start..stop-1 of the model's only (a tensor-parallel rank's)."""
@@ -257,7 +263,13 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         """mask_b11s: a padding mask (BERT), or the model's `shared_bias`, which holds causality;
         None: this module's own bias (if any) is computed here."""
-        if mask_b11s is None:
+        if self.context_parallel is not None:
+            if mask_b11s is None:
+                raise ValueError("context-parallel attention needs the model's mask of global positions")
+            # one collective for both: [2, b, g, s, d] gathered along the sequence
+            kv_2bgSd = self.context_parallel.gather_sequence(torch.stack([k_bgsd, v_bgsd]), 3)
+            k_bgsd, v_bgsd = kv_2bgSd.unbind(0)
+        elif mask_b11s is None:
             mask_b11s = self.bias(q_bnsd.shape[-2], q_bnsd.device, q_bnsd.dtype)
         # SDPA's enable_gqa rather than repeating k/v heads: 2-7% faster here (CPU fp32, fwd+bwd,
         # b4 n8 g2 s256 d64: 12.7 vs 13.0 ms; b2 n16 g4 s512: 51.5 vs 55.4 ms) and no copies.
@@ -409,6 +421,49 @@ def document_mask(document_ids_bs: torch.Tensor, bias: torch.Tensor | None) -> t
     if bias.dtype == torch.bool:
         return allowed_b1ss & bias
     return bias.masked_fill(~allowed_b1ss, float("-inf"))
+
+
+def context_parallel_inputs(
+    cp: ContextParallel,
+    layers: nn.Module,
+    x: torch.Tensor,
+    local_seq: int,
+    *,
+    document_ids_bs: torch.Tensor | None = None,
+    padding_bs: torch.Tensor | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [1 or b, s], attention mask or bias) of this rank's tokens, for every block of
+    `layers` (whose attention modules must agree, as a model's do). The positions are global (with
+    reset_position_ids: within each document, computed over the whole sequence); the mask is
+    `context_parallel_mask` in the dtype attention runs in (autocast's, if on). x: the model's input
+    (token ids, or a later pipeline stage's hidden states), for its device and floating dtype.
+    The document ids and padding are this rank's [b, s] parts: gathered here."""
+    device = x.device
+    seq = local_seq * cp.size
+    positions_s = cp.positions(local_seq, device)
+    docs_bS = None if document_ids_bs is None else cp.gather_sequence(document_ids_bs, 1)
+    padding_bS = None if padding_bs is None else cp.gather_sequence(padding_bs, 1)
+    if docs_bS is not None and reset_position_ids:
+        positions_bs = document_positions(docs_bS).index_select(1, positions_s)
+    else:
+        positions_bs = positions_s.unsqueeze(0)
+    core = next((m for m in layers.modules() if isinstance(m, CoreAttention)), None)
+    if core is None:
+        raise ValueError("context parallelism needs attention layers (CoreAttention) in the model")
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x.dtype
+    mask = context_parallel_mask(
+        positions_s,
+        seq,
+        causal=core.causal,
+        window=core.window,
+        slopes=core.slopes,
+        document_ids_bS=docs_bS if reset_attention_mask else None,
+        padding_bS=padding_bS,
+        dtype=dtype if dtype.is_floating_point else torch.float32,
+    )
+    return positions_bs, mask
 
 
 def blocks_of(layers: nn.Module) -> Iterable[nn.Module]:

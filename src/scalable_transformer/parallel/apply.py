@@ -10,8 +10,10 @@ Data parallelism by ZeRO stage, as DeepSpeed users name it:
   1  DDP + torch's ZeroRedundancyOptimizer (optimizer state sharded; see `train/optim.py`)
   2  FSDP2 fully_shard per block and root, parameters kept unsharded after forward
   3  FSDP2 fully_shard, parameters resharded after forward (gathered again for backward)
-Offload (ZeRO-2/3) is FSDP2's CPUOffloadPolicy. The wrappers average gradients over dp; the
-trainer multiplies the loss by dp so the step's gradient is the global token-weighted mean.
+Offload (ZeRO-2/3) is FSDP2's CPUOffloadPolicy. The wrappers average gradients over dp (dp x cp
+under context parallelism, whose ranks hold the same parameters: `ParallelDims.grad_mesh`); the
+trainer multiplies the loss by that many ranks so the step's gradient is the global token-weighted
+mean. Context parallelism itself (parallel/context.py) is set on the model first.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config.schema import Config
 from ..errors import ConfigError
 from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
+from .context import apply_context_parallel, context_parallel_for
 from .dims import ParallelDims
 from .float8_training import check_float8_layout, convert_blocks_to_float8
 from .init import is_meta, materialize
@@ -201,6 +204,8 @@ def parallelize(
         check_float8_layout(cfg.train.fp8, p.tp, p.sequence_parallel, device)
         # first: TP must shard the float8 linears (with torchao's styles), FSDP2 their weights
         convert_blocks_to_float8(model, cfg.train.fp8, fsdp=mesh is not None and p.zero_stage >= 2)
+    if dims is not None and mesh is not None and dims.cp > 1:
+        apply_context_parallel(model, context_parallel_for(dims.cp_group, dims.cp, dims.cp_rank))
     if mesh is not None and p.tp > 1:
         # full recompute saves only block inputs, which SP already shards
         shard_saved = p.activation_checkpointing != "full"
@@ -214,13 +219,13 @@ def parallelize(
         apply_compile(model)
     if dims is not None and mesh is not None and p.zero_stage >= 2:
         apply_fsdp(model, cfg, dims.fsdp_mesh, device)
-    elif mesh is not None and p.dp > 1 and p.tp > 1:
-        apply_replicate(model, cfg, mesh["dp"])
+    elif dims is not None and mesh is not None and dims.grad_ranks > 1 and p.tp > 1:
+        apply_replicate(model, cfg, dims.grad_mesh)
     # A meta-device model gets its local shards now: after FSDP2/replicate sharded it, before DDP,
     # which broadcasts real parameters when it is constructed.
     _materialize_if_meta(model, cfg, device)
-    if mesh is not None and p.zero_stage < 2 and p.dp > 1 and p.tp == 1:
-        model = apply_ddp(model, cfg, mesh["dp"].get_group(), device)
+    if dims is not None and mesh is not None and p.zero_stage < 2 and dims.grad_ranks > 1 and p.tp == 1:
+        model = apply_ddp(model, cfg, dims.grad_group, device)
     return model
 
 

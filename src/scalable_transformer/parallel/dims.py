@@ -6,11 +6,18 @@ DeviceMesh and the per-dimension process groups. Built once per run (`ParallelDi
 to parallelize, the pipeline runner, the trainer and the checkpoint manager: nothing else reads the
 rank from the environment or builds groups.
 
-Rank order follows Megatron: tensor-parallel ranks are adjacent (fastest-varying), then data
-parallel, then pipeline. The mesh is ("pp", "dp", "tp"), with size-1 dimensions kept, so `mesh["dp"]`
-exists in every layout. Hybrid sharding (parallel.dp_shard < dp) splits dp into ("dp_replicate",
-"dp_shard"), shard ranks adjacent, and names their flattening "dp": the same data-parallel ranks and
-group, and `fsdp_mesh` the 2-D replicate x shard mesh FSDP2 shards over.
+Rank order follows Megatron: tensor-parallel ranks are adjacent (fastest-varying), then context
+parallel, then data parallel, then pipeline. The mesh is ("pp", "dp", "cp", "tp"), with size-1
+dimensions kept, so `mesh["dp"]` and `mesh["cp"]` exist in every layout. Hybrid sharding
+(parallel.dp_shard < dp) splits dp into ("dp_replicate", "dp_shard"), shard ranks adjacent, and names
+their flattening "dp": the same data-parallel ranks and group, and `fsdp_mesh` the 2-D replicate x
+shard mesh FSDP2 shards over.
+
+Context parallelism splits each sample's sequence over the cp ranks of one data-parallel rank: they
+load the same samples (the data splits over dp only) but hold the same parameters, so gradients are
+reduced, and parameters sharded, over the flattened dp x cp ranks ("dp_cp"): `grad_mesh` /
+`grad_group`, which are the dp ones when cp = 1. With hybrid sharding, FSDP2 shards over dp_shard x cp
+and replicates over dp_replicate (torchtitan's ("dp_replicate", "dp_shard_cp") mesh).
 
 The validity rules of a layout (divisibility, world size, schedule needs) are torch-free and live in
 `config.rules`, where `resolve` applies them before any process group exists.
@@ -26,8 +33,8 @@ from ..config.rules import check_layout, dp_shard_size, stage_ids, stage_layer_c
 from ..config.schema import Config
 from ..errors import ConfigError
 
-MESH_DIMS = ("pp", "dp", "tp")
-HSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+HSDP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 __all__ = ["MESH_DIMS", "ParallelDims", "check_layout", "stage_ids", "stage_layer_counts", "stage_rank"]
 
@@ -41,18 +48,23 @@ class ParallelDims:
     schedule: str = "1f1b"
     rank: int = 0  # this process's global rank
     dp_shard: int = -1  # ranks a ZeRO-2/3 parameter is sharded over (-1: dp); < dp is hybrid sharding
+    cp: int = 1  # context parallel: ranks one sample's sequence is split over
     # the ("pp", "dp", "tp") DeviceMesh (HSDP: ("pp", "dp_replicate", "dp_shard", "tp")); None for a
     # plain single-process run without a process group
     mesh: Any = field(default=None, compare=False, repr=False)
     # HSDP: the flattened ("dp_replicate", "dp_shard") mesh, kept here as torch asks (slicing a
     # flattened dimension from the root mesh is deprecated)
     flat_dp_mesh: Any = field(default=None, compare=False, repr=False)
+    # cp > 1: the flattened ("dp", "cp") mesh that gradients are reduced (and parameters sharded) over
+    dp_cp_mesh: Any = field(default=None, compare=False, repr=False)
+    # HSDP with cp > 1: the 2-D (dp_replicate, dp_shard x cp flattened) mesh FSDP2 shards over
+    hsdp_cp_mesh: Any = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------ sizes
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def shard_size(self) -> int:
@@ -82,6 +94,7 @@ class ParallelDims:
             schedule=p.pipeline_schedule,
             rank=rank,
             dp_shard=dp_shard_size(p),
+            cp=p.cp,
         )
 
     @classmethod
@@ -91,29 +104,39 @@ class ParallelDims:
         # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         import torch.distributed as dist
 
-        from .torch_compat import flatten_mesh
+        from .torch_compat import flatten_mesh, unflatten_mesh
 
         if not dist.is_initialized():
             return cls.from_config(cfg)
         dims = cls.from_config(cfg, dist.get_rank())
         if dims.world_size != dist.get_world_size():
             raise ConfigError(
-                f"the layout has {dims.world_size} ranks (dp x tp x pp) but the process group has "
+                f"the layout has {dims.world_size} ranks (dp x cp x tp x pp) but the process group has "
                 f"{dist.get_world_size()}"
             )
         mesh = dims.build_mesh(device_type)
         flat = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if dims.hybrid else None
-        return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat)
+        if dims.cp == 1:
+            return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat)
+        if not dims.hybrid:
+            dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")
+            return dataclasses.replace(dims, mesh=mesh, dp_cp_mesh=dp_cp)
+        # torchtitan's meshes: gradients over all three, shards over dp_shard x cp ("dp_shard_cp")
+        dp_cp = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+        replicas = dims.dp // dims.shard_size
+        hsdp = unflatten_mesh(dp_cp, (replicas, dims.shard_size * dims.cp), ("dp_replicate", "dp_shard_cp"))
+        return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat, dp_cp_mesh=dp_cp, hsdp_cp_mesh=hsdp)
 
     # ------------------------------------------------------------ this rank
 
     def coordinates(self, rank: int | None = None) -> dict[str, int]:
-        """(pp, dp, tp) coordinates of a global rank (this one by default), without a mesh."""
+        """(pp, dp, cp, tp) coordinates of a global rank (this one by default), without a mesh."""
         rank = self.rank if rank is None else rank
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
 
     @property
     def pp_rank(self) -> int:
@@ -122,6 +145,10 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.coordinates()["dp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coordinates()["cp"]
 
     @property
     def tp_rank(self) -> int:
@@ -153,18 +180,39 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not self.hybrid:
-            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
-        shape = (self.pp, self.dp // self.shard_size, self.shard_size, self.tp)
+            shape: tuple[int, ...] = (self.pp, self.dp, self.cp, self.tp)
+            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        shape = (self.pp, self.dp // self.shard_size, self.shard_size, self.cp, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=HSDP_MESH_DIMS)
 
     @property
     def fsdp_mesh(self) -> Any:
-        """The mesh FSDP2 shards over: the data-parallel one, or (dp_replicate, dp_shard) under HSDP."""
+        """The mesh FSDP2 shards over: the data-parallel one (dp x cp flattened under context
+        parallelism), or (dp_replicate, dp_shard) under HSDP ((dp_replicate, dp_shard x cp) with cp)."""
         assert self.mesh is not None
-        return self.mesh["dp_replicate", "dp_shard"] if self.hybrid else self.mesh["dp"]
+        if not self.hybrid:
+            return self.grad_mesh
+        return self.hsdp_cp_mesh if self.hsdp_cp_mesh is not None else self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def grad_mesh(self) -> Any:
+        """The 1-D mesh whose ranks hold the same parameters and average their gradients (DDP,
+        replicate, FSDP2 without HSDP, ZeRO-1): dp, or dp x cp flattened under context parallelism."""
+        assert self.mesh is not None
+        return self.dp_cp_mesh if self.dp_cp_mesh is not None else self.sub_mesh("dp")
+
+    @property
+    def grad_ranks(self) -> int:
+        """How many ranks average each gradient (and share each step's loss): dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def grad_group(self) -> Any:
+        """The group of `grad_mesh`: token counts and metric sums span it; None when it is one rank."""
+        return self.grad_mesh.get_group() if self.mesh is not None and self.grad_ranks > 1 else None
 
     def sub_mesh(self, dim: str) -> Any:
-        """The 1-D mesh of "pp", "dp" or "tp" (HSDP's "dp": its replicate x shard ranks flattened)."""
+        """The 1-D mesh of "pp", "dp", "cp" or "tp" (HSDP's "dp": its replicate x shard ranks flattened)."""
         assert self.mesh is not None
         return self.flat_dp_mesh if dim == "dp" and self.flat_dp_mesh is not None else self.mesh[dim]
 
@@ -175,6 +223,11 @@ class ParallelDims:
     def dp_group(self) -> Any:
         """The data-parallel process group; None without data parallelism (or without a mesh)."""
         return self._group("dp", self.dp)
+
+    @property
+    def cp_group(self) -> Any:
+        """The context-parallel process group; None without context parallelism (or a mesh)."""
+        return self._group("cp", self.cp)
 
     @property
     def pp_group(self) -> Any:

@@ -23,10 +23,10 @@ the labels into one tensor (BERT: labels [b, s] and nsp_labels [b] as [b, s + 1]
 the schedule with the same whole-step batch; the split is exact because micro-batches are
 concatenated in order and all have the same size.
 
-Shapes between stages are static: [micro_batch_size, seq_length (/ tp with sequence parallelism),
-hidden] in the stage's output dtype (fp32 under autocast, FSDP2's param_dtype under its mixed
-precision). So PipelineStage skips its runtime shape inference, which would run an extra forward
-and backward of the first micro-batch and call the loss once more.
+Shapes between stages are static: [micro_batch_size, seq_length (/ cp with context parallelism, / tp
+with sequence parallelism), hidden] in the stage's output dtype (fp32 under autocast, FSDP2's
+param_dtype under its mixed precision). So PipelineStage skips its runtime shape inference, which
+would run an extra forward and backward of the first micro-batch and call the loss once more.
 
 Schedules run with scale_grads=False (2.13 defaults to dividing gradients by the micro-batch
 count; our losses are already shares of the step's mean). Evaluation uses its own forward-only
@@ -35,6 +35,7 @@ schedule for any number of batches (see `PipelineRunner._schedule`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -205,7 +206,9 @@ class PipelineRunner:
 
     def _pipeline_stage(self, stage: nn.Module, index: int, cfg: Config) -> PipelineStage:
         """A PipelineStage with static metadata (meta tensors: no memory, no shape-inference pass)."""
-        m, t = cfg.model, cfg.train
+        t = cfg.train
+        # context parallelism: every stage runs on this cp rank's seq_length / cp tokens
+        m = dataclasses.replace(cfg.model, seq_length=cfg.model.seq_length // cfg.parallel.cp)
         b, h = t.micro_batch_size, m.hidden_size
         seq = m.seq_length // self.tp if cfg.parallel.sequence_parallel else m.seq_length
         dtype = _output_dtype(stage)

@@ -170,6 +170,13 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A 1-D mesh as several dimensions (`sizes`, `names`), its ranks in order: a 2-D mesh over a
+    flattened dimension and another, which slicing the root mesh would give only by the deprecated
+    slicing of a flattened dimension."""
+    return mesh._unflatten(0, sizes, names)
+
+
 def replicate(module: nn.Module, *, mesh: Any, mp_policy: Any) -> Any:
     """torch's FSDP2-based `replicate` (DDP semantics over DTensor parameters) applied to `module`."""
     # at use: a torch that moves it breaks this seam (and its test), not every importer

@@ -201,8 +201,9 @@ def build_parallel_model(
 def build_optimizer_and_scheduler(
     cfg: ResolvedConfig, model: torch.nn.Module, dims: ParallelDims
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The optimizer over the model's parameters (ZeRO-1: its state sharded over dp) and its lr schedule."""
-    zero_group = dims.dp_group if cfg.parallel.zero_stage == 1 else None
+    """The optimizer over the model's parameters (ZeRO-1: its state sharded over dp, x cp under context
+    parallelism) and its lr schedule."""
+    zero_group = dims.grad_group if cfg.parallel.zero_stage == 1 else None
     optimizer = build_optimizer(model, cfg.optim, zero_group=zero_group)
     return optimizer, build_scheduler(optimizer, cfg.optim, cfg.train.train_iters)
 

@@ -100,8 +100,9 @@ class StepLedger:
     """Steps whose figures are still on the device, and those already read but not yet logged."""
 
     def __init__(self, dims: ParallelDims) -> None:
-        # tp ranks hold the same losses; dp ranks hold shares; pp: the last stage holds them, others 0
-        self.groups = [g for g in (dims.dp_group, dims.pp_group) if g is not None and _size(g) > 1]
+        # tp ranks hold the same losses; dp (and cp) ranks hold shares; pp: the last stage holds them,
+        # others 0
+        self.groups = [g for g in (dims.grad_group, dims.pp_group) if g is not None and _size(g) > 1]
         self.pending: list[tuple[int, StepResult]] = []
         self.read: list[StepValues] = []
 

@@ -27,8 +27,9 @@ from ..metrics.peak_memory import model_state_bytes
 from ..metrics.sinks import LogRecord
 from ..models import spec_for
 from ..parallel.comm import recorders
+from ..parallel.context import split_batch
 from ..parallel.dims import ParallelDims
-from ..parallel.distributed import collective_device
+from ..parallel.distributed import all_reduce_floats, collective_device
 from ..parallel.float8_training import float8_all_gathers, refresh_float8_scales
 from ..parallel.grads import clip_grads, grad_norm, local, reduce_partial_grads
 from ..parallel.tensor import loss_ops, loss_parallel_context
@@ -140,9 +141,22 @@ class Trainer:
     def _next_micro_batches(self) -> list[Batch]:
         with self.timers("batch-generator"):
             return [
-                {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_batches).items()}
-                for _ in range(self.accumulation)
+                self._context_share({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+                for batch in (next(self.train_batches) for _ in range(self.accumulation))
             ]
+
+    def _context_share(self, batch: Batch) -> Batch:
+        """This rank's share of a batch under context parallelism (its two chunks of every sequence:
+        parallel/context.py); the batch itself otherwise."""
+        return split_batch(batch, self.dims.cp, self.dims.cp_rank, self.cfg.model.seq_length)
+
+    def _normalizers(self, micro_batches: list[Batch], group: Any, dp: int) -> tuple[dict[str, Any], Any]:
+        """`step_normalizers` over `group`, with the binary head's share under context parallelism:
+        only cp rank 0 holds each sample's first token (BERT's sentence-order head scores it)."""
+        normalizers, counted = step_normalizers(micro_batches, group, dp)
+        if self.dims.cp > 1:
+            normalizers["binary_share"] = 1 if self.dims.cp_rank == 0 else 0
+        return normalizers, counted
 
     def train_step(self, micro_batches: list[Batch]) -> StepResult:
         """Forward and backward every micro-batch, then one optimizer step on the accumulated gradient.
@@ -156,7 +170,8 @@ class Trainer:
             self.model.train()
         with self.timers("zero-grad"):
             self.optimizer.zero_grad(set_to_none=True)
-        normalizers, counted = step_normalizers(micro_batches, self.dims.dp_group, self.dims.dp)
+        # tokens: over every rank holding a share of the step's sequences (dp x cp); samples: over dp
+        normalizers, counted = self._normalizers(micro_batches, self.dims.grad_group, self.dims.dp)
         if self.pipeline is not None:
             metrics = self._pipeline_forward_backward(micro_batches, normalizers, counted)
             with self.timers("embedding-grads-all-reduce"):
@@ -186,7 +201,8 @@ class Trainer:
         """Forward and backward of each micro-batch; the metric sums over them, on the device."""
         dims, precision = self.dims, self.cfg.train.precision
         ops = loss_ops(dims.tp).for_training()
-        multiplier = float(dims.dp)  # DDP/FSDP average gradients over dp; the losses are global shares
+        # DDP/FSDP average gradients over dp (x cp); the losses are global shares
+        multiplier = float(dims.grad_ranks)
         totals: dict[str, torch.Tensor] = {}
         last = len(micro_batches) - 1
         for i, micro in enumerate(micro_batches):
@@ -232,12 +248,12 @@ class Trainer:
     ) -> dict[str, torch.Tensor]:
         self._wait_for_count(counted)
         with self.timers("forward-backward"), autocast_context(self.cfg.train.precision, self.device):
-            scale = float(self.dims.dp) * self.scaler.get_scale()
+            scale = float(self.dims.grad_ranks) * self.scaler.get_scale()
             return self.pipeline.train_step(micro_batches, normalizers, scale)
 
     def _wait_for_count(self, counted: Callable[[], None]) -> None:
-        """Complete the step's token-count all-reduce (timed only when there is one: dp > 1)."""
-        if self.dims.dp_group is None:
+        """Complete the step's token-count all-reduce (timed only when there is one: dp x cp > 1)."""
+        if self.dims.grad_group is None:
             counted()
             return
         with self.timers("metrics-all-reduce"):
@@ -269,12 +285,18 @@ class Trainer:
         """Loss, perplexity (and MLM/binary accuracy for BERT) over eval_iters validation micro-batches."""
         self.model.eval()
         # Every rank evaluates the same batches: ZeRO-3 and pipeline stages need all ranks in each forward.
-        batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.valid_batches()]
-        normalizers, _ = step_normalizers(batches)
+        batches = [
+            self._context_share({k: v.to(self.device) for k, v in b.items()}) for b in self.valid_batches()
+        ]
+        cp_group = self.dims.cp_group  # context parallelism: the ranks share each batch's tokens
+        normalizers, counted = self._normalizers(batches, cp_group, 1)
+        counted()
         totals: dict[str, float] = {}
         if self.pipeline is not None:
             with autocast_context(self.cfg.train.precision, self.device):
                 totals = self.pipeline.evaluate(batches, normalizers)
+            if cp_group is not None:  # each cp rank's sums cover its tokens only
+                totals = dict(zip(totals, all_reduce_floats(list(totals.values()), cp_group), strict=True))
         else:
             sums: dict[str, torch.Tensor] = {}
             for batch in batches:
@@ -287,8 +309,12 @@ class Trainer:
                 accumulate(sums, metrics)
             keys = sorted(sums)
             if keys:
-                values = torch.stack([local(sums[k]).float() for k in keys]).tolist()
-                totals = dict(zip(keys, values, strict=True))
+                stacked = torch.stack([local(sums[k]).float() for k in keys])
+                if cp_group is not None:  # each cp rank's sums cover its tokens only
+                    staged = stacked.to(collective_device(cp_group))
+                    dist.all_reduce(staged, group=cp_group)
+                    stacked = staged
+                totals = dict(zip(keys, stacked.tolist(), strict=True))
         lm_key = self.spec.lm_metric
         result = {"loss": totals["loss"], lm_key: totals[lm_key], "ppl": math.exp(min(totals[lm_key], 50.0))}
         if "mlm_correct" in totals:

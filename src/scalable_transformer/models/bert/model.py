@@ -11,12 +11,14 @@ from torch import nn
 
 from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models.context_parallel import ContextParallel
 from scalable_transformer.models.layers import (
     Embedding,
     Logits,
     TransformerBlock,
     blocks_of,
     check_model_config,
+    context_parallel_inputs,
     init_weights,
     make_norm,
     rotary_for,
@@ -66,6 +68,7 @@ class BertModel(nn.Module):
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size) if cfg.bert_binary_head else None
         self.binary_head = nn.Linear(cfg.hidden_size, 2) if cfg.bert_binary_head else None
         self.has_embedding = self.has_head = True
+        self.context_parallel: ContextParallel | None = None  # set by parallel/context.py
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
@@ -80,10 +83,15 @@ class BertModel(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Token ids [b, s] (or, without the embedding, hidden states x [b, s, h]) -> (mlm_logits
         [b, s, v], binary_logits [b, 2] or None), or x [b, s, h] without the head; mask 1 = real token."""
-        x_bsh = self.embedding(inputs, token_type_ids_bs) if self.has_embedding else inputs
-        mask_b11s = None if attention_mask_bs is None else attention_mask_bs[:, None, None, :].bool()
-        seq = rotary_length(inputs, self.has_embedding, attention_mask_bs, self.cfg.seq_length)
-        rotary = None if self.rotary is None else self.rotary(seq)
+        if self.context_parallel is not None:  # this rank's tokens; positions and mask global
+            x_bsh, mask_b11s, rotary = self._context_parallel_inputs(
+                inputs, token_type_ids_bs, attention_mask_bs
+            )
+        else:
+            x_bsh = self.embedding(inputs, token_type_ids_bs) if self.has_embedding else inputs
+            mask_b11s = None if attention_mask_bs is None else attention_mask_bs[:, None, None, :].bool()
+            seq = rotary_length(inputs, self.has_embedding, attention_mask_bs, self.cfg.seq_length)
+            rotary = None if self.rotary is None else self.rotary(seq)
         x_bsh = run_blocks(
             blocks_of(self.layers), x_bsh, mask_b11s, rotary, self.recompute_chunk, self.recompute_checkpoint
         )
@@ -98,6 +106,28 @@ class BertModel(nn.Module):
         if self.pooler is not None and self.binary_head is not None:
             binary_logits_b2 = self.binary_head(torch.tanh(self.pooler(x_bsh[:, 0])))
         return mlm_logits_bsv, binary_logits_b2
+
+    def _context_parallel_inputs(
+        self,
+        input_ids_bs: torch.Tensor,
+        token_type_ids_bs: torch.Tensor | None,
+        attention_mask_bs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(stack input, attention mask of global positions, rotary tables) of this cp rank's tokens;
+        the binary head's token 0 is on cp rank 0 (the loss counts it there only)."""
+        cp = self.context_parallel
+        assert cp is not None
+        # a later pipeline stage gets hidden states (a sequence shard of them under SP): static length
+        local_seq = input_ids_bs.shape[1] if self.has_embedding else self.cfg.seq_length // cp.size
+        positions_bs, mask = context_parallel_inputs(
+            cp, self.layers, input_ids_bs, local_seq, padding_bs=attention_mask_bs
+        )
+        if self.has_embedding:
+            x_bsh = self.embedding(input_ids_bs, token_type_ids_bs, positions_bs=positions_bs)
+        else:
+            x_bsh = input_ids_bs
+        rotary = None if self.rotary is None else self.rotary(local_seq * cp.size, positions_bs)
+        return x_bsh, mask, rotary
 
 
 def bert_loss(
@@ -135,13 +165,19 @@ def bert_loss(
     if binary_logits_b2 is not None:
         nsp_b = batch["nsp_labels"].reshape(-1)
         sample_norm = normalizers["samples"] if normalizers else nsp_b.numel()
+        # context parallelism: only the cp rank holding token 0 scores the sentences (share 1, the
+        # others 0: their pooled token is another one, and the samples must count once)
+        share = normalizers.get("binary_share", 1) if normalizers else 1
         binary_loss = F.cross_entropy(binary_logits_b2.float(), nsp_b, reduction="sum") / sample_norm
+        if share != 1:
+            binary_loss = binary_loss * share
         loss = loss + binary_loss
         metrics["binary_loss"] = binary_loss.detach()
         if ops.accuracy:
-            metrics["binary_correct"] = (binary_logits_b2.detach().argmax(-1) == nsp_b).sum().float()
+            correct = (binary_logits_b2.detach().argmax(-1) == nsp_b).sum().float()
+            metrics["binary_correct"] = correct * share
         # made on the device: a host tensor would be copied to it (a synchronization on a GPU)
-        metrics["binary_count"] = torch.full((), float(nsp_b.numel()), device=nsp_b.device)
+        metrics["binary_count"] = torch.full((), float(nsp_b.numel() * share), device=nsp_b.device)
     metrics["loss"] = loss.detach()
     return loss, metrics
 

@@ -10,12 +10,14 @@ from torch import nn
 
 from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models.context_parallel import ContextParallel
 from scalable_transformer.models.layers import (
     Embedding,
     Logits,
     TransformerBlock,
     blocks_of,
     check_model_config,
+    context_parallel_inputs,
     document_mask,
     document_positions,
     init_weights,
@@ -49,6 +51,7 @@ class GPTModel(nn.Module):
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.logits = Logits()
         self.has_embedding = self.has_head = True
+        self.context_parallel: ContextParallel | None = None  # set by parallel/context.py
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
@@ -62,13 +65,16 @@ class GPTModel(nn.Module):
         attention at (every pipeline stage gets them)."""
         cfg = self.cfg
         docs = document_ids_bs
-        positions_bs = document_positions(docs) if docs is not None and cfg.reset_position_ids else None
-        x_bsh = self.embedding(inputs, positions_bs=positions_bs) if self.has_embedding else inputs
-        seq = rotary_length(inputs, self.has_embedding, docs, cfg.seq_length)
-        rotary = None if self.rotary is None else self.rotary(seq, positions_bs)
-        bias = shared_bias(self.layers, seq, x_bsh)  # sliding window, ALiBi: causality included
-        if docs is not None and cfg.reset_attention_mask:
-            bias = document_mask(docs, bias)
+        if self.context_parallel is not None:  # this rank's tokens; positions and mask global
+            x_bsh, bias, rotary = self._context_parallel_inputs(inputs, docs)
+        else:
+            positions_bs = document_positions(docs) if docs is not None and cfg.reset_position_ids else None
+            x_bsh = self.embedding(inputs, positions_bs=positions_bs) if self.has_embedding else inputs
+            seq = rotary_length(inputs, self.has_embedding, docs, cfg.seq_length)
+            rotary = None if self.rotary is None else self.rotary(seq, positions_bs)
+            bias = shared_bias(self.layers, seq, x_bsh)  # sliding window, ALiBi: causality included
+            if docs is not None and cfg.reset_attention_mask:
+                bias = document_mask(docs, bias)
         x_bsh = run_blocks(
             blocks_of(self.layers), x_bsh, bias, rotary, self.recompute_chunk, self.recompute_checkpoint
         )
@@ -78,6 +84,29 @@ class GPTModel(nn.Module):
             x_bsh = self.final_norm(x_bsh)
         weight_vh = self.embedding.word.weight if self.output is None else self.output.weight
         return self.logits(x_bsh, weight_vh)
+
+    def _context_parallel_inputs(
+        self, input_ids_bs: torch.Tensor, docs_bs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(stack input, attention mask of global positions, rotary tables) of this cp rank's tokens."""
+        cp, cfg = self.context_parallel, self.cfg
+        assert cp is not None
+        # a later pipeline stage gets hidden states (a sequence shard of them under SP): static length
+        local_seq = input_ids_bs.shape[1] if self.has_embedding else cfg.seq_length // cp.size
+        positions_bs, mask = context_parallel_inputs(
+            cp,
+            self.layers,
+            input_ids_bs,
+            local_seq,
+            document_ids_bs=docs_bs,
+            reset_position_ids=cfg.reset_position_ids,
+            reset_attention_mask=cfg.reset_attention_mask,
+        )
+        x_bsh = (
+            self.embedding(input_ids_bs, positions_bs=positions_bs) if self.has_embedding else input_ids_bs
+        )
+        rotary = None if self.rotary is None else self.rotary(local_seq * cp.size, positions_bs)
+        return x_bsh, mask, rotary
 
 
 def gpt_loss(
