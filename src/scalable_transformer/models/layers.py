@@ -17,6 +17,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -287,24 +288,32 @@ class CoreAttention(nn.Module):
     def _causal_blocks(
         self, q_bnsd: torch.Tensor, k_bgSd: torch.Tensor, v_bgSd: torch.Tensor
     ) -> torch.Tensor:
-        """Causal context-parallel attention without a mask: each of this rank's two chunks (global
-        chunk i of 2cp, c tokens) attends the keys up to its own end, (i + 1) c of them, lower-right
-        aligned (torch's `causal_lower_right`, which the flash and memory-efficient kernels take):
-        the masked half is skipped as on one rank, and the rank's two chunks (i = r and 2cp-1-r) do
-        equal work whatever r (config.model_shapes.causal_blocks_under_cp)."""
+        """Causal context-parallel attention without a mask of global positions: each of this rank's
+        two chunks (global chunk i of 2cp, c tokens) attends the keys up to its own end, (i + 1) c of
+        them, lower-right aligned, so the masked half is skipped as on one rank and the rank's two
+        chunks (i = r and 2cp-1-r) do equal work whatever r (config.model_shapes.causal_blocks_under_cp).
+        On a GPU torch's `causal_lower_right` bias, which the flash and memory-efficient kernels take;
+        on a CPU, whose kernels take no such bias (torch would materialize it in fp32: c x (i + 1) c x 4
+        bytes saved per layer), a boolean mask; the first chunk (i = 0) is plain causal."""
         cp = self.context_parallel
         assert cp is not None
         c = q_bnsd.shape[-2] // 2
         out = []
         for j, i in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
             keys = (i + 1) * c
+            mask: Any = None
+            if i > 0 and q_bnsd.device.type == "cpu":
+                mask = torch.ones(c, keys, dtype=torch.bool, device=q_bnsd.device).tril(keys - c)
+            elif i > 0:
+                mask = causal_lower_right(c, keys)
             out.append(
                 F.scaled_dot_product_attention(
                     q_bnsd[..., j * c : (j + 1) * c, :],
                     k_bgSd[..., :keys, :],
                     v_bgSd[..., :keys, :],
-                    attn_mask=causal_lower_right(c, keys),
+                    attn_mask=mask,
                     dropout_p=self.dropout if self.training else 0.0,
+                    is_causal=i == 0,
                     enable_gqa=k_bgSd.shape[1] != q_bnsd.shape[1],
                 )
             )
