@@ -63,9 +63,9 @@ def test_cp2_lowers_the_planned_peak_and_shards_states_over_dp_x_cp():
 
 def test_the_mask_is_counted_only_where_the_attention_needs_one():
     causal = _cfg("llama-8b", ["model.seq_length=8192", "parallel.cp=2", "train.global_batch_size=4"], 8)
-    assert context_parallel_mask_bytes(causal, "gpu") == (0, 0)  # causal blocks: no mask
-    # on a CPU each layer keeps its chunks' masks converted to fp32: c^2 (2cp + 1) x 4 bytes
-    assert context_parallel_mask_bytes(causal, "cpu") == (0, 2048 * 2048 * 5 * 4)
+    assert context_parallel_mask_bytes(causal, "gpu") == (0, 0, 0)  # causal blocks: no mask
+    # on a CPU the chunks' additive masks, made once for every layer and step: c^2 (2cp + 1) in bf16
+    assert context_parallel_mask_bytes(causal, "cpu") == (2048 * 2048 * 5 * 2, 0, 0)
     packed = _cfg(
         "llama-8b",
         [
@@ -79,7 +79,7 @@ def test_the_mask_is_counted_only_where_the_attention_needs_one():
     # per sample: [b, 1, s / cp, s] booleans, converted to additive masks in the attention dtype (bf16:
     # the preset's precision) at each layer
     assert packed.train.precision == "bf16"
-    assert context_parallel_mask_bytes(packed, "gpu") == (0, 1 * 4096 * 8192 * 2)
+    assert context_parallel_mask_bytes(packed, "gpu") == (0, 0, 1 * 4096 * 8192 * 2)
 
 
 def test_key_value_gathers_are_timed_and_masked_attention_costs_the_whole_square():

@@ -293,8 +293,9 @@ class CoreAttention(nn.Module):
         them, lower-right aligned, so the masked half is skipped as on one rank and the rank's two
         chunks (i = r and 2cp-1-r) do equal work whatever r (config.model_shapes.causal_blocks_under_cp).
         On a GPU torch's `causal_lower_right` bias, which the flash and memory-efficient kernels take;
-        on a CPU, whose kernels take no such bias (torch would materialize it in fp32: c x (i + 1) c x 4
-        bytes saved per layer), a boolean mask; the first chunk (i = 0) is plain causal."""
+        on a CPU, whose kernels take no such bias (torch would materialize it in fp32 at every layer), an
+        additive mask made once and shared by the layers (`ContextParallel.lower_right_mask`); the first
+        chunk (i = 0) is plain causal."""
         cp = self.context_parallel
         assert cp is not None
         c = q_bnsd.shape[-2] // 2
@@ -303,7 +304,7 @@ class CoreAttention(nn.Module):
             keys = (i + 1) * c
             mask: Any = None
             if i > 0 and q_bnsd.device.type == "cpu":
-                mask = torch.ones(c, keys, dtype=torch.bool, device=q_bnsd.device).tril(keys - c)
+                mask = cp.lower_right_mask(c, keys, q_bnsd.dtype, q_bnsd.device)
             elif i > 0:
                 mask = causal_lower_right(c, keys)
             out.append(

@@ -202,31 +202,31 @@ def local_seq(cfg: Config) -> int:
     return cfg.model.seq_length // cfg.parallel.cp
 
 
-def context_parallel_mask_bytes(cfg: Config, device_kind: str) -> tuple[float, float]:
-    """(bytes kept once per micro-batch, bytes kept per layer) of the attention masks of a
-    context-parallel rank until its backward (models/layers.py, models/context_parallel.py):
+def context_parallel_mask_bytes(cfg: Config, device_kind: str) -> tuple[float, float, float]:
+    """(bytes kept for the whole run, per micro-batch until its backward, per layer and micro-batch) of
+    a context-parallel rank's attention masks (models/layers.py, models/context_parallel.py):
 
     - causal blocks (`causal_blocks_under_cp`): on a GPU none (torch's lower-right causal bias is no
-      tensor); on a CPU each layer's SDPA saves its boolean mask of each chunk past the first
-      converted to fp32 (measured: a [c, (i + 1) c] fp32 leaf), at most c^2 (2cp + 1) x 4 bytes;
+      tensor); on a CPU the additive masks of the rank's chunks past the first, made once and shared
+      by every layer and step (`ContextParallel.lower_right_mask`): at most c^2 (2cp + 1) elements in
+      the attention dtype;
     - the mask of global positions, boolean [1, 1, s, S] (per sample [b, 1, s, S] with packed
       documents or BERT's padding): SDPA converts it to an additive mask in the attention dtype at each
-      layer and saves that (fp32 on a CPU); ALiBi's bias [1 or b, n/tp, s, S] is made once in the
-      attention dtype and every layer saves the same tensor.
-    (0, 0) without cp."""
+      layer and keeps that copy (measured on the CPU: an fp32 leaf per layer); ALiBi's bias [1 or b,
+      n/tp, s, S] is made once per micro-batch in the attention dtype and every layer keeps the same.
+    (0, 0, 0) without cp."""
     mc, p = cfg.model, cfg.parallel
     if p.cp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     am = activation_model(cfg, device_kind)
-    attention_e = 4 if device_kind == "cpu" else am.act_bytes
     if causal_blocks_under_cp(mc):
         c = mc.seq_length // (2 * p.cp)
-        return 0.0, (c * c * (2 * p.cp + 1) * 4 if device_kind == "cpu" else 0.0)
+        return (c * c * (2 * p.cp + 1) * am.act_bytes if device_kind == "cpu" else 0.0), 0.0, 0.0
     per_sample = mc.reset_attention_mask or mc.type == "bert"
     rows = (cfg.train.micro_batch_size if per_sample else 1) * local_seq(cfg) * mc.seq_length
     if mc.position_embedding_type == "alibi":
-        return rows * mc.num_attention_heads / p.tp * am.act_bytes, 0.0
-    return 0.0, float(rows * attention_e)
+        return 0.0, rows * mc.num_attention_heads / p.tp * am.act_bytes, 0.0
+    return 0.0, 0.0, float(rows * (4 if device_kind == "cpu" else am.act_bytes))
 
 
 def korthikanti(
@@ -544,9 +544,9 @@ def activation_bytes(
         per_layer = per_layer * kept_input_fraction(cfg, device_kind) / p.checkpoint_num_layers
     total = per_layer * layers * inflight
     if layers:
-        shared, per_layer_mask = context_parallel_mask_bytes(cfg, device_kind)
+        kept, shared, per_layer_mask = context_parallel_mask_bytes(cfg, device_kind)
         # selective and full recompute rerun the attention core in backward: its masks are not kept
-        total += (shared + (per_layer_mask * layers if mode == "none" else 0.0)) * inflight
+        total += kept + (shared + (per_layer_mask * layers if mode == "none" else 0.0)) * inflight
     # the embedding's dropout mask (its output is the first block's input, counted there)
     seq_shard = p.tp if p.sequence_parallel else 1
     bsh = t.micro_batch_size * local_seq(cfg) * mc.hidden_size
