@@ -2,7 +2,8 @@
 chunks of q, k and v, gathers every rank's keys and values (parallel/context.py) and attends with the
 mask of global positions (models/context_parallel.py). The ranks' outputs and the gradients of q, k and
 v, put back into sequence order, must be the single process's: causal, grouped-query (2 key/value
-heads for 4 query heads), packed documents (block-causal) and bidirectional with padding (BERT).
+heads for 4 query heads), packed documents (block-causal) and bidirectional with padding (BERT), and
+plain causal attention again as causal blocks without a mask, on 2 and 4 ranks.
 
 Tolerance: relative 1e-6 (the largest error over the largest value, fp32). Output and dq came out
 exact (error 0); dk and dv are sums over both ranks' queries (the gather's backward reduce-scatters
@@ -33,6 +34,9 @@ CASES = {
     "grouped-query": {"causal": True, "groups": 2},
     "documents": {"causal": True, "groups": 2, "documents": True},
     "bidirectional-padding": {"causal": False, "groups": 4, "padding": True},
+    # plain causal attention runs as lower-right causal blocks without a mask (CoreAttention._causal_blocks)
+    "causal-blocks": {"causal": True, "groups": 4, "blocks": True},
+    "grouped-query-blocks": {"causal": True, "groups": 2, "blocks": True},
 }
 
 
@@ -73,7 +77,7 @@ def _context_parallel(case: dict, x: dict[str, torch.Tensor], rank: int, cp: int
         document_ids_bS=x["docs"] if case.get("documents") else None,
         padding_bS=x["padding"] if case.get("padding") else None,
     )
-    out = core(q, k, v, mask)
+    out = core(q, k, v, None if case.get("blocks") else mask)
     out.backward(split_sequence(x["grad"], cp, rank, dim=2))
     # every rank's share, in sequence order, to compare with the single process
     return [
@@ -91,8 +95,9 @@ def _errors(rank: int, world_size: int) -> dict[str, list[float]]:
     return errors
 
 
-def test_context_parallel_attention_equals_single_process_sdpa(tmp_path):
-    results = run_distributed(_errors, 2, tmp_dir=tmp_path, timeout=300)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_equals_single_process_sdpa(tmp_path, cp):
+    results = run_distributed(_errors, cp, tmp_dir=tmp_path, timeout=300)
     for rank, errors in enumerate(results):
         assert set(errors) == set(CASES)
         for name, (out, dq, dk, dv) in errors.items():

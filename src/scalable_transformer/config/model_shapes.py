@@ -56,6 +56,19 @@ def causal_attention(m: ModelConfig) -> bool:
     return m.type == "gpt"
 
 
+def causal_blocks_under_cp(m: ModelConfig) -> bool:
+    """Whether context-parallel attention runs as lower-right causal blocks without a mask (each local
+    chunk against the keys up to its end: the kernels skip the masked half, as causal attention does
+    on one rank) rather than against every key under an explicit mask of global positions (packed
+    documents, a sliding window, ALiBi, BERT's padding), whose masked half is computed too."""
+    return (
+        causal_attention(m)
+        and not m.reset_attention_mask
+        and m.sliding_window is None
+        and m.position_embedding_type != "alibi"
+    )
+
+
 def lm_head_transform(m: ModelConfig) -> bool:
     """Whether the LM head transforms the hidden state (dense, GELU, norm: BERT's) before projecting
     it onto the vocabulary, rather than projecting the final norm's output directly (GPT's)."""

@@ -11,8 +11,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.stage import PipelineStage
+from torch.nn.attention.bias import causal_lower_right
 
-from .torch_internals import InferenceMode, ddp, schedules, unset_fake_temporarily
+from ..models import layers
+from .torch_internals import InferenceMode, _disable_current_modes, ddp, schedules, unset_fake_temporarily
 
 
 def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
@@ -29,6 +31,10 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
       send/recv and reading the product on the host: its messages are sent, and the read is answered
       with this rank's vote (every rank builds its stages alike, so the local vote is the product).
     - on CUDA, DDP's runtime statistics need the CUDA timer of libtorch_cuda: skipped (logging only).
+    - causal context-parallel attention's `causal_lower_right` bias (models/layers.py) is a tensor
+      subclass that holds no data; made inside the dispatch modes (the fake mode, the trace) its empty
+      tensor is already theirs and torch refuses it: made outside them, then SDPA dispatches on it
+      with fake q, k and v as on a device.
     """
 
     mesh_init = DeviceMesh.__init__
@@ -51,7 +57,12 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
         finally:
             trace.read_value = None
 
+    def real_lower_right(*size: int) -> Any:
+        with _disable_current_modes():
+            return causal_lower_right(*size)
+
     stubs: list[tuple[Any, str, Any]] = [
+        (layers, "causal_lower_right", real_lower_right),
         (DeviceMesh, "__init__", real_mesh_init),
         (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
         (dist.Reducer, "_rebuild_buckets", lambda self: False),

@@ -10,7 +10,9 @@ Names imported (the import fails loudly at `stx plan --dry-run` if torch moves o
   host reads with real tensors.
 - `torch.distributed._tools.mod_tracker.ModTracker`: the module a peak or a failure happened in.
 - `torch.utils._python_dispatch.TorchDispatchMode`: the trace that counts live bytes, collectives and
-  host reads (dryrun/dry_run_trace.py).
+  host reads (dryrun/dry_run_trace.py); `_disable_current_modes`: the modes set aside while causal
+  context-parallel attention makes its `causal_lower_right` bias, a data-less tensor subclass that
+  no mode may answer for (dryrun/engine_stubs.py).
 - `torch.utils._pytree.tree_leaves`: the tensors among an op's arguments and outputs.
 - `torch._guards.detect_fake_mode`: the trace finds the fake mode it runs inside.
 - `torch.distributed.tensor._sharding_prop.ShardingPropagator`: its `_propagate_tensor_meta_non_cached`
@@ -59,7 +61,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 try:
@@ -76,6 +78,7 @@ __all__ = [
     "ShardingPropagator",
     "TorchDispatchMode",
     "_create_work_from_future",
+    "_disable_current_modes",
     "ddp",
     "detect_fake_mode",
     "schedules",

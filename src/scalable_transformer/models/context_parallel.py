@@ -105,6 +105,20 @@ class ContextParallel:
     size: int
     rank: int
     gather: Callable[[torch.Tensor, int], torch.Tensor] = field(repr=False)
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def lower_right_mask(self, c: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The additive [c, keys] mask of a chunk's c queries against the keys up to its end (0 where
+        key j <= the query's place, lower-right aligned; -inf elsewhere), made once per shape, dtype and
+        device and shared by every layer and step: a CPU's attention kernels take no lower-right causal
+        bias, and a boolean mask is converted to an additive copy that each layer keeps."""
+        key = (c, keys, dtype, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            allowed = torch.ones(c, keys, dtype=torch.bool, device=device).tril(keys - c)
+            mask = torch.zeros(c, keys, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+            self._masks[key] = mask
+        return mask
 
     def positions(self, local_seq: int, device: torch.device) -> torch.Tensor:
         """The global positions [s] of this rank's `local_seq` tokens."""

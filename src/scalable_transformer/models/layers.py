@@ -17,11 +17,13 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from scalable_transformer.config.model_shapes import gated_mlp, mlp_bias, qkv_bias, qkv_width, query_groups
 from scalable_transformer.config.rules import check_model
@@ -264,11 +266,11 @@ class CoreAttention(nn.Module):
         """mask_b11s: a padding mask (BERT), or the model's `shared_bias`, which holds causality;
         None: this module's own bias (if any) is computed here."""
         if self.context_parallel is not None:
-            if mask_b11s is None:
-                raise ValueError("context-parallel attention needs the model's mask of global positions")
             # one collective for both: [2, b, g, s, d] gathered along the sequence
             kv_2bgSd = self.context_parallel.gather_sequence(torch.stack([k_bgsd, v_bgsd]), 3)
             k_bgsd, v_bgsd = kv_2bgSd.unbind(0)
+            if mask_b11s is None:  # plain causal attention (context_parallel_inputs): no mask needed
+                return self._causal_blocks(q_bnsd, k_bgsd, v_bgsd)
         elif mask_b11s is None:
             mask_b11s = self.bias(q_bnsd.shape[-2], q_bnsd.device, q_bnsd.dtype)
         # SDPA's enable_gqa rather than repeating k/v heads: 2-7% faster here (CPU fp32, fwd+bwd,
@@ -282,6 +284,41 @@ class CoreAttention(nn.Module):
             is_causal=self.causal and mask_b11s is None,
             enable_gqa=k_bgsd.shape[1] != q_bnsd.shape[1],
         )
+
+    def _causal_blocks(
+        self, q_bnsd: torch.Tensor, k_bgSd: torch.Tensor, v_bgSd: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal context-parallel attention without a mask of global positions: each of this rank's
+        two chunks (global chunk i of 2cp, c tokens) attends the keys up to its own end, (i + 1) c of
+        them, lower-right aligned, so the masked half is skipped as on one rank and the rank's two
+        chunks (i = r and 2cp-1-r) do equal work whatever r (config.model_shapes.causal_blocks_under_cp).
+        On a GPU torch's `causal_lower_right` bias, which the flash and memory-efficient kernels take;
+        on a CPU, whose kernels take no such bias (torch would materialize it in fp32 at every layer), an
+        additive mask made once and shared by the layers (`ContextParallel.lower_right_mask`); the first
+        chunk (i = 0) is plain causal."""
+        cp = self.context_parallel
+        assert cp is not None
+        c = q_bnsd.shape[-2] // 2
+        out = []
+        for j, i in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
+            keys = (i + 1) * c
+            mask: Any = None
+            if i > 0 and q_bnsd.device.type == "cpu":
+                mask = cp.lower_right_mask(c, keys, q_bnsd.dtype, q_bnsd.device)
+            elif i > 0:
+                mask = causal_lower_right(c, keys)
+            out.append(
+                F.scaled_dot_product_attention(
+                    q_bnsd[..., j * c : (j + 1) * c, :],
+                    k_bgSd[..., :keys, :],
+                    v_bgSd[..., :keys, :],
+                    attn_mask=mask,
+                    dropout_p=self.dropout if self.training else 0.0,
+                    is_causal=i == 0,
+                    enable_gqa=k_bgSd.shape[1] != q_bnsd.shape[1],
+                )
+            )
+        return torch.cat(out, dim=-2)
 
 
 class Attention(nn.Module):
@@ -433,11 +470,12 @@ def context_parallel_inputs(
     padding_bs: torch.Tensor | None = None,
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(positions [1 or b, s], attention mask or bias) of this rank's tokens, for every block of
     `layers` (whose attention modules must agree, as a model's do). The positions are global (with
     reset_position_ids: within each document, computed over the whole sequence); the mask is
-    `context_parallel_mask` in the dtype attention runs in (autocast's, if on). x: the model's input
+    `context_parallel_mask` in the dtype attention runs in (autocast's, if on), or None for plain
+    causal attention, which CoreAttention runs as causal blocks without one. x: the model's input
     (token ids, or a later pipeline stage's hidden states), for its device and floating dtype.
     The document ids and padding are this rank's [b, s] parts: gathered here."""
     device = x.device
@@ -452,6 +490,10 @@ def context_parallel_inputs(
     core = next((m for m in layers.modules() if isinstance(m, CoreAttention)), None)
     if core is None:
         raise ValueError("context parallelism needs attention layers (CoreAttention) in the model")
+    documents = docs_bS if reset_attention_mask else None
+    plain = core.window is None and core.slopes is None and documents is None and padding_bS is None
+    if core.causal and plain:
+        return positions_bs, None
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x.dtype
     mask = context_parallel_mask(
         positions_s,
@@ -459,7 +501,7 @@ def context_parallel_inputs(
         causal=core.causal,
         window=core.window,
         slopes=core.slopes,
-        document_ids_bS=docs_bS if reset_attention_mask else None,
+        document_ids_bS=documents,
         padding_bS=padding_bS,
         dtype=dtype if dtype.is_floating_point else torch.float32,
     )

@@ -1,4 +1,4 @@
-"""One candidate layout: how a job of dp x tp x pp devices runs the model, and the config it makes."""
+"""One candidate layout: how a job of dp x cp x tp x pp devices runs the model, and the config it makes."""
 
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ class Layout:
     distribute_saved_activations: bool = False
     cpu_checkpointing: bool = False
     dp_shard: int = -1  # ZeRO-2/3: ranks sharded over (-1: dp); < dp is hybrid sharding (HSDP)
+    cp: int = 1  # context parallel: ranks each sample's sequence is split over
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def global_batch_size(self) -> int:
@@ -64,6 +65,7 @@ class Layout:
             distribute_saved_activations=p.distribute_saved_activations,
             cpu_checkpointing=p.cpu_checkpointing,
             dp_shard=p.dp_shard,
+            cp=p.cp,
         )
 
     def apply(self, cfg: Config) -> Config:
@@ -84,6 +86,7 @@ class Layout:
             distribute_saved_activations=self.distribute_saved_activations,
             cpu_checkpointing=self.cpu_checkpointing,
             dp_shard=self.dp_shard,
+            cp=self.cp,
             pipeline_layers=cfg.parallel.pipeline_layers if self.pp == cfg.parallel.pp else None,
         )
         train = dataclasses.replace(
@@ -110,12 +113,14 @@ class Layout:
             "parallel.distribute_saved_activations": self.distribute_saved_activations,
             "parallel.cpu_checkpointing": self.cpu_checkpointing,
             "parallel.dp_shard": self.dp_shard,
+            "parallel.cp": self.cp,
             "train.micro_batch_size": self.micro_batch_size,
             "train.gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
 
     def label(self) -> str:
-        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp} zero{self.zero_stage}"]
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        parts = [f"dp={self.dp}{cp} tp={self.tp} pp={self.pp} zero{self.zero_stage}"]
         if self.offload_optimizer or self.offload_param:
             parts[-1] += "+offload" + ("(param)" if self.offload_param else "")
         if 0 < self.dp_shard < self.dp:

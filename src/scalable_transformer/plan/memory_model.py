@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..config.model_shapes import (
     StageParams,
+    causal_blocks_under_cp,
     gated_mlp,
     lm_head_transform,
     qkv_width,
@@ -131,6 +132,7 @@ def layer_activation_bytes(
     gated: bool = False,
     kv_ratio: float = 1.0,
     parallel_residual: bool = False,
+    key_seq: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward for one micro-batch (Korthikanti et al. 2022 section 4,
     generalised). With am = (2, 1, flash=False) this is the paper's exactly:
@@ -138,9 +140,12 @@ def layer_activation_bytes(
     sbh 34/t (TP + SP + selective); full recompute keeps the layer input, 2sbh (/t with SP).
     kv_ratio: key/value heads per query head (grouped-query attention saves smaller k and v).
     parallel_residual (GPT-J/NeoX blocks): both norms read the block input, one saved tensor when it
-    is the fp32 stream itself (measured by the dry run: 4 sbh bytes less per layer in fp32)."""
+    is the fp32 stream itself (measured by the dry run: 4 sbh bytes less per layer in fp32).
+    key_seq (context parallelism): s is this rank's share of the sequence and key_seq the whole of it,
+    whose keys and values every layer gathers and keeps for backward; scores are s x key_seq."""
     e, m = am.act_bytes, am.mask_bytes
     sbh = s * b * h
+    key_seq = s if key_seq is None else key_seq
     seq_shard = t if sp else 1
     up = 2 * f if gated else f
     if recompute == "full":
@@ -154,14 +159,16 @@ def layer_activation_bytes(
     # q, k, v (1 + 2 kv_ratio), attention output into proj (1), MLP activation input and output; the
     # math path keeps its own (fp32 on CPU) copies of q, k, v unless selective recompute drops the core's
     math_copies = not am.flash and recompute != "selective" and am.math_bytes is not None
-    qkv = (1 + 2 * kv_ratio) * (am.math_bytes if math_copies and am.math_bytes else e)
-    sharded = (sbh * (qkv + e) + e * sbh * (up + f) / h) / t
+    qkv_e = am.math_bytes if math_copies and am.math_bytes else e
+    # q, and k and v of every key (all of the sequence's under context parallelism)
+    qkv = sbh * qkv_e + 2 * kv_ratio * key_seq * b * h * qkv_e
+    sharded = (qkv + sbh * e + e * sbh * (up + f) / h) / t
     core = 0.0
     if recompute != "selective":
         # flash: the fp32 log-sum-exp per (sample, head, position); math path: softmax output,
         # dropout mask and dropout output
         math = (2 * e + m) if am.math_bytes is None else 3 * am.math_bytes
-        core = 4 * b * a * s / t if am.flash else math * b * a * s * s / t
+        core = 4 * b * a * s / t if am.flash else math * b * a * s * key_seq / t
     # LayerNorm mean and rstd (fp32 per position, two norms)
     stats = 2 * 2 * 4 * s * b / seq_shard
     return replicated + inputs + sharded + core + stats
@@ -174,7 +181,7 @@ def config_layer_bytes(cfg: Config, recompute: str, am: ActivationModel) -> floa
     assert mc.ffn_hidden_size is not None
     return layer_activation_bytes(
         cfg.train.micro_batch_size,
-        mc.seq_length,
+        local_seq(cfg),
         mc.hidden_size,
         mc.num_attention_heads,
         mc.ffn_hidden_size,
@@ -185,7 +192,41 @@ def config_layer_bytes(cfg: Config, recompute: str, am: ActivationModel) -> floa
         gated_mlp(mc),
         query_groups(mc) / mc.num_attention_heads,
         mc.parallel_residual,
+        key_seq=mc.seq_length,
     )
+
+
+def local_seq(cfg: Config) -> int:
+    """Tokens of each sequence one rank computes: model.seq_length, or its 1/cp share under context
+    parallelism (two load-balanced chunks)."""
+    return cfg.model.seq_length // cfg.parallel.cp
+
+
+def context_parallel_mask_bytes(cfg: Config, device_kind: str) -> tuple[float, float, float]:
+    """(bytes kept for the whole run, per micro-batch until its backward, per layer and micro-batch) of
+    a context-parallel rank's attention masks (models/layers.py, models/context_parallel.py):
+
+    - causal blocks (`causal_blocks_under_cp`): on a GPU none (torch's lower-right causal bias is no
+      tensor); on a CPU the additive masks of the rank's chunks past the first, made once and shared
+      by every layer and step (`ContextParallel.lower_right_mask`): at most c^2 (2cp + 1) elements in
+      the attention dtype;
+    - the mask of global positions, boolean [1, 1, s, S] (per sample [b, 1, s, S] with packed
+      documents or BERT's padding): SDPA converts it to an additive mask in the attention dtype at each
+      layer and keeps that copy (measured on the CPU: an fp32 leaf per layer); ALiBi's bias [1 or b,
+      n/tp, s, S] is made once per micro-batch in the attention dtype and every layer keeps the same.
+    (0, 0, 0) without cp."""
+    mc, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return 0.0, 0.0, 0.0
+    am = activation_model(cfg, device_kind)
+    if causal_blocks_under_cp(mc):
+        c = mc.seq_length // (2 * p.cp)
+        return (c * c * (2 * p.cp + 1) * am.act_bytes if device_kind == "cpu" else 0.0), 0.0, 0.0
+    per_sample = mc.reset_attention_mask or mc.type == "bert"
+    rows = (cfg.train.micro_batch_size if per_sample else 1) * local_seq(cfg) * mc.seq_length
+    if mc.position_embedding_type == "alibi":
+        return 0.0, rows * mc.num_attention_heads / p.tp * am.act_bytes, 0.0
+    return 0.0, 0.0, float(rows * (4 if device_kind == "cpu" else am.act_bytes))
 
 
 def korthikanti(
@@ -287,7 +328,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
     host += int(host_checkpoint_bytes(cfg, sp_, pp_rank, device_kind))
     if optimizer and sp_.last and p.pp == 1:
         # the trainer still holds the last micro-batch's outputs (logits) during the step
-        optimizer["logits_and_loss"] = int(t.micro_batch_size * mc.seq_length * vocab(mc) / p.tp * e)
+        optimizer["logits_and_loss"] = int(t.micro_batch_size * local_seq(cfg) * vocab(mc) / p.tp * e)
     backward.update(common)
     optimizer.update(common)
     if sum(optimizer.values()) > sum(backward.values()):
@@ -305,7 +346,8 @@ def _replicated_states(cfg: Config, sp_: StageParams) -> tuple[dict[str, int], d
     at the optimizer step, every parameter and gradient whole on each rank."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    P, dp, zero = sp_.total, p.dp, p.zero_stage
+    # gradients reduced (ZeRO-1: optimizer state sharded) over dp x cp: cp ranks hold the same parameters
+    P, dp, zero = sp_.total, p.dp * p.cp, p.zero_stage
     e = DTYPE_BYTES[t.precision]
     k = optimizer_bytes_per_param(cfg)
     precision = t.precision
@@ -351,8 +393,9 @@ def _sharded_states(
     bytes offloading keeps on the host."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    # sharded over dp_shard ranks: all of dp, or (hybrid sharding) each replica's shard group
-    P, dp, zero = sp_.total, dp_shard_size(p), p.zero_stage
+    # sharded over dp_shard ranks: all of dp, or (hybrid sharding) each replica's shard group; x cp
+    # under context parallelism (torchtitan's dp_shard_cp)
+    P, dp, zero = sp_.total, dp_shard_size(p) * p.cp, p.zero_stage
     k = optimizer_bytes_per_param(cfg)
     offload = p.offload_optimizer or p.offload_param
     gather_bytes = _gather_bytes(cfg)
@@ -458,7 +501,7 @@ def host_checkpoint_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_ki
     assert t.gradient_accumulation_steps is not None
     seq_shard = p.tp if p.sequence_parallel else 1
     sliced = seq_shard * (p.tp if p.distribute_saved_activations else 1)
-    bsh = t.micro_batch_size * mc.seq_length * mc.hidden_size
+    bsh = t.micro_batch_size * local_seq(cfg) * mc.hidden_size
     per_layer = activation_model(cfg, device_kind).residual_bytes * bsh / sliced
     inflight = inflight_microbatches(
         p.pipeline_schedule, p.pp, p.virtual_pipeline_stages, t.gradient_accumulation_steps, pp_rank
@@ -500,9 +543,13 @@ def activation_bytes(
     if mode == "full":
         per_layer = per_layer * kept_input_fraction(cfg, device_kind) / p.checkpoint_num_layers
     total = per_layer * layers * inflight
+    if layers:
+        kept, shared, per_layer_mask = context_parallel_mask_bytes(cfg, device_kind)
+        # selective and full recompute rerun the attention core in backward: its masks are not kept
+        total += kept + (shared + (per_layer_mask * layers if mode == "none" else 0.0)) * inflight
     # the embedding's dropout mask (its output is the first block's input, counted there)
     seq_shard = p.tp if p.sequence_parallel else 1
-    bsh = t.micro_batch_size * mc.seq_length * mc.hidden_size
+    bsh = t.micro_batch_size * local_seq(cfg) * mc.hidden_size
     if sp_.first:
         total += am.mask_bytes * bsh * inflight
     if p.pp > 1:
@@ -539,7 +586,7 @@ def logits_bytes(
         return 0.0
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     e = DTYPE_BYTES[t.precision]
-    b, s, h = t.micro_batch_size, mc.seq_length, mc.hidden_size
+    b, s, h = t.micro_batch_size, local_seq(cfg), mc.hidden_size
     v = vocab(mc)
     logits = b * s * v / p.tp
     # BERT's head saves the dense input, gelu input, norm input (fp32 under autocast) and logits input;

@@ -209,19 +209,21 @@ def candidate_layouts(
     cfg: Config, world_size: int, global_batch: int, devices_per_node: int | None = None
 ) -> list[Layout]:
     """Every layout of world_size devices for this global batch: tp (powers of two dividing the
-    heads), pp (divisors of the layers), dp the rest; ZeRO 0-3 with the offload variants; micro-batch
-    sizes dividing the per-replica batch; recompute none/selective/full; schedules with 2 and 4
-    virtual stages for the interleaved ones; sequence parallel with tp > 1; for ZeRO-2/3 whose dp
-    spans nodes, hybrid sharding within a node (dp_shard = devices_per_node / tp). Invalid ones are
-    dropped by config.rules.check_layout."""
+    heads), cp (`context_parallel_sizes`), pp (divisors of the layers), dp the rest; ZeRO 0-3 with
+    the offload variants; micro-batch sizes dividing the per-replica batch; recompute
+    none/selective/full; schedules with 2 and 4 virtual stages for the interleaved ones; sequence
+    parallel with tp > 1; for ZeRO-2/3 whose dp spans nodes, hybrid sharding within a node
+    (dp_shard = devices_per_node / tp). Invalid ones are dropped by config.rules.check_layout."""
     m = cfg.model
     out: list[Layout] = []
     tps = [t for t in _divisors(world_size) if t & (t - 1) == 0 and m.num_attention_heads % t == 0]
-    for tp in tps:
-        for pp in _divisors(world_size // tp):
+    for tp, cp in itertools.product(tps, context_parallel_sizes(m.seq_length, world_size)):
+        if world_size % (tp * cp):
+            continue
+        for pp in _divisors(world_size // (tp * cp)):
             if m.num_layers % pp:
                 continue
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * cp * pp)
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
@@ -241,7 +243,7 @@ def candidate_layouts(
                 if (dp == 1 and zero in (1, 2)) or (dp == 1 and zero == 3 and not off_opt):
                     continue  # nothing to shard
                 acc = per_replica // mb
-                layout = Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp)
+                layout = Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp, cp=cp)
                 out += _memory_variants(layout)
                 node_shard = (devices_per_node or 0) // tp
                 if zero >= 2 and 1 < node_shard < dp and dp % node_shard == 0:
@@ -249,8 +251,25 @@ def candidate_layouts(
     return out
 
 
+# Below this many tokens per rank, context parallelism is not searched: its per-layer key/value
+# gathers then cost more than the attention they split (Llama 3 used it from 8k tokens up, 16-way at 128k)
+MIN_CONTEXT_PARALLEL_TOKENS = 4096
+
+
+def context_parallel_sizes(seq_length: int, world_size: int) -> list[int]:
+    """cp sizes the search tries: 1, and the powers of two that split a long sequence into two
+    load-balanced chunks per rank of at least MIN_CONTEXT_PARALLEL_TOKENS / 2 tokens each."""
+    sizes = [1]
+    cp = 2
+    while cp <= world_size and seq_length % (2 * cp) == 0 and seq_length // cp >= MIN_CONTEXT_PARALLEL_TOKENS:
+        sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
 # Layout fields printed beside --json's "layout" object (whose keys issue 13 fixed)
 MEMORY_OPTIONS = (
+    "cp",
     "dp_shard",
     "sequence_parallel",
     "reduce_each_micro_batch",

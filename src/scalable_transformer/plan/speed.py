@@ -23,7 +23,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.model_shapes import ModelShape, causal_attention, gated_mlp, query_groups, stage_params, vocab
+from ..config.model_shapes import (
+    ModelShape,
+    causal_attention,
+    causal_blocks_under_cp,
+    gated_mlp,
+    query_groups,
+    stage_params,
+    vocab,
+)
 from ..config.rules import dp_shard_size
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
@@ -48,6 +56,7 @@ PHASES = (
     "optimizer",
     "grads_sync",
     "tp_communication",
+    "cp_communication",
     "pipeline_bubble",
     "pipeline_p2p",
     "offload",
@@ -252,10 +261,13 @@ class _Shape:
     attention_dropout: bool  # of the attention probabilities (counted on the math path)
     sp: bool
     fp8: str = "none"  # train.fp8: the blocks' linear layers run float8 GEMMs (torchao)
+    cp: int = 1  # context parallel: each rank computes s / cp of the s tokens against all s keys
+    masked_cp: bool = False  # cp > 1 under an explicit mask, which computes the masked half too
 
     @property
     def tokens(self) -> int:
-        return self.b * self.s
+        """Tokens of the micro-batch this rank computes (its 1/cp share under context parallelism)."""
+        return self.b * self.s // self.cp
 
 
 def _layer_gemms(sh: _Shape) -> list[tuple[int, int, int]]:
@@ -299,16 +311,20 @@ def _float8_cast_bytes(sh: _Shape, gemms: list[tuple[int, int, int]]) -> tuple[f
 
 def _attention_seconds(rates: _ProfileRates, sh: _Shape) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core of one layer on one rank: forward
-    4 b s^2 (n / t) d FLOPs, halved when causal; backward 2.5x (flash-attention's convention)."""
+    4 b s^2 (n / t) d FLOPs, halved when causal; backward 2.5x (flash-attention's convention).
+    Context parallelism: the rank's b s / cp queries against the s keys, 4 (b s / cp) s (n / t) d,
+    halved when causal blocks skip the masked half (`causal_blocks_under_cp`); under an explicit
+    mask of global positions (`masked_cp`) not, at the rate of non-causal attention."""
     heads = sh.n / sh.tp
-    fwd_flops = 4.0 * sh.b * sh.s * sh.s * heads * sh.d * (0.5 if sh.causal else 1.0)
-    fwd_rate = rates.attention(sh.kernel, sh.dtype, sh.s, sh.d, sh.causal, "fwd")
-    bwd_rate = rates.attention(sh.kernel, sh.dtype, sh.s, sh.d, sh.causal, "bwd")
+    causal = sh.causal and not sh.masked_cp
+    fwd_flops = 4.0 * sh.tokens * sh.s * heads * sh.d * (0.5 if causal else 1.0)
+    fwd_rate = rates.attention(sh.kernel, sh.dtype, sh.s, sh.d, causal, "fwd")
+    bwd_rate = rates.attention(sh.kernel, sh.dtype, sh.s, sh.d, causal, "bwd")
     if fwd_rate is None or bwd_rate is None:
         # no attention points: the two batched GEMMs (q k^T and p v) at the GEMM rate; the causal
         # mask saves nothing on the math path, and its softmax is memory-bound work (_layer_bytes)
-        rate = rates.gemm(sh.s, sh.s, sh.d, sh.dtype)
-        full = 4.0 * sh.b * sh.s * sh.s * heads * sh.d
+        rate = rates.gemm(sh.s // sh.cp, sh.s, sh.d, sh.dtype)
+        full = 4.0 * sh.tokens * sh.s * heads * sh.d
         return full / rate, 2 * full / rate
     return fwd_flops / fwd_rate, 2.5 * fwd_flops / bwd_rate
 
@@ -374,6 +390,8 @@ def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shap
         attention_dropout=mc.attention_dropout > 0,
         sp=p.sequence_parallel,
         fp8=cfg.train.fp8,
+        cp=p.cp,
+        masked_cp=p.cp > 1 and not causal_blocks_under_cp(mc),
     )
 
 
@@ -517,6 +535,21 @@ def _tp_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> f
     return seconds
 
 
+def _cp_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> float:
+    """Context-parallel collectives of one rank per micro-batch, none hidden (parallel/context.py
+    gathers in the attention's critical path): each layer all-gathers the keys and values of the whole
+    sequence (b s 2 g/t d elements over the cp ranks, which sit tp apart) and its backward
+    reduce-scatters their gradients; full recompute gathers again."""
+    p = cfg.parallel
+    if p.cp <= 1:
+        return 0.0
+    kv = sh.b * sh.s * 2 * sh.g / sh.tp * sh.d * sh.e
+    gathers = 2 if p.activation_checkpointing == "full" else 1
+    per_layer = gathers * rates.collective("all_gather", p.cp, kv, p.tp)
+    per_layer += rates.collective("reduce_scatter", p.cp, kv, p.tp)
+    return layers * per_layer
+
+
 def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, float]:
     """(seconds of the step's data-parallel collectives, of them overlappable with compute): DDP's
     gradient all-reduce (ZeRO-1 adds the parameters' broadcast); FSDP's per-unit reduce-scatter
@@ -524,7 +557,8 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     one collective per unit (a block, plus the root parameters) so each pays its latency."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    dp, m, stride = p.dp, t.gradient_accumulation_steps, p.tp * p.pp
+    # gradients are reduced over dp x cp (context-parallel ranks hold the same parameters)
+    dp, m, stride = p.dp * p.cp, t.gradient_accumulation_steps, p.tp * p.pp
     if dp <= 1:
         return 0.0, 0.0
     grad_e = DTYPE_BYTES[p.grad_reduce_dtype]
@@ -544,7 +578,7 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     scatters = m if p.reduce_each_micro_batch else 1
     # hybrid sharding: gathers and reduce-scatters within the dp_shard ranks (adjacent in dp), then
     # each unit's gradient shard all-reduced across the dp / dp_shard replicas (FSDP2 HSDP)
-    replicas, dp = dp // dp_shard_size(p), dp_shard_size(p)
+    replicas, dp = dp // (dp_shard_size(p) * p.cp), dp_shard_size(p) * p.cp
     across = [rates.collective("all_reduce", replicas, grad_e * u / dp, stride * dp) for u, _ in units]
     unit_e = [block_e, gather_e][: len(units)]  # the blocks', then the root's
     gather = sum(
@@ -604,7 +638,8 @@ def _optimizer_seconds(cfg: Config, rates: _ProfileRates, total_params: int) -> 
     the host link."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
-    shard = total_params / (p.dp if p.zero_stage == 1 else dp_shard_size(p) if p.zero_stage >= 2 else 1)
+    sharded_over = {0: 1, 1: p.dp * p.cp}.get(p.zero_stage, dp_shard_size(p) * p.cp)
+    shard = total_params / sharded_over
     opt_bytes = shard * optimizer_step_bytes(cfg)
     offload = p.offload_optimizer or p.offload_param
     out: dict[str, dict[str, float]] = {}
@@ -661,6 +696,7 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         for c, sec in by_class.items():
             tally.add(phase, c, sec * m)
     tally.add("tp_communication", "communication", _tp_seconds(cfg, rates, sh, sp_.layers) * m)
+    tally.add("cp_communication", "communication", _cp_seconds(cfg, rates, sh, sp_.layers) * m)
     # host-kept checkpointed inputs: phase "offload", breakdown part "checkpoint_transfers"
     tally.add(
         "checkpoint_offload", "communication", _checkpoint_transfer_seconds(cfg, rates, sh, sp_.layers) * m
@@ -707,6 +743,7 @@ def _assemble(
         "forward": "compute",
         "backward": "compute",
         "tp_communication": "tp_communication",
+        "cp_communication": "cp_communication",
         "grads_sync": "dp_communication",
         "pipeline_p2p": "pipeline_p2p",
         "pipeline_bubble": "pipeline_bubble",
