@@ -199,10 +199,12 @@ def _group_names(dims: Any) -> dict[str, str]:
     world = dist.group.WORLD
     names: dict[str, str] = {str(world.group_name): "world"} if world is not None else {}
     if dims.mesh is not None:
-        for dim in ("pp", "dp", "tp"):
+        for dim in ("pp", "dp", "cp", "tp"):
             names[str(dims.sub_mesh(dim).get_group().group_name)] = dim
         for dim in ("dp_replicate", "dp_shard") if dims.hybrid else ():  # HSDP's two halves of dp
             names[str(dims.mesh[dim].get_group().group_name)] = dim
+        if dims.cp > 1:  # gradients are reduced over dp x cp
+            names.setdefault(str(dims.grad_group.group_name), "dp_cp")
     return names
 
 
