@@ -29,7 +29,7 @@ test: lint
 # the inner loop: lint and the unit tests but their slowest (marked slow: a dry run, a CPU measurement, a
 # subprocess; CI runs them all), no daemons
 test-fast: lint
-	$(PY) -m pytest tests/unit -q -m "not slow"
+	$(PY) -m pytest tests/unit -q -m "not slow" -n 2
 
 docs: setup
 	$(VENV)/bin/stx config docs --update README.md docs/CONFIG.md

@@ -32,6 +32,7 @@ SMALL = [
     "train.global_batch_size=4",
     "model.seq_length=32",
     "model.hidden_size=64",
+    "data.tokenizer_vocab_size=2048",
     "train.eval_iters=0",
     "logging.log_interval=10",
     "logging.tensorboard=false",
