@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..config.model_shapes import (
     StageParams,
+    causal_attention,
     causal_blocks_under_cp,
     gated_mlp,
     lm_head_transform,
@@ -222,7 +223,7 @@ def context_parallel_mask_bytes(cfg: Config, device_kind: str) -> tuple[float, f
     if causal_blocks_under_cp(mc):
         c = mc.seq_length // (2 * p.cp)
         return (c * c * (2 * p.cp + 1) * am.act_bytes if device_kind == "cpu" else 0.0), 0.0, 0.0
-    per_sample = mc.reset_attention_mask or mc.type == "bert"
+    per_sample = mc.reset_attention_mask or not causal_attention(mc)  # BERT: its padding mask
     rows = (cfg.train.micro_batch_size if per_sample else 1) * local_seq(cfg) * mc.seq_length
     if mc.position_embedding_type == "alibi":
         return 0.0, rows * mc.num_attention_heads / p.tp * am.act_bytes, 0.0
