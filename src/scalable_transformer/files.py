@@ -56,6 +56,23 @@ def atomic_output(path: Path, *, durable: bool = False) -> Iterator[BinaryIO]:
         raise
 
 
+def write_once(path: Path, data: bytes) -> bool:
+    """`data` into `path` unless a file is there already, all at once; False (and nothing written)
+    when another process published `path` first: a cache entry that concurrent processes each build
+    (two runs starting on a cold cache trained tokenizers of 10093 and 10089 tokens, measured) must be
+    the same for all of them, so each uses the one that won (os.link fails on an existing name)."""
+    tmp = temporary_beside(path)
+    try:
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o644)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> None:
     """`data` (str as UTF-8) into `path` through `atomic_output`."""
     with atomic_output(path, durable=durable) as f:

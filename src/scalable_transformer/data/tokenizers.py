@@ -8,7 +8,6 @@ tokenizer.json in the user cache directory, keyed by vocabulary size and corpus 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -25,6 +24,7 @@ from scalable_transformer.cache import cache_dir
 from scalable_transformer.data.corpus import _atomic_write, corpus_fingerprint, embedded_documents
 from scalable_transformer.data.text_readers import iter_texts
 from scalable_transformer.errors import PreprocessError
+from scalable_transformer.files import write_once
 
 # Bump when the embedded tokenizer's recipe changes, so stale caches are not reused.
 TOKENIZER_VERSION = 1
@@ -171,21 +171,29 @@ def _train_wordpiece(
     return tok
 
 
+def _embedded_name(vocab_size: int) -> str:
+    """The cache file name of the embedded tokenizer of `vocab_size` tokens (recipe and corpus keyed)."""
+    return f"tokenizer-wordpiece-v{TOKENIZER_VERSION}-{vocab_size}-{corpus_fingerprint()[:16]}.json"
+
+
 def _embedded(vocab_size: int) -> Tokenizer:
     if vocab_size < 64:
         raise ValueError(f"tokenizer_vocab_size must be at least 64, got {vocab_size}")
-    path = (
-        cache_dir()
-        / f"tokenizer-wordpiece-v{TOKENIZER_VERSION}-{vocab_size}-{corpus_fingerprint()[:16]}.json"
-    )
+    path = cache_dir() / _embedded_name(vocab_size)
     if path.is_file():
         try:
             return Tokenizer(HFTokenizer.from_file(str(path)), name=f"embedded-{vocab_size}")
         except Exception:  # corrupt cache (the Rust side raises plain Exception): retrain
             pass
     hf = train_wordpiece(embedded_documents(), vocab_size)
-    with contextlib.suppress(OSError):  # unwritable cache: still usable, just retrained next time
-        _atomic_write(path, hf.to_str(pretty=True).encode("utf-8"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not write_once(path, hf.to_str(pretty=True).encode("utf-8")):
+            # another process cached its own first (training is not deterministic): use that one, so
+            # that every run on this cache has the same vocabulary
+            hf = HFTokenizer.from_file(str(path))
+    except OSError:  # unwritable cache: still usable, just retrained next time
+        pass
     return Tokenizer(hf, name=f"embedded-{vocab_size}")
 
 
