@@ -14,13 +14,6 @@ import pytest
 
 SCRIPTS = Path(__file__).parents[2] / "scripts" / "cluster"
 NOT_INSTALLABLE = 3  # install.sh's exit status when it cannot install (the reason is on stderr)
-# The niceness of the worker that runs the cluster's tests while they run (`make test` runs two pytest
-# workers; these tests stay on one, see their xdist_group): its daemons, and the job steps slurmd and
-# sshd start (which inherit the daemons' niceness), come before the other worker's tests on the shared
-# cores. The Slurm tests are sized in seconds of training at the speed they measure first; a neighbour
-# whose load came and went between the measurement and the jobs made a job train more or less than
-# planned. Root only, as the cluster is.
-CLUSTER_NICE = -5
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +29,6 @@ def cluster(tmp_path_factory):
     assert install.returncode == 0, install.stderr[-3000:]
     directory = tmp_path_factory.mktemp("cluster")
     saved: dict[str, str | None] = {}
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, CLUSTER_NICE)
     up = subprocess.run([str(SCRIPTS / "up.sh"), str(directory)], capture_output=True, text=True, timeout=180)
     try:
         assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
@@ -52,7 +43,6 @@ def cluster(tmp_path_factory):
         yield directory
     finally:
         subprocess.run([str(SCRIPTS / "down.sh"), str(directory)], timeout=60, check=False)
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
