@@ -224,6 +224,18 @@ def reference(tmp_path_factory):
     return {model: train(overrides, root / model) for model, overrides in MODELS.items()}
 
 
+def assert_layouts_match(
+    world: int, model: list[str], cases: dict[str, list[str]], want: dict[str, list[float]], tmp_path: Path
+) -> None:
+    """Every layout of `cases` (overrides on top of the model's) trains like the single-process run
+    `want`: all of them in one set of `world` gloo processes, one after another."""
+    runs = {name: [*model, *overrides] for name, overrides in cases.items()}
+    results = run_distributed(_layouts, world, runs, str(tmp_path), tmp_dir=tmp_path, timeout=900)
+    assert results[0] is not None
+    for name, got in results[0].items():
+        assert_same(name, got, want)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_single_process_options_match(model, reference, tmp_path):
     for name, overrides in SINGLE.items():
@@ -237,11 +249,7 @@ def test_single_process_options_match(model, reference, tmp_path):
     ids=["2-processes", "4-processes", "2-processes-cp", "4-processes-cp"],
 )
 def test_layouts_match_single_process(model, world, cases, reference, tmp_path):
-    cases = {name: [*MODELS[model], *overrides] for name, overrides in cases.items()}
-    results = run_distributed(_layouts, world, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
-    assert results[0] is not None
-    for name, got in results[0].items():
-        assert_same(name, got, reference[model])
+    assert_layouts_match(world, MODELS[model], cases, reference[model], tmp_path)
 
 
 # The Llama shape (GPT options): grouped-query attention with 2 groups on tp 2 (one whole group per
@@ -281,11 +289,7 @@ def llama_reference(tmp_path_factory):
     ids=["2-processes", "4-processes", "2-processes-cp", "4-processes-cp"],
 )
 def test_llama_shape_layouts_match_single_process(model, world, cases, llama_reference, tmp_path):
-    cases = {name: [*LLAMA_MODELS[model], *overrides] for name, overrides in cases.items()}
-    results = run_distributed(_layouts, world, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
-    assert results[0] is not None
-    for name, got in results[0].items():
-        assert_same(name, got, llama_reference[model])
+    assert_layouts_match(world, LLAMA_MODELS[model], cases, llama_reference[model], tmp_path)
 
 
 # The architectures imported configs name (issue 40), through tensor parallelism (with sequence
@@ -347,17 +351,9 @@ def arch_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("model", list(ARCH_MODELS))
 def test_architectures_train_to_the_single_process_losses(model, arch_reference, tmp_path):
-    cases = {name: [*ARCH_MODELS[model], *overrides] for name, overrides in ARCH_TWO.items()}
-    results = run_distributed(_layouts, 2, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
-    assert results[0] is not None
-    for name, got in results[0].items():
-        assert_same(name, got, arch_reference[model])
+    assert_layouts_match(2, ARCH_MODELS[model], ARCH_TWO, arch_reference[model], tmp_path)
 
 
 @pytest.mark.parametrize("model", ARCH_CP_MODELS)
 def test_architectures_under_context_parallelism(model, arch_reference, tmp_path):
-    cases = {name: [*ARCH_MODELS[model], *overrides] for name, overrides in ARCH_CP_TWO.items()}
-    results = run_distributed(_layouts, 2, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900)
-    assert results[0] is not None
-    for name, got in results[0].items():
-        assert_same(name, got, arch_reference[model])
+    assert_layouts_match(2, ARCH_MODELS[model], ARCH_CP_TWO, arch_reference[model], tmp_path)

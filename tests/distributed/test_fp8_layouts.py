@@ -1,6 +1,6 @@
 """FP8 training (train.fp8) across 2 gloo ranks: llama-tiny trains with the float8 recipes under FSDP2
 (ZeRO-3) and under tensor parallelism, and its loss after 100 steps stays within FP8_LOSS_RTOL of the
-bf16 run's (tests/unit/test_fp8.py holds the measurement behind the tolerance); under ZeRO-3 the
+bf16 run's (tests/fp8_shapes.py holds the measurement behind the tolerance); under ZeRO-3 the
 tensorwise recipe all-gathers the blocks' weights in float8: half the bytes of the rowwise recipe's
 bf16 gathers, counted at the collective.
 
@@ -19,28 +19,16 @@ import torch.distributed as dist
 from harness import run_distributed
 from torch.distributed.checkpoint import FileSystemReader
 
+from fp8_shapes import FP8_LOSS_RTOL, STEPS
+from fp8_shapes import SMALL as FP8_SMALL
 from scalable_transformer.config.load import load_config
 from scalable_transformer.train.run import run_training
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# the shapes and tolerance of tests/unit/test_fp8.py, which holds the measured gaps (a test module
-# cannot import another's)
-SMALL = [
-    "train.precision=bf16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
-    "model.seq_length=32",
-    "model.hidden_size=64",
-    "data.tokenizer_vocab_size=2048",
-    "train.eval_iters=0",
-    "logging.log_interval=10",
-    "logging.tensorboard=false",
-    "logging.warmup_iters=0",
-    "parallel.timeout_minutes=5",
-]
-STEPS = 100
-FP8_LOSS_RTOL = 0.02
+# tests/fp8_shapes.py's shapes (and the measured gaps behind FP8_LOSS_RTOL), with a longer timeout for
+# the gloo process group
+SMALL = [*FP8_SMALL, "parallel.timeout_minutes=5"]
 
 # name -> (overrides, steps): the loss is compared after 100 steps; the rowwise layouts run 10 (they
 # are there for their all-gather bytes and to show they train: 100 more steps each would double the
