@@ -29,18 +29,20 @@ too), TP with and without SP (rowwise), pipelines.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torchao.float8 import (
-    Float8LinearConfig,
-    convert_to_float8_training,
-    precompute_float8_dynamic_scale_for_fsdp,
-)
-from torchao.float8.float8_linear import Float8Linear
-from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
 from ..errors import ConfigError
+
+# torchao is imported only where a float8 model is made or used: importing it takes 0.5 s and, on a
+# CPU build, prints two "Failed to load ... .so" lines (its CUDA kernels), in every process of every
+# run (python -X importtime, torch 2.13 / torchao 0.18). Until it is imported no module can be a
+# Float8Linear, which is how float8_tp_style and float8_all_gathers answer for bf16 models.
+_FLOAT8 = "torchao.float8.float8_linear"
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 
@@ -63,9 +65,11 @@ def check_float8_layout(recipe: str, tp: int, sequence_parallel: bool, device: t
         )
 
 
-def float8_linear_config(recipe: str, fsdp: bool) -> Float8LinearConfig:
-    """torchao's configuration of `recipe`; `fsdp`: the weights are sharded by FSDP2 (ZeRO-2/3), so a
-    tensorwise run all-gathers them in float8."""
+def float8_linear_config(recipe: str, fsdp: bool) -> Any:
+    """torchao's `Float8LinearConfig` of `recipe`; `fsdp`: the weights are sharded by FSDP2
+    (ZeRO-2/3), so a tensorwise run all-gathers them in float8."""
+    from torchao.float8 import Float8LinearConfig
+
     if recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
     if recipe == "rowwise":
@@ -81,8 +85,16 @@ def _in_blocks(module: nn.Module, fqn: str) -> bool:
 def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp: bool) -> list[str]:
     """Swap the blocks' nn.Linear for torchao's Float8Linear in place (before TP / FSDP are applied);
     returns the converted modules' names. Works on the meta device: weights are moved, not copied."""
+    from torchao.float8 import convert_to_float8_training
+
     convert_to_float8_training(model, module_filter_fn=_in_blocks, config=float8_linear_config(recipe, fsdp))
-    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    return [name for name, m in model.named_modules() if _is_float8(m)]
+
+
+def _is_float8(module: nn.Module) -> bool:
+    """Whether `module` is torchao's Float8Linear (never, while torchao is not imported)."""
+    float8 = sys.modules.get(_FLOAT8)
+    return float8 is not None and isinstance(module, float8.Float8Linear)
 
 
 def float8_tp_style(module: nn.Module, style: ParallelStyle) -> ParallelStyle:
@@ -90,8 +102,10 @@ def float8_tp_style(module: nn.Module, style: ParallelStyle) -> ParallelStyle:
     float8 before the all-gather, output gradients cast in backward) in place of torch's plain ones
     when `module` is a tensorwise float8 linear; `style` unchanged otherwise (rowwise float8 linears
     keep the plain styles, which torchao's float8 styles do not support)."""
-    if not isinstance(module, Float8Linear) or not _tensorwise(module):
+    if not _is_float8(module) or not _tensorwise(module):
         return style
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
     if type(style) is ColwiseParallel:
         return Float8ColwiseParallel(
             input_layouts=style.input_layouts[0],
@@ -107,20 +121,20 @@ def float8_tp_style(module: nn.Module, style: ParallelStyle) -> ParallelStyle:
     return style
 
 
-def _tensorwise(module: Float8Linear) -> bool:
+def _tensorwise(module: Any) -> bool:
     return module.config == float8_linear_config("tensorwise", module.config.enable_fsdp_float8_all_gather)
 
 
 def float8_all_gathers(model: nn.Module) -> bool:
     """Whether any float8 linear of `model` all-gathers its weight in float8 under FSDP2 (then the
     scales must be refreshed after each optimizer step: `refresh_float8_scales`)."""
-    return any(
-        isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules()
-    )
+    return any(_is_float8(m) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
 
 
 def refresh_float8_scales(model: nn.Module) -> None:
     """After an optimizer step: every float8-all-gathered weight's next scale (amax over its shards),
     for all of them in one all-reduce instead of one per weight at its all-gather (torchtitan's
     `precompute_float8_dynamic_scale_for_fsdp` call)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
     precompute_float8_dynamic_scale_for_fsdp(model)
