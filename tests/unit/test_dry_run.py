@@ -112,6 +112,9 @@ STEP_LAYOUTS = {
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pipeline_schedule=1f1b", "train.gradient_accumulation_steps=2"],
     "zero3-bf16": ["parallel.zero_stage=3", "train.precision=bf16"],
+    # context parallelism's causal blocks: torch's lower-right causal bias, which fake CUDA must run as
+    # a GPU does (a causal kernel, no mask); it failed in SDPA's dispatch before
+    "dp2-cp2-bf16": ["parallel.cp=2", "train.precision=bf16"],
 }
 # what a logging step reads, and why: the step ledger's metrics and gradient norms (one read), the step
 # clock's last CUDA event, the per-phase min/max over ranks and every rank's busy time (two all-reduces

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from .engine_stubs import patched
 from .torch_internals import torch_library
@@ -220,6 +221,11 @@ def _sdpa(original: Any) -> Any:
             return original(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
             )
+        if isinstance(attn_mask, CausalBias):
+            # context parallelism's causal blocks (models/layers.py, `causal_lower_right`): a tensor
+            # subclass with no data, which a GPU runs as the causal flash or memory-efficient kernel
+            # aligned to the lower right (torch's CausalBias._dispatch), with no mask in memory
+            attn_mask, is_causal = None, True
         if enable_gqa and key.shape[-3] != query.shape[-3]:
             # grouped-query attention: the memory-efficient kernel takes as many k/v heads as q heads
             # (CUDA's flash kernel shares them; the expanded copies over-count its memory slightly)
