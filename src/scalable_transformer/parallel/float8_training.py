@@ -128,7 +128,8 @@ def _tensorwise(module: Any) -> bool:
 def float8_all_gathers(model: nn.Module) -> bool:
     """Whether any float8 linear of `model` all-gathers its weight in float8 under FSDP2 (then the
     scales must be refreshed after each optimizer step: `refresh_float8_scales`)."""
-    return any(_is_float8(m) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
+    linears: list[Any] = [m for m in model.modules() if _is_float8(m)]
+    return any(m.config.enable_fsdp_float8_all_gather for m in linears)
 
 
 def refresh_float8_scales(model: nn.Module) -> None:
