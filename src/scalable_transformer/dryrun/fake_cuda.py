@@ -226,16 +226,16 @@ def _sdpa(original: Any) -> Any:
             # subclass with no data, which a GPU runs as the causal flash or memory-efficient kernel
             # aligned to the lower right (torch's CausalBias._dispatch), with no mask in memory
             attn_mask, is_causal = None, True
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            # grouped-query attention: the memory-efficient kernel takes as many k/v heads as q heads
-            # (CUDA's flash kernel shares them; the expanded copies over-count its memory slightly)
-            repeats = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
         aten = torch.ops.aten
         if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            # CUDA's flash kernel reads grouped-query keys and values as they are: no expanded copies
             return aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale
             )[0]
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            # grouped-query attention: the memory-efficient kernel takes as many k/v heads as q heads
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
         bias = attn_mask
         if bias is not None and bias.dtype == torch.bool:  # True = attend, as SDPA takes it
             bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
