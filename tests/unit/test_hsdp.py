@@ -98,3 +98,18 @@ def test_the_planner_prices_gathers_within_a_node_and_the_all_reduce_across_node
     assert hybrid.time.breakdown["dp_communication"] + hybrid.time.dp_overlapped_seconds > (
         node.time.breakdown["dp_communication"] + node.time.dp_overlapped_seconds
     )
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_with_context_parallelism_names_its_groups():
+    """dp 2 x cp 2 with dp_shard 1: FSDP2 shards over dp_shard x cp (2 ranks) and all-reduces across the
+    2 replicas, on groups of their own that the dry run names (it listed them by number before)."""
+    overrides = [*TINY, "parallel.zero_stage=3", "parallel.dp_shard=1", "parallel.cp=2"]
+    cfg = resolve(load_config("tiny-gpt", overrides), 4)
+    kinds = {(c["group"], c["kind"]) for c in dry.dry_run(cfg, 4, "cpu").to_dict()["collectives"]}
+    assert {
+        ("dp_shard_cp", "all_gather"),
+        ("dp_shard_cp", "reduce_scatter"),
+        ("dp_replicate", "all_reduce"),
+    } <= kinds
+    assert all(not group.isdigit() for group, _ in kinds), kinds

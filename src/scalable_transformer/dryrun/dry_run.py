@@ -205,6 +205,9 @@ def _group_names(dims: Any) -> dict[str, str]:
             names[str(dims.mesh[dim].get_group().group_name)] = dim
         if dims.cp > 1:  # gradients are reduced over dp x cp
             names.setdefault(str(dims.grad_group.group_name), "dp_cp")
+        if dims.hsdp_cp_mesh is not None:  # HSDP with cp: FSDP2 shards over dp_shard x cp, its own groups
+            for dim in ("dp_replicate", "dp_shard_cp"):
+                names.setdefault(str(dims.hsdp_cp_mesh[dim].get_group().group_name), dim)
     return names
 
 
