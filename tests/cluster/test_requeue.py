@@ -31,7 +31,8 @@ import pytest
 
 from scalable_transformer.launch.batch import SchedulerLauncher
 
-# xdist_group: `make test` runs two pytest workers; the tests sharing the session's daemons stay on one
+# `make test` runs these in a pytest of their own, after the others; under `pytest -n N --dist loadgroup`
+# the xdist_group keeps them on one worker, since they share one session's daemons and ports
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.slow,
