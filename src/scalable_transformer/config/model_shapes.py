@@ -104,6 +104,18 @@ def default_ffn_hidden_size(m: ModelConfig) -> int:
     return -(-f // m.ffn_multiple_of) * m.ffn_multiple_of
 
 
+def is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    """Whether layer `layer` (0-based, of the whole model) has a mixture of experts instead of a dense
+    MLP: model.num_experts > 0, at or after moe_first_k_dense, every moe_layer_freq-th (Megatron's
+    pattern: layer % freq == 0)."""
+    return m.num_experts > 0 and layer >= m.moe_first_k_dense and layer % m.moe_layer_freq == 0
+
+
+def moe_layers(m: ModelConfig) -> list[int]:
+    """The 0-based indices of the MoE layers (empty for a dense model)."""
+    return [i for i in range(m.num_layers) if is_moe_layer(m, i)]
+
+
 def norm_numel(m: ModelConfig) -> int:
     """Parameters of one norm layer: LayerNorm has weight and bias, RMSNorm only a weight."""
     return m.hidden_size * (1 if m.norm == "rmsnorm" else 2)

@@ -82,10 +82,40 @@ def check_model(m: ModelConfig) -> None:
             f"model.seq_length ({m.seq_length}) must be <= model.max_position_embeddings "
             f"({m.max_position_embeddings})"
         )
+    _check_moe(m)
     if m.type == "bert" and m.seq_length < 8:
         raise ConfigError(
             f"model.seq_length ({m.seq_length}) is too short for BERT samples ([CLS] A [SEP] B "
             "[SEP] needs at least 8)"
+        )
+
+
+def _check_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts settings agree with each other and with the model."""
+    moe_keys = ("moe_capacity_factor", "moe_shared_expert_size")
+    if m.num_experts == 0:
+        set_keys = [k for k in moe_keys if getattr(m, k) not in (None, 0)]
+        if set_keys:
+            raise ConfigError(
+                f"model.{set_keys[0]} = {getattr(m, set_keys[0])} configures mixture-of-experts layers, and "
+                "model.num_experts is 0 (a dense model): set model.num_experts > 0 or leave it unset"
+            )
+        return
+    if m.type != "gpt":
+        raise ConfigError(
+            f"model.num_experts = {m.num_experts}: mixture-of-experts layers are built for GPT models only; "
+            f"model.type is {m.type}"
+        )
+    if m.moe_router_topk > m.num_experts:
+        raise ConfigError(
+            f"model.moe_router_topk ({m.moe_router_topk}) must be <= model.num_experts ({m.num_experts}); "
+            f"valid: 1..{m.num_experts}"
+        )
+    if not any(i >= m.moe_first_k_dense and i % m.moe_layer_freq == 0 for i in range(m.num_layers)):
+        raise ConfigError(
+            f"model.num_experts = {m.num_experts} but no layer is an MoE layer: model.moe_first_k_dense "
+            f"({m.moe_first_k_dense}) and model.moe_layer_freq ({m.moe_layer_freq}) leave all "
+            f"{m.num_layers} layers dense"
         )
 
 
@@ -300,6 +330,7 @@ def layout_label(cfg: Config, with_dp: bool = True) -> str:
     p = cfg.parallel
     parts = [f"dp={p.dp}"] if with_dp else []
     parts += [f"cp={p.cp}"] if p.cp > 1 else []
+    parts += [f"ep={p.ep}"] if p.ep > 1 else []
     parts += [f"tp={p.tp}", f"pp={p.pp}", f"zero{p.zero_stage}"]
     if dp_shard_size(p) < p.dp:  # hybrid sharding: replicas of dp_shard-way shards
         parts.append(f"dp_shard={p.dp_shard}")
@@ -338,6 +369,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
     _check_zero(cfg)
     _check_tensor_parallel(cfg)
     check_context_parallel(cfg)
+    check_expert_parallel(cfg)
     _check_recompute(cfg)
     check_fp8(cfg)
     if p.pp > 1:
@@ -472,6 +504,34 @@ def check_context_parallel(cfg: Config) -> None:
             f"parallel.cp = {p.cp} with parallel.compile: not built yet (context parallelism composes with "
             "data parallelism (ZeRO 0-3, hybrid sharding), tensor parallelism with or without sequence "
             "parallelism and pipeline parallelism); set parallel.compile = false or parallel.cp = 1"
+        )
+
+
+def check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep: the routed experts split evenly over ep ranks taken from dp x cp."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep must be >= 1, got {p.ep}")
+    if p.ep == 1:
+        return
+    if m.num_experts == 0:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} splits the experts of a mixture-of-experts model; model.num_experts is 0 "
+            "(a dense model): set model.num_experts or parallel.ep = 1"
+        )
+    if m.num_experts % p.ep:
+        valid = [str(d) for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must divide model.num_experts ({m.num_experts}): every expert-parallel "
+            f"rank holds the same number of experts; valid: {', '.join(valid)}"
+        )
+    if (p.dp * p.cp) % p.ep:
+        ranks = p.dp * p.cp
+        valid = [str(d) for d in range(1, ranks + 1) if ranks % d == 0 and m.num_experts % d == 0]
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must divide parallel.dp x cp ({p.dp} x {p.cp} = {p.dp * p.cp}): the "
+            f"expert-parallel ranks are carved out of the data- and context-parallel ones; valid: "
+            f"{', '.join(valid)}"
         )
 
 

@@ -219,6 +219,88 @@ class ModelConfig:
         8.0, "Stretch of the long wavelengths under rope_scaling.", aliases=("rope-scaling-factor",), ge=1
     )
     tie_word_embeddings: bool = opt(True, "Share the input embedding with the output (LM) layer.")
+    num_experts: int = opt(
+        0,
+        "Mixture of experts (GPT only): routed experts per MoE layer; 0 = every layer has a dense MLP. "
+        "Each expert is an MLP of moe_ffn_hidden_size with the model's activation (Mixtral, OLMoE: "
+        "SwiGLU); a token goes to moe_router_topk of them (Megatron --num-experts, HF "
+        "num_local_experts, DeepSeek n_routed_experts, NeoX moe_num_experts).",
+        aliases=("num-experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+        ge=0,
+    )
+    moe_router_topk: int = opt(
+        2,
+        "MoE: experts each token is routed to (token choice; Megatron --moe-router-topk, HF "
+        "num_experts_per_tok, NeoX moe_top_k).",
+        aliases=("moe-router-topk", "num_experts_per_tok", "moe_top_k"),
+        gt=0,
+    )
+    moe_ffn_hidden_size: int | None = opt(
+        None,
+        "MoE: inner size of each routed expert's MLP; default ffn_hidden_size (Megatron "
+        "--moe-ffn-hidden-size, HF moe_intermediate_size, Mixtral's intermediate_size).",
+        aliases=("moe-ffn-hidden-size", "moe_intermediate_size"),
+        gt=0,
+    )
+    moe_router_score: str = opt(
+        "softmax",
+        "MoE: router score of each expert from its logit: softmax over the experts (Mixtral, OLMoE) or "
+        "sigmoid (DeepSeek-V3); the top-k scores weight the experts' outputs (Megatron "
+        "--moe-router-score-function).",
+        choices=("softmax", "sigmoid"),
+        aliases=("moe-router-score-function", "scoring_func"),
+    )
+    moe_norm_topk_prob: bool = opt(
+        True,
+        "MoE: rescale each token's top-k scores to sum to 1 (Mixtral and Megatron's default: softmax "
+        "after top-k); false keeps the scores as they are (OLMoE, Qwen-MoE: HF norm_topk_prob).",
+        aliases=("norm_topk_prob",),
+    )
+    moe_aux_loss_coeff: float = opt(
+        0.01,
+        "MoE: weight of the load-balancing loss (Switch/GShard: E x sum over experts of the share of "
+        "routed tokens x the mean router probability, per MoE layer), added to the training loss "
+        "(Megatron --moe-aux-loss-coeff, HF router_aux_loss_coef); 0 turns it off.",
+        aliases=("moe-aux-loss-coeff", "router_aux_loss_coef", "moe_loss_coeff"),
+        ge=0,
+    )
+    moe_z_loss_coeff: float = opt(
+        0.0,
+        "MoE: weight of the router z-loss (ST-MoE: mean squared logsumexp of the router logits), which "
+        "keeps router logits small (Megatron --moe-z-loss-coeff, OLMoE router_z_loss_coef 0.001).",
+        aliases=("moe-z-loss-coeff", "router_z_loss_coef"),
+        ge=0,
+    )
+    moe_capacity_factor: float | None = opt(
+        None,
+        "MoE: each expert takes at most capacity_factor x (tokens x topk / num_experts) tokens of a "
+        "micro-batch, the rest of its assignments are dropped (counted in the log); None = dropless "
+        "(Megatron --moe-expert-capacity-factor).",
+        aliases=("moe-expert-capacity-factor", "capacity_factor"),
+        gt=0,
+    )
+    moe_shared_expert_size: int = opt(
+        0,
+        "MoE: inner size of an always-on shared expert MLP added to every MoE layer's output "
+        "(DeepSeek: n_shared_experts x moe_intermediate_size; Megatron "
+        "--moe-shared-expert-intermediate-size); 0 = none.",
+        aliases=("moe-shared-expert-intermediate-size", "shared_expert_intermediate_size"),
+        ge=0,
+    )
+    moe_layer_freq: int = opt(
+        1,
+        "MoE: layer i (from 0) is an MoE layer when i % moe_layer_freq == 0 and i >= moe_first_k_dense; "
+        "the others keep a dense MLP of ffn_hidden_size (1: every layer, 2: every other; Megatron "
+        "--moe-layer-freq).",
+        aliases=("moe-layer-freq",),
+        gt=0,
+    )
+    moe_first_k_dense: int = opt(
+        0,
+        "MoE: the first k layers keep dense MLPs (DeepSeek first_k_dense_replace).",
+        aliases=("first_k_dense_replace", "moe-first-k-dense"),
+        ge=0,
+    )
     apply_residual_connection_post_layernorm: bool = opt(
         False,
         "Post-LN block ordering of the original BERT (LayerNorm after the residual add); default is pre-LN.",
@@ -251,6 +333,15 @@ class ParallelConfig:
         "parameters are replicated over cp and their gradients reduced over dp x cp (Megatron "
         "context-parallel-size, torchtitan context_parallel_degree).",
         aliases=("context-parallel-size", "context_parallel_degree", "context-parallel-degree"),
+        ge=1,
+    )
+    ep: int = opt(
+        1,
+        "Expert-parallel size (MoE only): the routed experts are split over this many ranks, carved "
+        "out of the dp x cp ranks (which hold replicas of everything else); tokens reach their "
+        "experts by all-to-all and come back the same way. Must divide model.num_experts and dp x cp "
+        "(Megatron expert-model-parallel-size, torchtitan expert_parallel_degree).",
+        aliases=("expert-model-parallel-size", "expert_parallel_degree", "expert-parallel-degree"),
         ge=1,
     )
     zero_stage: int = opt(

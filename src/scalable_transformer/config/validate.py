@@ -30,6 +30,8 @@ def resolve(cfg: Config, world_size: int = 1) -> ResolvedConfig:
         m.num_query_groups = m.num_attention_heads
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = default_ffn_hidden_size(m)
+    if m.num_experts and m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.vocab_size is None and cfg.data.tokenizer == "embedded" and cfg.data.vocab_file is None:

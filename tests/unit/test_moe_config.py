@@ -1,0 +1,48 @@
+"""The mixture-of-experts keys: Megatron/HF/NeoX names, derived sizes, and the rules that refuse
+settings no MoE layer could build."""
+
+from __future__ import annotations
+
+import pytest
+
+from scalable_transformer.config.load import ConfigError, load_config
+from scalable_transformer.config.model_shapes import moe_layers
+from scalable_transformer.config.rules import layout_label
+from scalable_transformer.config.validate import resolve
+
+
+def test_peer_names_set_the_moe_keys_and_the_expert_size_is_derived():
+    cfg = resolve(
+        load_config(
+            "tiny-gpt",
+            ["num_local_experts=8", "num_experts_per_tok=2", "moe-layer-freq=2", "router_aux_loss_coef=0.02"],
+        )
+    )
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_layer_freq, m.moe_aux_loss_coeff) == (8, 2, 2, 0.02)
+    assert m.moe_ffn_hidden_size == m.ffn_hidden_size
+    assert moe_layers(m) == list(range(0, m.num_layers, 2))
+
+
+def test_expert_parallel_size_is_part_of_the_layout_label():
+    overrides = ["model.num_experts=4", "expert-model-parallel-size=2"]
+    cfg = resolve(load_config("tiny-gpt", overrides), world_size=2)
+    assert cfg.parallel.ep == 2
+    assert "ep=2" in layout_label(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "says"),
+    [
+        (["parallel.ep=2"], 2, "model.num_experts is 0"),
+        (["model.num_experts=3", "parallel.ep=2"], 2, "valid: 1, 3"),
+        (["model.num_experts=4", "parallel.ep=4"], 2, "must divide parallel.dp x cp"),
+        (["model.num_experts=4", "model.moe_router_topk=5"], 1, "valid: 1..4"),
+        (["model.moe_capacity_factor=1.25"], 1, "model.num_experts is 0"),
+        (["model.num_experts=4", "model.moe_first_k_dense=8"], 1, "no layer is an MoE layer"),
+        (["model.type=bert", "model.num_experts=4"], 1, "GPT models only"),
+    ],
+)
+def test_moe_settings_that_cannot_build_are_refused_by_name(overrides, world, says):
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        resolve(load_config("tiny-gpt", overrides), world_size=world)
