@@ -59,3 +59,41 @@ def test_fake_cuda_runs_a_cuda_backward_and_restores_everything():
     proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("restored")
+
+
+RMS_NORM_CHILD = textwrap.dedent(
+    """
+    import os
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from scalable_transformer.dryrun import fake_cuda as fc
+
+    saved = []
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+    with fc.fake_cuda(), FakeTensorMode():
+        norm = torch.nn.RMSNorm(16, device="cuda")
+        x = torch.empty(4, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = norm(x)
+        y.sum().backward()
+        assert y.dtype == torch.float32  # CUDA autocast runs rms_norm in fp32
+        assert x.grad.shape == x.shape and x.grad.dtype == torch.bfloat16
+        assert norm.weight.grad.shape == (16,)
+    print(sorted(saved, key=str), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_fake_cuda_rms_norm_keeps_what_the_fused_cuda_kernel_keeps():
+    # CUDA's _fused_rms_norm saves its (autocast fp32) input, the per-row rstd and the weight; the
+    # composite path a CPU build would take also keeps its fp32 normalised output (4 bytes/element more)
+    proc = subprocess.run([sys.executable, "-c", RMS_NORM_CHILD], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = proc.stdout.strip().splitlines()[-1]
+    assert saved == str(
+        sorted([((4, 16), torch.float32), ((4, 1), torch.float32), ((16,), torch.float32)], key=str)
+    )

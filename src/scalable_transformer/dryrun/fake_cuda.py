@@ -22,6 +22,10 @@ torch.cuda  current_device (FSDP2's device from the mesh), Stream / Event / curr
             silently disable themselves on "cuda" and activations would be fp32.
 memory      the allocator's statistics (the trainer's logging reads them): 0; the dry run's trace
             counts live tensor bytes itself.
+rms norm    on CUDA `rms_norm` runs the fused kernel (`_fused_rms_norm`), which keeps only its input
+            and the per-row rstd for backward; a CPU build has no CUDA kernel for it, so it would
+            take the composite path and keep a second fp32 copy of every norm's output. Routed to
+            an autograd function that keeps what the fused kernel keeps.
 attention   SDPA's kernel choice has no CUDA entry in a CPU build, so it would take the math path
             (an s x s fp32 score matrix per head). `scaled_dot_product_attention` is routed to the
             fused kernel a GPU picks: flash attention for fp16/bf16 without a mask, memory-efficient
@@ -246,6 +250,47 @@ def _sdpa(original: Any) -> Any:
     return scaled_dot_product_attention
 
 
+class _FusedRmsNorm(torch.autograd.Function):
+    """CUDA's fused RMSNorm as autograd sees it: forward `_fused_rms_norm`, backward
+    `_fused_rms_norm_backward`, saving (input, rstd, weight) and nothing else."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, shape: list[int], weight: torch.Tensor | None, eps: float | None
+    ) -> torch.Tensor:
+        with torch.no_grad():  # the composite's temporaries die here, as inside the CUDA kernel
+            y, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)
+        ctx.shape = shape
+        ctx.save_for_backward(x, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2]]
+        grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(grad_y, x, ctx.shape, rstd, weight, mask)
+        return grad_x, None, grad_w, None
+
+
+def _rms_norm(original: Any) -> Any:
+    def rms_norm(
+        input: torch.Tensor,
+        normalized_shape: list[int],
+        weight: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
+        if input.device.type != "cuda":
+            return original(input, normalized_shape, weight, eps)
+        if torch.is_autocast_enabled("cuda"):  # CUDA autocast runs rms_norm in fp32
+            input = input.float()
+            weight = None if weight is None else weight.float()
+        if weight is not None and weight.dtype != input.dtype:  # CUDA falls back to the composite too
+            return original(input, normalized_shape, weight, eps)
+        return _FusedRmsNorm.apply(input, list(normalized_shape), weight, eps)
+
+    return rms_norm
+
+
 def _python_stubs() -> list[tuple[Any, str, Any]]:
     c = torch.cuda
     F = torch.nn.functional
@@ -268,6 +313,7 @@ def _python_stubs() -> list[tuple[Any, str, Any]]:
         (c, "memory_allocated", lambda device=None: 0),
         (c, "memory_reserved", lambda device=None: 0),
         (F, "scaled_dot_product_attention", _sdpa(F.scaled_dot_product_attention)),
+        (F, "rms_norm", _rms_norm(F.rms_norm)),
     ]
 
 
