@@ -25,7 +25,7 @@ lint: setup
 # waiting on processes, signals and files; measured 1.6x on the e2e fault tests), then the cluster tests
 # alone: sized in seconds of training on Slurm's clock, they missed their deadlines beside another worker
 test: lint
-	$(PY) -m pytest -n 2 -m "not cluster"
+	$(PY) -m pytest -n 2 --dist worksteal -m "not cluster"
 	$(PY) -m pytest -m cluster
 
 # the inner loop: lint and the unit tests but their slowest (marked slow: a dry run, a CPU measurement, a
