@@ -12,6 +12,7 @@ from scalable_transformer.config.validate import resolve
 from scalable_transformer.dryrun.dry_run import saved_bytes_per_layer
 from scalable_transformer.plan.memory_model import (
     activation_model,
+    config_layer_bytes,
     kept_input_fraction,
     layer_activation_bytes,
 )
@@ -68,5 +69,24 @@ def test_per_layer_bytes_match_the_adapted_formula(name):
     measured = saved_bytes_per_layer(cfg, world, device)
     want = model_bytes(cfg, device)
     assert measured == pytest.approx(want, rel=0.10), (
+        f"{name}: {measured / 2**20:.1f} vs {want / 2**20:.1f} MiB"
+    )
+
+
+LLAMA_CASES = {
+    "Llama (SwiGLU, RMSNorm, GQA), TP": (8, ["parallel.tp=8"]),
+    "Llama, TP + SP": (8, ["parallel.tp=8", "parallel.sequence_parallel=true"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_CASES))
+def test_llama_layer_bytes_match_the_formula(name):
+    """The gated MLP keeps the up projection's output, the activated gate and their product; RMSNorm
+    keeps its fp32 input (CUDA's fused kernel); grouped-query attention smaller keys and values."""
+    world, overrides = LLAMA_CASES[name]
+    cfg = resolve(load_config("llama-8b", [*SHAPE, *overrides]), world)
+    measured = saved_bytes_per_layer(cfg, world, "cuda")
+    want = config_layer_bytes(cfg, cfg.parallel.activation_checkpointing, activation_model(cfg, "cuda"))
+    assert measured == pytest.approx(want, rel=0.05), (
         f"{name}: {measured / 2**20:.1f} vs {want / 2**20:.1f} MiB"
     )

@@ -157,13 +157,15 @@ def layer_activation_bytes(
     replicated = (norm_inputs * am.norm_input_bytes + 2 * m) * sbh / seq_shard
     # qkv and up inputs: the norm outputs (with SP, kept as 1/t slices)
     inputs = 2 * e * sbh / seq_shard
-    # q, k, v (1 + 2 kv_ratio), attention output into proj (1), MLP activation input and output; the
+    # q, k, v (1 + 2 kv_ratio), attention output into proj (1), MLP activation input and output (gated:
+    # the up projection's output, the activated gate, which the product keeps, and the product); the
     # math path keeps its own (fp32 on CPU) copies of q, k, v unless selective recompute drops the core's
     math_copies = not am.flash and recompute != "selective" and am.math_bytes is not None
     qkv_e = am.math_bytes if math_copies and am.math_bytes else e
     # q, and k and v of every key (all of the sequence's under context parallelism)
     qkv = sbh * qkv_e + 2 * kv_ratio * key_seq * b * h * qkv_e
-    sharded = (qkv + sbh * e + e * sbh * (up + f) / h) / t
+    mlp = up + 2 * f if gated else up + f
+    sharded = (qkv + sbh * e + e * sbh * mlp / h) / t
     core = 0.0
     if recompute != "selective":
         # flash: the fp32 log-sum-exp per (sample, head, position); math path: softmax output,
