@@ -348,6 +348,10 @@ class Attention(nn.Module):
         k_bgsd, v_bgsd = k_bsgd.transpose(1, 2), v_bsgd.transpose(1, 2)
         if rotary is not None:
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, *rotary), apply_rotary(k_bgsd, *rotary)
+            # rotated q and k are new tensors, so v is copied out of the fused projection's output too:
+            # attention keeps v for backward, and as a view it would keep that whole output alive (3 sbh
+            # bytes instead of sbh/2 under Llama's grouped-query attention, 6 instead of 2 without it)
+            v_bgsd = v_bsgd.contiguous().transpose(1, 2)
         out_bnsd = self.core(q_bnsd, k_bgsd, v_bgsd, mask_b11s)
         return self.proj(out_bnsd.transpose(1, 2).reshape(b, s, -1))
 
@@ -540,6 +544,12 @@ def run_blocks(
     *args)` checkpoints a chunk (default torch's non-reentrant checkpoint, which keeps x whole;
     parallel/recompute.py's keeps it distributed or in host memory)."""
     blocks = list(blocks)
+    if rotary is not None:
+        # in the dtype q and k come in, once for all blocks: cast inside each block, every block's
+        # rotations would keep copies of their own for backward
+        device = x_bsh.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_bsh.dtype
+        rotary = (rotary[0].to(dtype), rotary[1].to(dtype))
     if recompute_chunk <= 1 or not torch.is_grad_enabled():
         for block in blocks:
             x_bsh = block(x_bsh, mask_b11s, rotary)
