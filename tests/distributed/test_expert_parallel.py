@@ -1,0 +1,251 @@
+"""Expert parallelism (parallel/expert.py) on 2 and 4 gloo ranks against one process holding every expert.
+
+1. The experts alone: each rank routes its own rows (uneven counts, experts with no row at all, a rank
+   sending nothing to a whole ep group's experts) through `GroupedExperts` sharded over ep; its outputs
+   and input gradients must be one process's on the same rows, and each rank's weight-shard gradient
+   the one-process gradient, over the rows of its ep group, of its experts' slice.
+2. A full step through `parallelize` (the engine's path: ep, then replicate / FSDP2 over edp) of a
+   test-local routed model (a router, a sort by expert and the `experts` call: the MoE layer itself is
+   the model helper's): after backward the gradients reduced over the ranks (experts over edp, the rest
+   over dp x cp) are the one-process gradients of the whole batch, each rank's local shard the slice
+   of it its placement names, and after an AdamW step the weights are equal.
+
+Tolerance: fp32, relative 1e-5 / absolute 1e-6 (the sums run in another order across ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_distributed
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from scalable_transformer.config.load import load_config
+from scalable_transformer.config.validate import resolve
+from scalable_transformer.models.moe import GroupedExperts
+from scalable_transformer.parallel.apply import parallelize
+from scalable_transformer.parallel.dims import ParallelDims
+from scalable_transformer.parallel.expert import apply_expert_parallel
+
+pytestmark = [pytest.mark.distributed]
+
+E = 4  # experts
+H = 8  # hidden (16-byte rows: the grouped GEMM runs)
+F_EXPERT = 12
+ROWS = 11  # token-expert rows per rank (before routing) / tokens per rank (the routed model)
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _config(world: int, ep: int, zero_stage: int = 0, extra: tuple[str, ...] = ()):
+    overrides = [
+        *extra,
+        f"model.num_experts={E}",
+        f"model.hidden_size={H}",
+        "model.num_attention_heads=2",
+        f"model.moe_ffn_hidden_size={F_EXPERT}",
+        "model.moe_router_topk=2",
+        f"parallel.ep={ep}",
+        f"parallel.zero_stage={zero_stage}",
+    ]
+    return resolve(load_config("tiny-gpt", overrides), world)
+
+
+def _experts(cfg) -> GroupedExperts:
+    torch.manual_seed(0)
+    experts = GroupedExperts(cfg.model)
+    for w in (experts.w_up, experts.w_down):
+        nn.init.normal_(w, std=0.3)
+    return experts
+
+
+def _rank_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows sorted by expert, its counts per expert and an output gradient. Rank 1
+    sends nothing to experts 2 and 3 (one whole ep rank of ep2), so on 2 ranks expert 2 gets no row
+    at all; ranks 0 and 1 both send rows to experts 0 and 1, so the rows arriving at ep rank 0
+    (rank-major) must be re-sorted by expert."""
+    counts = {0: [5, 2, 0, 3], 1: [6, 5, 0, 0], 2: [0, 3, 3, 5], 3: [1, 1, 1, 8]}[rank]
+    generator = torch.Generator().manual_seed(100 + rank)
+    rows = sum(counts)
+    x = torch.randn(rows, H, generator=generator)
+    return x, torch.tensor(counts), torch.randn(rows, H, generator=generator)
+
+
+def _experts_alone(rank: int, world: int, ep: int, extra: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    cfg = _config(world, ep, extra=extra)
+    dims = ParallelDims.build(cfg, "cpu")
+    experts = _experts(cfg)
+    apply_expert_parallel(experts, dims.ep_mesh)
+    x, counts, grad = _rank_rows(rank)
+    x.requires_grad_()
+    y = experts(x, counts)
+    y.backward(grad)
+    w_up, w_down = experts.w_up, experts.w_down
+    assert isinstance(w_up, DTensor) and isinstance(w_up.grad, DTensor)
+    return {
+        "y": y.detach(),
+        "dx": x.grad,
+        "w_up_grad": w_up.grad.to_local(),
+        "w_down_grad": w_down.grad.to_local(),
+        "ep_rank": torch.tensor(dims.ep_rank),
+        "local_experts": torch.tensor(w_up.to_local().shape[0]),
+    }
+
+
+@pytest.mark.parametrize(
+    "world, ep, extra",
+    [(2, 2, ()), (4, 2, ()), (4, 4, ()), (4, 2, ("parallel.cp=2",)), (4, 4, ("parallel.cp=2",))],
+    ids=["ep2", "ep2xdp2", "ep4", "ep2-over-cp2xdp2", "ep4-over-cp2xdp2"],
+)
+def test_experts_alone_equal_one_process(tmp_path, world, ep, extra):
+    results = run_distributed(_experts_alone, world, ep, extra, tmp_dir=tmp_path, timeout=180)
+    experts = _experts(_config(1, 1))
+    group_grads: dict[int, list[torch.Tensor]] = {}
+    for rank, got in enumerate(results):
+        x, counts, grad = _rank_rows(rank)
+        x.requires_grad_()
+        experts.zero_grad()
+        y = experts(x, counts)
+        y.backward(grad)
+        torch.testing.assert_close(got["y"], y.detach(), **TOL)
+        torch.testing.assert_close(got["dx"], x.grad, **TOL)
+        group = rank // ep  # ep groups are consecutive ranks (ep fastest within dp x cp)
+        grads = [experts.w_up.grad.clone(), experts.w_down.grad.clone()]
+        previous = group_grads.get(group)
+        if previous is not None:
+            grads = [a + b for a, b in zip(previous, grads, strict=True)]
+        group_grads[group] = grads
+    for rank, got in enumerate(results):
+        e = E // ep
+        assert int(got["local_experts"]) == e
+        first = int(got["ep_rank"]) * e
+        assert int(got["ep_rank"]) == rank % ep
+        w_up_grad, w_down_grad = group_grads[rank // ep]
+        torch.testing.assert_close(got["w_up_grad"], w_up_grad[first : first + e], **TOL)
+        torch.testing.assert_close(got["w_down_grad"], w_down_grad[first : first + e], **TOL)
+
+
+class RoutedBlock(nn.Module):
+    """A test-local routed layer (not the project's MoE layer): softmax router, top-k, rows sorted by
+    expert, `experts`, rows put back and weighted, a residual."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = GroupedExperts(cfg.model)
+        self.topk = cfg.model.moe_router_topk
+
+    def forward(self, x_nh: torch.Tensor) -> torch.Tensor:
+        probs_ne = self.router(x_nh).softmax(-1)
+        weight_nk, expert_nk = probs_ne.topk(self.topk, dim=-1)
+        order = expert_nk.flatten().argsort(stable=True)
+        counts_e = torch.bincount(expert_nk.flatten(), minlength=E)
+        rows_th = x_nh.repeat_interleave(self.topk, dim=0)[order]
+        y_th = self.experts(rows_th, counts_e)
+        back_th = torch.empty_like(y_th).index_copy(0, order, y_th)
+        return x_nh + (back_th.view(-1, self.topk, H) * weight_nk.unsqueeze(-1)).sum(1)
+
+
+class RoutedModel(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([RoutedBlock(cfg) for _ in range(2)])
+        self.head = nn.Linear(H, 1)
+
+    def forward(self, x_nh: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x_nh = layer(x_nh)
+        return self.head(x_nh).squeeze(-1)
+
+
+def _routed_model(cfg) -> RoutedModel:
+    torch.manual_seed(1)
+    model = RoutedModel(cfg)
+    for layer in model.layers:
+        for w in (layer.experts.w_up, layer.experts.w_down):
+            nn.init.normal_(w, std=0.3)
+    return model
+
+
+def _batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(world * ROWS, H, generator=generator), torch.randn(world * ROWS, generator=generator)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Summed squared error over the global token count (the trainer's token-weighted mean)."""
+    return ((model(x) - target) ** 2).sum() / tokens
+
+
+def _routed_step(
+    rank: int, world: int, ep: int, zero_stage: int, extra: tuple[str, ...]
+) -> dict[str, dict[str, torch.Tensor]]:
+    cfg = _config(world, ep, zero_stage, extra)
+    dims = ParallelDims.build(cfg, "cpu")
+    model = parallelize(_routed_model(cfg), cfg, dims)
+    x, target = _batch(world)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    # the trainer multiplies the loss by the ranks that average gradients (parallel/apply.py)
+    loss = _loss(model, x[rows], target[rows], world * ROWS) * dims.grad_ranks
+    loss.backward()
+    grads, shards = {}, {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        grad = p.grad
+        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
+        if isinstance(grad, DTensor):
+            shards[name] = grad.to_local().clone()
+            # the slice this rank's placement names, cut from the reduced full gradient
+            expected = distribute_tensor(grads[name], grad.device_mesh, grad.placements, src_data_rank=None)
+            torch.testing.assert_close(shards[name], expected.to_local(), rtol=0, atol=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    optimizer.step()
+    params = {
+        n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+    dist.barrier()
+    return {"grads": grads, "params": params}
+
+
+def _canonical(name: str) -> str:
+    return name.removeprefix("module.")
+
+
+@pytest.mark.parametrize(
+    "world, ep, zero_stage, extra",
+    [
+        (2, 2, 0, ()),
+        (4, 2, 0, ()),
+        (2, 2, 3, ()),
+        (4, 2, 2, ()),
+        (4, 2, 3, ()),
+        (4, 2, 3, ("parallel.dp_shard=2",)),
+    ],
+    ids=[
+        "ep2-zero0",
+        "ep2xdp2-zero0",
+        "ep2-zero3",
+        "ep2xdp2-zero2",
+        "ep2xdp2-zero3",
+        "ep2xhsdp2x2-zero3",
+    ],
+)
+def test_routed_step_gradients_equal_one_process(tmp_path, world, ep, zero_stage, extra):
+    results = run_distributed(_routed_step, world, ep, zero_stage, extra, tmp_dir=tmp_path, timeout=240)
+    cfg = _config(1, 1)
+    model = _routed_model(cfg)
+    x, target = _batch(world)
+    _loss(model, x, target, world * ROWS).backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False).step()
+    expected_params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for got in results:
+        grads = {_canonical(n): g for n, g in got["grads"].items()}
+        params = {_canonical(n): p for n, p in got["params"].items()}
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        for name, value in expected_params.items():
+            torch.testing.assert_close(params[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
