@@ -15,6 +15,8 @@ Tolerance: fp32, relative 1e-5 / absolute 1e-6 (the sums run in another order ac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +24,14 @@ from harness import run_distributed
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from scalable_transformer.checkpoint.manager import (
+    LoadOptions,
+    SaveOptions,
+    TrainState,
+    load_checkpoint,
+    open_checkpoint,
+    save_checkpoint,
+)
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.models.moe import GroupedExperts
@@ -249,3 +259,76 @@ def test_routed_step_gradients_equal_one_process(tmp_path, world, ep, zero_stage
             torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
         for name, value in expected_params.items():
             torch.testing.assert_close(params[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _train_state(model: nn.Module) -> TrainState:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+
+
+def _snapshot(state: TrainState) -> dict[str, torch.Tensor]:
+    """Every weight and AdamW moment by canonical name, whole (gathered from the shards)."""
+    out = {f"param.{_canonical(n)}": _full(p) for n, p in state.model.named_parameters()}
+    for key, value in state.optimizer_state().items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            out[_canonical(key.replace("state.module.", "state."))] = _full(value)
+    return out
+
+
+def _step(state: TrainState, rank: int, world: int, grad_ranks: int) -> None:
+    x, target = _batch(world)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    (_loss(state.model, x[rows], target[rows], world * ROWS) * grad_ranks).backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+
+
+def _checkpoint_round(
+    rank: int, world: int, ep: int, zero_stage: int, load: str | None, save: str
+) -> dict[str, torch.Tensor]:
+    """Build the routed model under ep; load `load` (or take a step); snapshot; save to `save`."""
+    cfg = _config(world, ep, zero_stage)
+    dims = ParallelDims.build(cfg, "cpu")
+    state = _train_state(parallelize(_routed_model(cfg), cfg, dims))
+    if load is None:
+        _step(state, rank, world, dims.grad_ranks)
+    else:
+        load_checkpoint(state, open_checkpoint(Path(load), LoadOptions()), LoadOptions())
+    save_checkpoint(state, SaveOptions(save), 1, 0, {})
+    return _snapshot(state)
+
+
+@pytest.mark.parametrize("world, ep, zero_stage", [(2, 2, 0), (4, 2, 3)], ids=["ep2-zero0", "ep2xdp2-zero3"])
+def test_an_expert_parallel_checkpoint_loads_into_one_process_and_back(tmp_path, world, ep, zero_stage):
+    saved = run_distributed(
+        _checkpoint_round, world, ep, zero_stage, None, str(tmp_path / "ep"), tmp_dir=tmp_path, timeout=240
+    )[0]
+    # one process, every expert: the ep run's weights and optimizer moments, exactly
+    one = _train_state(_routed_model(_config(1, 1)))
+    load_checkpoint(
+        one, open_checkpoint(Path(tmp_path / "ep" / "iter_0000001"), LoadOptions()), LoadOptions()
+    )
+    loaded = _snapshot(one)
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    # and back: saved by the one process, loaded into the ep layout
+    save_checkpoint(one, SaveOptions(str(tmp_path / "one")), 1, 0, {})
+    back = run_distributed(
+        _checkpoint_round,
+        world,
+        ep,
+        zero_stage,
+        str(tmp_path / "one" / "iter_0000001"),
+        str(tmp_path / "ep-again"),
+        tmp_dir=tmp_path,
+        timeout=240,
+    )
+    for got in back:
+        for name, value in saved.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
