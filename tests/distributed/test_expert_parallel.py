@@ -6,9 +6,13 @@
    the one-process gradient, over the rows of its ep group, of its experts' slice.
 2. A full step through `parallelize` (the engine's path: ep, then replicate / FSDP2 over edp) of a
    test-local routed model (a router, a sort by expert and the `experts` call: the MoE layer itself is
-   the model helper's): after backward the gradients reduced over the ranks (experts over edp, the rest
-   over dp x cp) are the one-process gradients of the whole batch, each rank's local shard the slice
-   of it its placement names, and after an AdamW step the weights are equal.
+   the model helper's): after backward (one micro-batch, or two with the reduction after the last, with
+   and without full recompute, which runs the all-to-alls again) the gradients reduced over the ranks
+   (experts over edp, the rest over dp x cp) are the one-process gradients of the whole batch, each
+   rank's local shard the slice of it its placement names, and after an AdamW step the weights are
+   equal.
+3. Checkpoints: an ep run's DCP checkpoint loads into one process and back, weights and AdamW moments
+   exactly.
 
 Tolerance: fp32, relative 1e-5 / absolute 1e-6 (the sums run in another order across ranks).
 """
@@ -38,6 +42,8 @@ from scalable_transformer.models.moe import GroupedExperts
 from scalable_transformer.parallel.apply import parallelize
 from scalable_transformer.parallel.dims import ParallelDims
 from scalable_transformer.parallel.expert import apply_expert_parallel
+from scalable_transformer.parallel.init import canonical_name
+from scalable_transformer.train.trainer import gradient_sync
 
 pytestmark = [pytest.mark.distributed]
 
@@ -195,10 +201,14 @@ def _routed_step(
     dims = ParallelDims.build(cfg, "cpu")
     model = parallelize(_routed_model(cfg), cfg, dims)
     x, target = _batch(world)
-    rows = slice(rank * ROWS, (rank + 1) * ROWS)
-    # the trainer multiplies the loss by the ranks that average gradients (parallel/apply.py)
-    loss = _loss(model, x[rows], target[rows], world * ROWS) * dims.grad_ranks
-    loss.backward()
+    rows = torch.arange(rank * ROWS, (rank + 1) * ROWS)
+    micro_batches = rows.tensor_split(cfg.train.gradient_accumulation_steps or 1)
+    for i, micro in enumerate(micro_batches):
+        # reduced only after the last micro-batch, as the trainer does (train/trainer.py)
+        with gradient_sync(model, sync=i == len(micro_batches) - 1):
+            # the trainer multiplies the loss by the ranks that average gradients (parallel/apply.py)
+            loss = _loss(model, x[micro], target[micro], world * ROWS) * dims.grad_ranks
+            loss.backward()
     grads, shards = {}, {}
     for name, p in model.named_parameters():
         assert p.grad is not None, name
@@ -220,7 +230,7 @@ def _routed_step(
 
 
 def _canonical(name: str) -> str:
-    return name.removeprefix("module.")
+    return canonical_name(name.removeprefix("module."))
 
 
 @pytest.mark.parametrize(
@@ -232,6 +242,8 @@ def _canonical(name: str) -> str:
         (4, 2, 2, ()),
         (4, 2, 3, ()),
         (4, 2, 3, ("parallel.dp_shard=2",)),
+        (4, 2, 0, ("train.gradient_accumulation_steps=2",)),
+        (4, 2, 3, ("train.gradient_accumulation_steps=2", "parallel.activation_checkpointing=full")),
     ],
     ids=[
         "ep2-zero0",
@@ -240,6 +252,8 @@ def _canonical(name: str) -> str:
         "ep2xdp2-zero2",
         "ep2xdp2-zero3",
         "ep2xhsdp2x2-zero3",
+        "ep2xdp2-zero0-2-micro-batches",
+        "ep2xdp2-zero3-2-micro-batches-recompute",
     ],
 )
 def test_routed_step_gradients_equal_one_process(tmp_path, world, ep, zero_stage, extra):
