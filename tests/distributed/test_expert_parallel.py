@@ -9,8 +9,8 @@
    the model helper's): after backward (one micro-batch, or two with the reduction after the last, with
    and without full recompute, which runs the all-to-alls again) the gradients reduced over the ranks
    (experts over edp, the rest over dp x cp) are the one-process gradients of the whole batch, each
-   rank's local shard the slice of it its placement names, and after an AdamW step the weights are
-   equal.
+   rank's local shard the slice of it its placement names, the clip's global norm (parallel/grads.py)
+   is the one process's, and after an AdamW step the weights are equal.
 3. Checkpoints: an ep run's DCP checkpoint loads into one process and back, weights and AdamW moments
    exactly.
 
@@ -42,6 +42,7 @@ from scalable_transformer.models.moe import GroupedExperts
 from scalable_transformer.parallel.apply import parallelize
 from scalable_transformer.parallel.dims import ParallelDims
 from scalable_transformer.parallel.expert import apply_expert_parallel
+from scalable_transformer.parallel.grads import grad_norm
 from scalable_transformer.parallel.init import canonical_name
 from scalable_transformer.train.trainer import gradient_sync
 
@@ -219,6 +220,8 @@ def _routed_step(
             # the slice this rank's placement names, cut from the reduced full gradient
             expected = distribute_tensor(grads[name], grad.device_mesh, grad.placements, src_data_rank=None)
             torch.testing.assert_close(shards[name], expected.to_local(), rtol=0, atol=0)
+    # the clip's norm: expert shards' squares summed over ep (and edp under FSDP2), the rest as before
+    norm = grad_norm(list(model.parameters()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     optimizer.step()
     params = {
@@ -226,7 +229,7 @@ def _routed_step(
         for n, p in model.named_parameters()
     }
     dist.barrier()
-    return {"grads": grads, "params": params}
+    return {"grads": grads, "params": params, "norm": norm}
 
 
 def _canonical(name: str) -> str:
@@ -263,9 +266,11 @@ def test_routed_step_gradients_equal_one_process(tmp_path, world, ep, zero_stage
     x, target = _batch(world)
     _loss(model, x, target, world * ROWS).backward()
     expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    expected_norm = torch.nn.utils.get_total_norm(list(expected_grads.values()))
     torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False).step()
     expected_params = {name: p.detach().clone() for name, p in model.named_parameters()}
     for got in results:
+        torch.testing.assert_close(got["norm"], expected_norm, **TOL)
         grads = {_canonical(n): g for n, g in got["grads"].items()}
         params = {_canonical(n): p for n, p in got["params"].items()}
         assert grads.keys() == expected_grads.keys()
