@@ -1,17 +1,22 @@
 """Expert parallelism's pure parts: where the ep / edp ranks sit in the global order (the arithmetic
 against the meshes ParallelDims builds over a fake process group), the row re-sorting between rank-major
-and expert-major order, and the layouts the rules refuse."""
+and expert-major order, the layouts the rules refuse, and the experts under the dry run's fake tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
+from scalable_transformer.dryrun import dry_run as dry
+from scalable_transformer.dryrun.dry_run_trace import DryRunTrace
+from scalable_transformer.dryrun.engine_stubs import engine_stubs, patched
 from scalable_transformer.errors import ConfigError
+from scalable_transformer.models.moe import GroupedExperts
 from scalable_transformer.parallel import expert
 from scalable_transformer.parallel.dims import ParallelDims
 
@@ -98,3 +103,31 @@ def test_layouts_expert_parallelism_does_not_build_with_are_refused(overrides, s
 def test_layouts_expert_parallelism_builds_with_resolve(overrides):
     cfg = resolve(load_config("tiny-gpt", [*MOE, "parallel.ep=2", *overrides]), 4)
     assert cfg.parallel.ep == 2
+
+
+def test_a_dry_run_sizes_the_expert_all_to_all_for_balanced_routing():
+    """Under the dry run's fake tensors the row counts have no value: the engine stub answers their
+    host read as balanced routing (dryrun/engine_stubs.py), so the layer returns as many rows as it
+    got, the counts' and rows' all-to-alls are recorded on the group named "ep", and the read once."""
+    world, rows, hidden = 4, 24, 8  # ep 2 of dp 4: the ep group is not the dp group
+    cfg = resolve(
+        load_config("tiny-gpt", ["model.num_experts=4", f"model.hidden_size={hidden}", "parallel.ep=2"]),
+        world,
+    )
+    with dry.fake_process_group(0, world), patched(engine_stubs("cpu", holder := {})):
+        dims = ParallelDims.build(cfg, "cpu")
+        trace = DryRunTrace(dry._group_names(dims), backend="gloo", device_type="cpu")
+        holder["trace"] = trace
+        with FakeTensorMode(allow_non_fake_inputs=True), trace:
+            experts = GroupedExperts(cfg.model)
+            expert.apply_expert_parallel(experts, dims.ep_mesh)
+            # bf16: the meta function of torch 2.13's grouped GEMM takes nothing else (a GPU's dtype)
+            x = torch.randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+            y = experts(x, torch.zeros(4, dtype=torch.int64))
+            y.sum().backward()
+            assert tuple(y.shape) == (rows, hidden) and tuple(x.grad.shape) == (rows, hidden)
+    kinds = [(c.group, c.kind) for c in trace.collectives]
+    # counts, rows there, rows back; backward: the rows' gradients back and there
+    assert kinds.count(("ep", "all_to_all")) >= 3, kinds
+    reads = [r.where for r in trace.host_reads]
+    assert len(reads) == 1 and "parallel/expert.py" in reads[0], reads

@@ -95,7 +95,7 @@ def _expert_parallel_forward(
     compute: Callable[..., torch.Tensor], group: Any, ep: int
 ) -> Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]:
     def forward(module: GroupedExperts, x_th: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        plan = _exchange_counts(counts_E, group, ep)
+        plan = _exchange_counts(counts_E, x_th.shape[0], group, ep)
         received_th = all_to_all_autograd(x_th, plan.recv_splits, plan.send_splits, group)
         local_th = _reorder(received_th, plan.recv_rows, ep, plan.local_experts)
         with _local_weights(module):
@@ -122,8 +122,9 @@ class _Plan:
         self.local_counts_e = local_counts_e
 
 
-def _exchange_counts(counts_E: torch.Tensor, group: Any, ep: int) -> _Plan:
-    """All-to-all of the per-expert row counts, then both read on the host in one transfer."""
+def _exchange_counts(counts_E: torch.Tensor, rows: int, group: Any, ep: int) -> _Plan:
+    """All-to-all of the per-expert row counts, then both read on the host in one transfer; `rows`
+    (this rank's, x_th's first dimension) must be what the counts add up to."""
     with torch.no_grad():
         sent_E = counts_E.to(torch.int64)
         received_re = torch.empty_like(sent_E)
@@ -133,6 +134,11 @@ def _exchange_counts(counts_E: torch.Tensor, group: Any, ep: int) -> _Plan:
         # THE host sync of dropless expert parallelism (module doc): the all-to-all needs host sizes
         both = torch.cat([sent_E, received_re]).tolist()
     experts = sent_E.numel()
+    if sum(both[:experts]) != rows:
+        raise ValueError(
+            f"the experts were called with {rows} rows but counts adding up to {sum(both[:experts])} "
+            f"({both[:experts]}): counts_e[i] must be the rows of expert i, every row counted once"
+        )
     return _Plan(both[:experts], both[experts:], local_counts_e, ep)
 
 
