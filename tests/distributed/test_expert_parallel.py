@@ -247,6 +247,7 @@ def _canonical(name: str) -> str:
         (4, 2, 3, ("parallel.dp_shard=2",)),
         (4, 2, 0, ("train.gradient_accumulation_steps=2",)),
         (4, 2, 3, ("train.gradient_accumulation_steps=2", "parallel.activation_checkpointing=full")),
+        (4, 2, 3, ("parallel.offload_optimizer=true",)),
     ],
     ids=[
         "ep2-zero0",
@@ -257,6 +258,7 @@ def _canonical(name: str) -> str:
         "ep2xhsdp2x2-zero3",
         "ep2xdp2-zero0-2-micro-batches",
         "ep2xdp2-zero3-2-micro-batches-recompute",
+        "ep2xdp2-zero3-offload",
     ],
 )
 def test_routed_step_gradients_equal_one_process(tmp_path, world, ep, zero_stage, extra):
