@@ -77,24 +77,34 @@ def _experts(cfg) -> GroupedExperts:
     return experts
 
 
-def _rank_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s rows sorted by expert, its counts per expert and an output gradient. Rank 1
-    sends nothing to experts 2 and 3 (one whole ep rank of ep2), so on 2 ranks expert 2 gets no row
-    at all; ranks 0 and 1 both send rows to experts 0 and 1, so the rows arriving at ep rank 0
-    (rank-major) must be re-sorted by expert."""
-    counts = {0: [5, 2, 0, 3], 1: [6, 5, 0, 0], 2: [0, 3, 3, 5], 3: [1, 1, 1, 8]}[rank]
+# rows each rank sends to each of the 4 experts
+COUNTS = {
+    # rank 1 sends nothing to experts 2 and 3 (one whole ep rank of ep2), so on 2 ranks expert 2 gets
+    # no row at all; ranks 0 and 1 both send rows to experts 0 and 1, so the rows arriving at ep rank 0
+    # (rank-major) must be re-sorted by expert
+    "uneven": {0: [5, 2, 0, 3], 1: [6, 5, 0, 0], 2: [0, 3, 3, 5], 3: [1, 1, 1, 8]},
+    # on 2 ranks no row reaches ep rank 1 (experts 2 and 3): its experts do not run
+    "idle-rank": {0: [5, 2, 0, 0], 1: [6, 5, 0, 0]},
+}
+
+
+def _rank_rows(rank: int, table: str = "uneven") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows sorted by expert (COUNTS[table]), its counts and an output gradient."""
+    counts = COUNTS[table][rank]
     generator = torch.Generator().manual_seed(100 + rank)
     rows = sum(counts)
     x = torch.randn(rows, H, generator=generator)
     return x, torch.tensor(counts), torch.randn(rows, H, generator=generator)
 
 
-def _experts_alone(rank: int, world: int, ep: int, extra: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _experts_alone(
+    rank: int, world: int, ep: int, extra: tuple[str, ...], table: str
+) -> dict[str, torch.Tensor]:
     cfg = _config(world, ep, extra=extra)
     dims = ParallelDims.build(cfg, "cpu")
     experts = _experts(cfg)
     apply_expert_parallel(experts, dims.ep_mesh)
-    x, counts, grad = _rank_rows(rank)
+    x, counts, grad = _rank_rows(rank, table)
     x.requires_grad_()
     y = experts(x, counts)
     y.backward(grad)
@@ -111,16 +121,23 @@ def _experts_alone(rank: int, world: int, ep: int, extra: tuple[str, ...]) -> di
 
 
 @pytest.mark.parametrize(
-    "world, ep, extra",
-    [(2, 2, ()), (4, 2, ()), (4, 4, ()), (4, 2, ("parallel.cp=2",)), (4, 4, ("parallel.cp=2",))],
-    ids=["ep2", "ep2xdp2", "ep4", "ep2-over-cp2xdp2", "ep4-over-cp2xdp2"],
+    "world, ep, extra, table",
+    [
+        (2, 2, (), "uneven"),
+        (2, 2, (), "idle-rank"),
+        (4, 2, (), "uneven"),
+        (4, 4, (), "uneven"),
+        (4, 2, ("parallel.cp=2",), "uneven"),
+        (4, 4, ("parallel.cp=2",), "uneven"),
+    ],
+    ids=["ep2", "ep2-idle-rank", "ep2xdp2", "ep4", "ep2-over-cp2xdp2", "ep4-over-cp2xdp2"],
 )
-def test_experts_alone_equal_one_process(tmp_path, world, ep, extra):
-    results = run_distributed(_experts_alone, world, ep, extra, tmp_dir=tmp_path, timeout=180)
+def test_experts_alone_equal_one_process(tmp_path, world, ep, extra, table):
+    results = run_distributed(_experts_alone, world, ep, extra, table, tmp_dir=tmp_path, timeout=180)
     experts = _experts(_config(1, 1))
     group_grads: dict[int, list[torch.Tensor]] = {}
     for rank, got in enumerate(results):
-        x, counts, grad = _rank_rows(rank)
+        x, counts, grad = _rank_rows(rank, table)
         x.requires_grad_()
         experts.zero_grad()
         y = experts(x, counts)

@@ -99,7 +99,10 @@ def _expert_parallel_forward(
         received_th = all_to_all_autograd(x_th, plan.recv_splits, plan.send_splits, group)
         local_th = _reorder(received_th, plan.recv_rows, ep, plan.local_experts)
         with _local_weights(module):
-            y_th = compute(module, local_th, plan.local_counts_e)
+            if sum(plan.local_rows) > 0:
+                y_th = compute(module, local_th, plan.local_counts_e)
+            else:
+                y_th = _without_rows(module, local_th)
         y_back_th = _reorder(y_th, plan.local_rows, plan.local_experts, ep)
         return all_to_all_autograd(y_back_th, plan.send_splits, plan.recv_splits, group)
 
@@ -140,6 +143,16 @@ def _exchange_counts(counts_E: torch.Tensor, rows: int, group: Any, ep: int) -> 
             f"({both[:experts]}): counts_e[i] must be the rows of expert i, every row counted once"
         )
     return _Plan(both[:experts], both[experts:], local_counts_e, ep)
+
+
+def _without_rows(module: GroupedExperts, x_th: torch.Tensor) -> torch.Tensor:
+    """The output when no row reached this rank's experts (skewed routing, small micro-batches):
+    torch 2.13's grouped GEMM fails in backward on zero rows ("Invalid strides/sizes"), so the experts
+    do not run. The output still depends on the (empty) rows and the weights, so that this rank's
+    backward runs the rows' all-to-all like every other ep rank (a rank that skipped it would leave the
+    others waiting) and gives the weights (zero) gradients, the same set on every edp rank."""
+    touch = x_th.sum() + module.w_up.sum() + module.w_down.sum()
+    return x_th.new_zeros(0, module.w_down.shape[-1]) + 0 * touch
 
 
 def _reorder(rows_th: torch.Tensor, sizes: list[int], outer: int, inner: int) -> torch.Tensor:
