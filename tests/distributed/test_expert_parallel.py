@@ -105,8 +105,11 @@ def _experts_alone(
     experts = _experts(cfg)
     apply_expert_parallel(experts, dims.ep_mesh)
     x, counts, grad = _rank_rows(rank, table)
+    with torch.no_grad():  # evaluation: the same exchange without autograd
+        y_eval = experts(x, counts)
     x.requires_grad_()
     y = experts(x, counts)
+    torch.testing.assert_close(y_eval, y.detach(), rtol=0, atol=0)
     y.backward(grad)
     w_up, w_down = experts.w_up, experts.w_down
     assert isinstance(w_up, DTensor) and isinstance(w_up.grad, DTensor)
