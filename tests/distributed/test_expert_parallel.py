@@ -6,7 +6,8 @@
    the one-process gradient, over the rows of its ep group, of its experts' slice.
 2. A full step through `parallelize` (the engine's path: ep, then replicate / FSDP2 over edp) of a
    test-local routed model (a router, a sort by expert and the `experts` call: the MoE layer itself is
-   the model helper's): after backward (one micro-batch, or two with the reduction after the last, with
+   the model helper's), built plainly or, as the engine builds, on the meta device and then filled
+   shard by shard: after backward (one micro-batch, or two with the reduction after the last, with
    and without full recompute, which runs the all-to-alls again) the gradients reduced over the ranks
    (experts over edp, the rest over dp x cp) are the one-process gradients of the whole batch, each
    rank's local shard the slice of it its placement names, the clip's global norm (parallel/grads.py)
@@ -20,6 +21,7 @@ Tolerance: fp32, relative 1e-5 / absolute 1e-6 (the sums run in another order ac
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -39,11 +41,12 @@ from scalable_transformer.checkpoint.manager import (
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.models.moe import GroupedExperts
+from scalable_transformer.parallel import apply
 from scalable_transformer.parallel.apply import parallelize
 from scalable_transformer.parallel.dims import ParallelDims
 from scalable_transformer.parallel.expert import apply_expert_parallel
 from scalable_transformer.parallel.grads import grad_norm
-from scalable_transformer.parallel.init import canonical_name
+from scalable_transformer.parallel.init import canonical_name, fill_parameters, meta_device
 from scalable_transformer.train.trainer import gradient_sync
 
 pytestmark = [pytest.mark.distributed]
@@ -215,12 +218,28 @@ def _loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, tokens: int) 
     return ((model(x) - target) ** 2).sum() / tokens
 
 
+def _built_on_meta(cfg, dims: ParallelDims) -> nn.Module:
+    """The engine's way: built on the meta device, sharded there, then each rank's shards cut out of
+    the full values (parallel/init.py's fill; the values are the one-process model's, since the
+    project's init rules do not know this test-local model)."""
+    full = {name: p.detach() for name, p in _routed_model(cfg).named_parameters()}
+
+    def materialize(model: nn.Module, *_: object) -> None:
+        model.to_empty(device=torch.device("cpu"))
+        fill_parameters(model, lambda name, shape: full[name])
+
+    with meta_device():
+        plain = _routed_model(cfg)
+    with mock.patch.object(apply, "_materialize_if_meta", materialize):
+        return parallelize(plain, cfg, dims)
+
+
 def _routed_step(
-    rank: int, world: int, ep: int, zero_stage: int, extra: tuple[str, ...]
+    rank: int, world: int, ep: int, zero_stage: int, extra: tuple[str, ...], on_meta: bool = False
 ) -> dict[str, dict[str, torch.Tensor]]:
     cfg = _config(world, ep, zero_stage, extra)
     dims = ParallelDims.build(cfg, "cpu")
-    model = parallelize(_routed_model(cfg), cfg, dims)
+    model = _built_on_meta(cfg, dims) if on_meta else parallelize(_routed_model(cfg), cfg, dims)
     x, target = _batch(world)
     rows = torch.arange(rank * ROWS, (rank + 1) * ROWS)
     micro_batches = rows.tensor_split(cfg.train.gradient_accumulation_steps or 1)
@@ -268,6 +287,8 @@ def _canonical(name: str) -> str:
         (4, 2, 0, ("train.gradient_accumulation_steps=2",)),
         (4, 2, 3, ("train.gradient_accumulation_steps=2", "parallel.activation_checkpointing=full")),
         (4, 2, 3, ("parallel.offload_optimizer=true",)),
+        (4, 2, 0, ("meta",)),
+        (4, 2, 3, ("meta",)),
     ],
     ids=[
         "ep2-zero0",
@@ -279,10 +300,16 @@ def _canonical(name: str) -> str:
         "ep2xdp2-zero0-2-micro-batches",
         "ep2xdp2-zero3-2-micro-batches-recompute",
         "ep2xdp2-zero3-offload",
+        "ep2xdp2-zero0-built-on-meta",
+        "ep2xdp2-zero3-built-on-meta",
     ],
 )
 def test_routed_step_gradients_equal_one_process(tmp_path, world, ep, zero_stage, extra):
-    results = run_distributed(_routed_step, world, ep, zero_stage, extra, tmp_dir=tmp_path, timeout=240)
+    on_meta = "meta" in extra
+    overrides = tuple(o for o in extra if o != "meta")
+    results = run_distributed(
+        _routed_step, world, ep, zero_stage, overrides, on_meta, tmp_dir=tmp_path, timeout=240
+    )
     cfg = _config(1, 1)
     model = _routed_model(cfg)
     x, target = _batch(world)

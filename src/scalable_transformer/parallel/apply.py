@@ -1,9 +1,10 @@
 """parallelize(): apply parallelism to a plain model (or pipeline stage) in one fixed, documented order.
 
-Order (torchtitan's): float8 conversion -> tensor parallel -> activation checkpointing -> torch.compile
--> FSDP/DDP. The float8 linears (train.fp8) replace the blocks' nn.Linear before anything shards them;
-TP must see the (float8 or plain) Linear layers; checkpointing must wrap whole blocks before compile traces
-them; FSDP/DDP wrap last so they shard/replicate the final module structure.
+Order (torchtitan's): float8 conversion -> tensor parallel -> expert parallel -> activation
+checkpointing -> torch.compile -> FSDP/DDP. The float8 linears (train.fp8) replace the blocks'
+nn.Linear before anything shards them; TP must see the (float8 or plain) Linear layers; checkpointing
+must wrap whole blocks before compile traces them; FSDP/DDP wrap last so they shard/replicate the
+final module structure.
 
 Data parallelism by ZeRO stage, as DeepSpeed users name it:
   0  DistributedDataParallel (gradients all-reduced, everything replicated)
