@@ -14,6 +14,8 @@
    is the one process's, and after an AdamW step the weights are equal.
 3. Checkpoints: an ep run's DCP checkpoint loads into one process and back, weights and AdamW moments
    exactly.
+4. End to end (once the GPT has its MoE layer; skipped before): a tiny MoE trained by `run_training`
+   under ep2, ep2 x dp2, ep4, pp2 x ep2 and cp2 x ep2 gives the one process's losses.
 
 Tolerance: fp32, relative 1e-5 / absolute 1e-6 (the sums run in another order across ranks).
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import test_equivalence as equivalence
 import torch
 import torch.distributed as dist
 from harness import run_distributed
@@ -41,6 +44,7 @@ from scalable_transformer.checkpoint.manager import (
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.models.moe import GroupedExperts
+from scalable_transformer.models.registry import build_model
 from scalable_transformer.parallel import apply
 from scalable_transformer.parallel.apply import parallelize
 from scalable_transformer.parallel.dims import ParallelDims
@@ -400,3 +404,51 @@ def test_an_expert_parallel_checkpoint_loads_into_one_process_and_back(tmp_path,
     for got in back:
         for name, value in saved.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# End to end: a tiny MoE GPT trained by `run_training` under expert parallelism against the one
+# process (test_equivalence.py's bar: same seed, global batch and steps; losses within 2e-5 relative,
+# the gradient norm within 1e-3). Context parallelism runs without the load-balancing loss: the MoE
+# layer's router statistics are per cp chunk, which moves the loss by ~1e-5 with or without ep
+# (measured: 8.1e-6 both ways; 1.4e-7 without the aux loss).
+MOE_MODEL = [
+    "model.type=gpt",
+    "model.num_experts=4",
+    "model.moe_router_topk=2",
+    "model.activation=swiglu",
+    "model.moe_ffn_hidden_size=64",
+]
+END_TO_END = {
+    2: {"ep2-zero0": ["parallel.ep=2"], "ep2-zero3": ["parallel.ep=2", "parallel.zero_stage=3"]},
+    4: {
+        "ep2xdp2-zero3": ["parallel.ep=2", "parallel.zero_stage=3"],
+        "ep4-zero2": ["parallel.ep=4", "parallel.zero_stage=2"],
+        "pp2-ep2-zero0": ["parallel.pp=2", "parallel.pipeline_schedule=gpipe", "parallel.ep=2"],
+        "cp2-ep2-zero3": ["parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=3"],
+    },
+}
+NO_AUX = ["model.moe_aux_loss_coeff=0"]
+
+
+def _has_routed_experts(overrides: list[str]) -> bool:
+    cfg = resolve(load_config(None, [*equivalence.BASE, *overrides]))
+    with meta_device():
+        return any(isinstance(m, GroupedExperts) for m in build_model(cfg.model).modules())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_tiny_moe_trains_like_one_process_under_expert_parallelism(world, tmp_path):
+    if not _has_routed_experts(MOE_MODEL):
+        pytest.skip("this branch's GPT has no MoE layer yet (models/moe.py's layer comes with issue 43)")
+    cases = {
+        name: [*MOE_MODEL, *overrides, *(NO_AUX if "cp" in name else [])]
+        for name, overrides in END_TO_END[world].items()
+    }
+    results = run_distributed(
+        equivalence._layouts, world, cases, str(tmp_path), tmp_dir=tmp_path, timeout=900
+    )[0]
+    want = equivalence.train(MOE_MODEL, tmp_path / "one")
+    want_no_aux = equivalence.train([*MOE_MODEL, *NO_AUX], tmp_path / "one-no-aux")
+    for name, got in results.items():
+        equivalence.assert_same(name, got, want_no_aux if "cp" in name else want)
