@@ -124,6 +124,16 @@ def test_replicate():
     need(got[0] == "module" and {"mesh", "mp_policy"} <= set(got), name, "update torch_compat.replicate")
 
 
+def test_all_to_all_autograd():
+    name = "torch.distributed._functional_collectives:all_to_all_single_autograd"
+    got = params(attribute(name))
+    need(
+        got[:3] == ["output_split_sizes", "input_split_sizes", "group"],
+        name,
+        "update torch_compat.all_to_all_autograd",
+    )
+
+
 def test_fsdp_mixed_precision_policy_attribute():
     attribute("torch.distributed.fsdp:FSDPModule._get_fsdp_state")
     need(
@@ -266,6 +276,11 @@ def test_internal_used_in_place_exists(path):
 def test_internals_used_in_place_keep_their_shape():
     from torch.distributed.tensor import DTensor
 
+    need(
+        source_mentions("torch.nn.modules.module:Module.__getattr__", "_parameters[name]"),
+        "nn.Module._parameters",
+        "parallel/expert.py swaps the expert weights for their local shards in it",
+    )
     need(
         "_local_tensor" in getattr(DTensor, "__slots__", ()),
         "DTensor._local_tensor",

@@ -533,6 +533,26 @@ def check_expert_parallel(cfg: Config) -> None:
             f"expert-parallel ranks are carved out of the data- and context-parallel ones; valid: "
             f"{', '.join(valid)}"
         )
+    _check_expert_parallel_composes(cfg)
+
+
+def _check_expert_parallel_composes(cfg: Config) -> None:
+    """What parallel.ep > 1 is built with (parallel/expert.py, parallel/apply.py): ZeRO-0 (FSDP2's
+    replicate), ZeRO-2/3 (FSDP2, experts sharded over the edp ranks; under hybrid sharding over all of
+    them), context and pipeline parallelism. Refused: ZeRO-1 and tensor parallelism."""
+    p = cfg.parallel
+    if p.zero_stage == 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} with parallel.zero_stage = 1: the expert weights are sharded tensors "
+            "(DTensor) that torch's ZeroRedundancyOptimizer and DistributedDataParallel cannot hold; "
+            "use parallel.zero_stage = 0, 2 or 3"
+        )
+    if p.tp > 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} with parallel.tp = {p.tp}: expert parallelism is not built with tensor "
+            "parallelism yet (the routed layer has no tensor-parallel plan to dispatch from); set "
+            "parallel.tp = 1 or parallel.ep = 1"
+        )
 
 
 def _check_recompute(cfg: Config) -> None:

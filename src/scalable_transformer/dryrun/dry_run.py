@@ -208,6 +208,9 @@ def _group_names(dims: Any) -> dict[str, str]:
         if dims.hsdp_cp_mesh is not None:  # HSDP with cp: FSDP2 shards over dp_shard x cp, its own groups
             for dim in ("dp_replicate", "dp_shard_cp"):
                 names.setdefault(str(dims.hsdp_cp_mesh[dim].get_group().group_name), dim)
+        if dims.expert_mesh is not None:  # expert parallelism: tokens over ep, expert gradients over edp
+            for dim in ("ep", "edp"):
+                names.setdefault(str(dims.expert_mesh[dim].get_group().group_name), dim)
     return names
 
 

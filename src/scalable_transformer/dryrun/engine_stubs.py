@@ -14,6 +14,7 @@ from torch.distributed.pipelining.stage import PipelineStage
 from torch.nn.attention.bias import causal_lower_right
 
 from ..models import layers
+from ..parallel import expert
 from .torch_internals import InferenceMode, _disable_current_modes, ddp, schedules, unset_fake_temporarily
 
 
@@ -35,6 +36,11 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
       subclass that holds no data; made inside the dispatch modes (the fake mode, the trace) its empty
       tensor is already theirs and torch refuses it: made outside them, then SDPA dispatches on it
       with fake q, k and v as on a device.
+    - expert parallelism reads each MoE layer's row counts on the host to size its all-to-all
+      (parallel/expert.py): a fake count has no value, so the read is answered as for balanced
+      routing, every expert getting rows / num_experts of each rank's rows (the read and the
+      all-to-all of the counts are still recorded). Zero, the trace's default answer, would send no
+      row anywhere and leave the layer's output short of its input.
     """
 
     mesh_init = DeviceMesh.__init__
@@ -61,7 +67,26 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
         with _disable_current_modes():
             return causal_lower_right(*size)
 
+    exchange = expert._exchange_counts
+
+    def balanced_exchange(counts_E: Any, rows: int, group: Any, ep: int) -> Any:
+        trace = holder.get("trace")
+        if trace is None:
+            return exchange(counts_E, rows, group, ep)
+        experts = counts_E.numel()
+        if rows % experts:
+            raise ValueError(
+                f"expert parallelism in a dry run assumes balanced routing: the {rows} rows of a rank "
+                f"must split evenly over the {experts} experts"
+            )
+        trace.read_value = rows // experts
+        try:
+            return exchange(counts_E, rows, group, ep)
+        finally:
+            trace.read_value = None
+
     stubs: list[tuple[Any, str, Any]] = [
+        (expert, "_exchange_counts", balanced_exchange),
         (layers, "causal_lower_right", real_lower_right),
         (DeviceMesh, "__init__", real_mesh_init),
         (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),

@@ -1,9 +1,10 @@
 """parallelize(): apply parallelism to a plain model (or pipeline stage) in one fixed, documented order.
 
-Order (torchtitan's): float8 conversion -> tensor parallel -> activation checkpointing -> torch.compile
--> FSDP/DDP. The float8 linears (train.fp8) replace the blocks' nn.Linear before anything shards them;
-TP must see the (float8 or plain) Linear layers; checkpointing must wrap whole blocks before compile traces
-them; FSDP/DDP wrap last so they shard/replicate the final module structure.
+Order (torchtitan's): float8 conversion -> tensor parallel -> expert parallel -> activation
+checkpointing -> torch.compile -> FSDP/DDP. The float8 linears (train.fp8) replace the blocks'
+nn.Linear before anything shards them; TP must see the (float8 or plain) Linear layers; checkpointing
+must wrap whole blocks before compile traces them; FSDP/DDP wrap last so they shard/replicate the
+final module structure.
 
 Data parallelism by ZeRO stage, as DeepSpeed users name it:
   0  DistributedDataParallel (gradients all-reduced, everything replicated)
@@ -14,6 +15,14 @@ Offload (ZeRO-2/3) is FSDP2's CPUOffloadPolicy. The wrappers average gradients o
 under context parallelism, whose ranks hold the same parameters: `ParallelDims.grad_mesh`); the
 trainer multiplies the loss by that many ranks so the step's gradient is the global token-weighted
 mean. Context parallelism itself (parallel/context.py) is set on the model first.
+
+Expert parallelism (parallel.ep > 1, a model with GroupedExperts) shards the routed experts over the
+ep ranks (parallel/expert.py) after tensor parallelism and before activation checkpointing; the data-
+parallel wrapper then treats each experts module as its own unit over the edp ranks (those holding
+the same experts), divided by dp x cp: FSDP2 `fully_shard` on the edp mesh for ZeRO-2/3 (torchtitan's
+dp_shard_mod_ep), FSDP2-based `replicate` on it for ZeRO-0 (DDP cannot carry the DTensor weights, so
+the rest of the model is replicated by `replicate` too, as under tensor parallelism). ZeRO-1 is
+refused with it (config.rules.check_expert_parallel).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from ..errors import ConfigError
 from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
 from .context import apply_context_parallel, context_parallel_for
 from .dims import ParallelDims
+from .expert import apply_expert_parallel, divide_expert_gradients, expert_modules
 from .float8_training import check_float8_layout, convert_blocks_to_float8
 from .init import is_meta, materialize
 from .recompute import checkpoint_function
@@ -114,8 +124,11 @@ def apply_compile(model: nn.Module) -> None:
         _replace_block(model, name, torch.compile(block))  # type: ignore[arg-type]
 
 
-def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device) -> None:
-    """ZeRO-2/3: FSDP2 fully_shard on every block, then on the root (embeddings, heads)."""
+def apply_fsdp(
+    model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device, dims: ParallelDims | None = None
+) -> None:
+    """ZeRO-2/3: FSDP2 fully_shard on every block, then on the root (embeddings, heads); under expert
+    parallelism (`dims.ep` > 1) first on every experts module over the edp ranks."""
 
     p = cfg.parallel
     offload = p.offload_optimizer or p.offload_param
@@ -134,6 +147,11 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
         "mp_policy": mixed,
     }
     recorder = CommRecorder()  # measured all-gathers / reduce-scatters (parallel/comm.py)
+    if dims is not None and dims.ep > 1:
+        for experts in expert_modules(model):
+            unit = fully_shard(experts, **{**kwargs, "mesh": dims.edp_mesh})
+            divide_expert_gradients(unit, dims.grad_ranks, dims.edp_mesh.size())
+            instrument_fsdp(unit, recorder)
     layers = blocks(model)
     # without pipeline stages, the units the backward needs first stay gathered from their forward
     keep_into_backward = p.zero_stage == 3 and p.pp == 1
@@ -154,11 +172,16 @@ def apply_fsdp(model: nn.Module, cfg: Config, dp_mesh: Any, device: torch.device
     setattr(model, "comm_recorder", recorder)  # noqa: B010 (found by parallel.comm.recorders)
 
 
-def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any) -> None:
-    """ZeRO-0 with tensor parallel: DDP cannot replicate DTensor parameters, so use torch's FSDP2-based
-    `replicate` (same all-reduce semantics, composes with DTensor) per block and on the root."""
+def apply_replicate(model: nn.Module, cfg: Config, dp_mesh: Any, dims: ParallelDims | None = None) -> None:
+    """ZeRO-0 with tensor or expert parallel: DDP cannot replicate DTensor parameters, so use torch's
+    FSDP2-based `replicate` (same all-reduce semantics, composes with DTensor) per block and on the
+    root; under expert parallelism first on every experts module over the edp ranks."""
 
     mixed = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[cfg.parallel.grad_reduce_dtype])
+    if dims is not None and dims.ep > 1:
+        for experts in expert_modules(model):
+            unit = replicate(experts, mesh=dims.edp_mesh, mp_policy=mixed)
+            divide_expert_gradients(unit, dims.grad_ranks, 1)
     for _, block in blocks(model):
         replicate(block, mesh=dp_mesh, mp_policy=mixed)
     replicate(model, mesh=dp_mesh, mp_policy=mixed)
@@ -211,6 +234,8 @@ def parallelize(
         shard_saved = p.activation_checkpointing != "full"
         apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel, shard_saved)
         apply_dropout_streams(model, mesh["tp"].get_local_rank(), p.sequence_parallel, device)
+    if dims is not None and mesh is not None and dims.ep > 1:
+        apply_expert_parallel(model, dims.ep_mesh)
 
     tp_group = mesh["tp"].get_group() if mesh is not None and p.tp > 1 else None
     stash = checkpoint_function(tp_group, p.distribute_saved_activations, p.cpu_checkpointing)
@@ -218,13 +243,14 @@ def parallelize(
     if p.compile:
         apply_compile(model)
     if dims is not None and mesh is not None and p.zero_stage >= 2:
-        apply_fsdp(model, cfg, dims.fsdp_mesh, device)
-    elif dims is not None and mesh is not None and dims.grad_ranks > 1 and p.tp > 1:
-        apply_replicate(model, cfg, dims.grad_mesh)
+        apply_fsdp(model, cfg, dims.fsdp_mesh, device, dims)
+    elif dims is not None and mesh is not None and dims.grad_ranks > 1 and (p.tp > 1 or dims.ep > 1):
+        apply_replicate(model, cfg, dims.grad_mesh, dims)
     # A meta-device model gets its local shards now: after FSDP2/replicate sharded it, before DDP,
     # which broadcasts real parameters when it is constructed.
     _materialize_if_meta(model, cfg, device)
-    if dims is not None and mesh is not None and p.zero_stage < 2 and dims.grad_ranks > 1 and p.tp == 1:
+    replicated = dims is not None and (p.tp > 1 or dims.ep > 1)  # by `replicate` above, not DDP
+    if dims is not None and mesh is not None and p.zero_stage < 2 and dims.grad_ranks > 1 and not replicated:
         model = apply_ddp(model, cfg, dims.grad_group, device)
     return model
 

@@ -19,6 +19,16 @@ reduced, and parameters sharded, over the flattened dp x cp ranks ("dp_cp"): `gr
 `grad_group`, which are the dp ones when cp = 1. With hybrid sharding, FSDP2 shards over dp_shard x cp
 and replicates over dp_replicate (torchtitan's ("dp_replicate", "dp_shard_cp") mesh).
 
+Expert parallelism (parallel.ep, MoE models) carves its ranks out of the dp x cp ranks of one (pp, tp)
+coordinate: the flattened dp x cp order (dp outer, cp inner) is split into ("edp", "ep") with ep
+fastest, so an expert-parallel group is ep consecutive dp x cp ranks (the cp ranks of one sample
+first, then neighbouring data-parallel ranks: on a node when tp x ep fits one, which the all-to-all
+wants) and the global rank order stays Megatron's: tp, cp, dp, pp, with ep inside dp x cp
+(Megatron's expert order tp-ep-dp-pp, torchtitan's ep inside dp_shard x cp). "ep" holds different
+experts and exchanges tokens by all-to-all; "edp" (expert data parallel: dp x cp / ep ranks) holds
+the same experts and reduces their gradients (torchtitan's efsdp / dp_shard_mod_ep). `expert_mesh`
+is the 2-D (edp, ep) mesh they come from; everything that is not an expert still uses `grad_mesh`.
+
 The validity rules of a layout (divisibility, world size, schedule needs) are torch-free and live in
 `config.rules`, where `resolve` applies them before any process group exists.
 """
@@ -59,6 +69,9 @@ class ParallelDims:
     dp_cp_mesh: Any = field(default=None, compare=False, repr=False)
     # HSDP with cp > 1: the 2-D (dp_replicate, dp_shard x cp flattened) mesh FSDP2 shards over
     hsdp_cp_mesh: Any = field(default=None, compare=False, repr=False)
+    ep: int = 1  # expert parallel: ranks of dp x cp the routed experts are split over
+    # ep > 1: the 2-D ("edp", "ep") mesh over the dp x cp ranks (module doc)
+    expert_mesh: Any = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------ sizes
 
@@ -95,6 +108,7 @@ class ParallelDims:
             rank=rank,
             dp_shard=dp_shard_size(p),
             cp=p.cp,
+            ep=p.ep,
         )
 
     @classmethod
@@ -104,7 +118,7 @@ class ParallelDims:
         # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         import torch.distributed as dist
 
-        from .torch_compat import flatten_mesh, unflatten_mesh
+        from .torch_compat import unflatten_mesh
 
         if not dist.is_initialized():
             return cls.from_config(cfg)
@@ -114,18 +128,28 @@ class ParallelDims:
                 f"the layout has {dims.world_size} ranks (dp x cp x tp x pp) but the process group has "
                 f"{dist.get_world_size()}"
             )
-        mesh = dims.build_mesh(device_type)
-        flat = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if dims.hybrid else None
-        if dims.cp == 1:
-            return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat)
-        if not dims.hybrid:
+        dims = dims._with_meshes(dims.build_mesh(device_type))
+        if dims.ep == 1:
+            return dims
+        edp = dims.grad_ranks // dims.ep
+        expert = unflatten_mesh(dims.grad_mesh, (edp, dims.ep), ("edp", "ep"))
+        return dataclasses.replace(dims, expert_mesh=expert)
+
+    def _with_meshes(self, mesh: Any) -> ParallelDims:
+        """This topology with `mesh` and the flattened meshes derived from it."""
+        from .torch_compat import flatten_mesh, unflatten_mesh
+
+        flat = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if self.hybrid else None
+        if self.cp == 1:
+            return dataclasses.replace(self, mesh=mesh, flat_dp_mesh=flat)
+        if not self.hybrid:
             dp_cp = flatten_mesh(mesh["dp", "cp"], "dp_cp")
-            return dataclasses.replace(dims, mesh=mesh, dp_cp_mesh=dp_cp)
+            return dataclasses.replace(self, mesh=mesh, dp_cp_mesh=dp_cp)
         # torchtitan's meshes: gradients over all three, shards over dp_shard x cp ("dp_shard_cp")
         dp_cp = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
-        replicas = dims.dp // dims.shard_size
-        hsdp = unflatten_mesh(dp_cp, (replicas, dims.shard_size * dims.cp), ("dp_replicate", "dp_shard_cp"))
-        return dataclasses.replace(dims, mesh=mesh, flat_dp_mesh=flat, dp_cp_mesh=dp_cp, hsdp_cp_mesh=hsdp)
+        replicas = self.dp // self.shard_size
+        hsdp = unflatten_mesh(dp_cp, (replicas, self.shard_size * self.cp), ("dp_replicate", "dp_shard_cp"))
+        return dataclasses.replace(self, mesh=mesh, flat_dp_mesh=flat, dp_cp_mesh=dp_cp, hsdp_cp_mesh=hsdp)
 
     # ------------------------------------------------------------ this rank
 
@@ -137,6 +161,16 @@ class ParallelDims:
         dp_rank = (rank // (self.tp * self.cp)) % self.dp
         pp_rank = rank // (self.tp * self.cp * self.dp)
         return {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group: it holds experts [ep_rank * E / ep, ...)."""
+        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's place among the dp x cp / ep ranks holding the same experts."""
+        return (self.dp_rank * self.cp + self.cp_rank) // self.ep
 
     @property
     def pp_rank(self) -> int:
@@ -228,6 +262,18 @@ class ParallelDims:
     def cp_group(self) -> Any:
         """The context-parallel process group; None without context parallelism (or a mesh)."""
         return self._group("cp", self.cp)
+
+    @property
+    def ep_mesh(self) -> Any:
+        """The 1-D mesh of the ranks that split the experts between them (ep > 1 only)."""
+        assert self.expert_mesh is not None, "parallel.ep = 1: no expert-parallel mesh"
+        return self.expert_mesh["ep"]
+
+    @property
+    def edp_mesh(self) -> Any:
+        """The 1-D mesh of the ranks that hold the same experts and reduce their gradients (ep > 1)."""
+        assert self.expert_mesh is not None, "parallel.ep = 1: no expert-parallel mesh"
+        return self.expert_mesh["edp"]
 
     @property
     def pp_group(self) -> Any:

@@ -27,6 +27,11 @@ Routed through this module (call these functions, never the internal):
                              name the data-parallel group of an HSDP layout (parallel.dp_shard < dp).
   replicate                  torch.distributed._composable.replicate_with_fsdp.replicate(module, *,
                              mesh, mp_policy): ZeRO-0 with tensor parallel (parallel/apply.py).
+  all_to_all_autograd        torch.distributed._functional_collectives.all_to_all_single_autograd(input,
+                             output_split_sizes, input_split_sizes, group): the token all-to-all of
+                             expert parallelism (parallel/expert.py), whose backward is the reverse
+                             all-to-all; torch.distributed.nn.functional.all_to_all_single (public)
+                             does the same on gloo but warns that it is deprecated in its favour.
   unset_fake_temporarily     torch._subclasses.fake_tensor.unset_fake_temporarily(): building on the
                              meta device inside a dry run's FakeTensorMode (parallel/init.py).
   is_wrapper_tensor / wrapped_tensor
@@ -66,6 +71,8 @@ the two signatures.
 
 Used in place and only listed here (the test checks them too):
 
+  parallel/expert.py         nn.Module._parameters (the expert weights swapped for their local shards
+                             during the experts' own forward, as torch.func.functional_call does)
   parallel/grads.py          DTensor._local_tensor (a gradient's local shard without a DTensor op),
                              torch._foreach_mul_ (the clip's in-place scale; torch's own clip uses it)
   train/loss_scale.py        torch._amp_foreach_non_finite_check_and_unscale_ (what GradScaler calls)
@@ -107,6 +114,7 @@ else:
 
 __all__ = [
     "PipelineSchedule",
+    "all_to_all_autograd",
     "checkpoint_wrapped",
     "dump_cuda_memory_snapshot",
     "fsdp_mixed_precision",
@@ -183,6 +191,17 @@ def replicate(module: nn.Module, *, mesh: Any, mp_policy: Any) -> Any:
     from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 
     return fsdp_replicate(module, mesh=mesh, mp_policy=mp_policy)
+
+
+def all_to_all_autograd(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any
+) -> torch.Tensor:
+    """Rows of `x` (input_splits[i] of them to rank i of `group`) exchanged: output_splits[i] rows from
+    rank i come back, in rank order; differentiable (its backward sends the gradients back)."""
+    # at use: a torch that moves it breaks this seam (and its test), not every importer
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x, output_splits, input_splits, group)
 
 
 def fsdp_mixed_precision(module: Any) -> Any | None:
