@@ -344,6 +344,15 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
         "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
     )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=None,
+        metavar="X",
+        help="MoE models: the routed tokens' max/mean per expert to plan the busiest expert-parallel rank "
+        "at (its activations, expert GEMMs and all-to-alls), >= 1; default 1.25 (Switch Transformer's "
+        "capacity factor: a balanced router's busiest expert); docs/PLANNER.md#mixture-of-experts",
+    )
     p.set_defaults(fn=command("plan", "run"))
 
 
