@@ -8,9 +8,11 @@ tests/unit/test_flops_moe.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
+from scalable_transformer.cli import main
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.model_shapes import expert_numel, moe_layers, stage_params
 from scalable_transformer.plan.cluster import table_cluster
@@ -187,3 +189,42 @@ def test_search_picks_expert_parallelism_for_mixtral_on_64_h100():
     plain = [r for r in results if r.layout.zero_stage == 1 and r.layout.tp == r.layout.pp == 1]
     assert plain and all(not r.fits for r in plain if r.layout.ep == 1)
     assert any(r.fits for r in plain if r.layout.ep == 8)
+
+
+def _cli_plan(capsys, *extra: str) -> dict:
+    args = [
+        "plan",
+        "llama-8b",
+        *MIXTRAL,
+        "parallel.ep=8",
+        "parallel.zero_stage=3",
+        "train.global_batch_size=64",
+    ]
+    assert main([*args, "--world-size", "64", "--device", "h100-sxm", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["layouts"][0]
+
+
+def test_cli_takes_the_imbalance_and_prints_ep(capsys):
+    default, skewed = _cli_plan(capsys), _cli_plan(capsys, "--moe-imbalance", "2")
+    assert default["ep"] == 8 and "ep=8" in default["label"]
+    assert "ep" not in default["layout"]  # the issue's layout keys stay as they were; ep sits beside them
+    assert default["time_breakdown_seconds"]["ep_communication"] > 0
+    assert skewed["step_seconds"] > default["step_seconds"]
+    assert skewed["memory_breakdown_bytes"]["activations"] > default["memory_breakdown_bytes"]["activations"]
+    assert (
+        main(
+            [
+                "plan",
+                "llama-8b",
+                *MIXTRAL,
+                "--world-size",
+                "8",
+                "--device",
+                "h100-sxm",
+                "--moe-imbalance",
+                "0.5",
+            ]
+        )
+        == 2
+    )
+    assert "--moe-imbalance" in capsys.readouterr().err

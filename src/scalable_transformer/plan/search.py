@@ -151,7 +151,13 @@ def predict(
     if cluster.kind == "gpu" and cluster.profile is not None and method.startswith(RATE_MODEL):
         # a built-in profile's name is its device key; a calibrated one's is not in the table
         params = total_params(cfg.model)
-        known = expected_error(cluster.profile.name, params, layout.world_size, cluster.devices_per_node)
+        known = expected_error(
+            cluster.profile.name,
+            params,
+            layout.world_size,
+            cluster.devices_per_node,
+            cfg.model.num_experts > 0,
+        )
     peak_flops = cluster.peak(cfg.train.precision)
     tflops = st.model_flops / seconds / layout.world_size
     peak_fp8 = cluster.peak_flops.get("fp8") if cfg.train.fp8 != "none" else None
