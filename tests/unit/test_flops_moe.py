@@ -283,3 +283,17 @@ def test_torchtitan_equals_its_moe_source(name):
     assert nparams == total_params(m)
     ours = flops_per_iteration(ModelShape.from_config(m), SAMPLES, "torchtitan").model_flops
     assert ours == pytest.approx(per_token * m.seq_length * SAMPLES, rel=1e-12)
+
+
+def test_a_given_n_keeps_the_idle_experts_out():
+    """`stx flops` passes the counted N, `--params` another: the active N is that N without the idle
+    experts, so the 6N conventions count the same active work (issue 43: the calculator first counted
+    every expert when it passed the counted N)."""
+    m = _model(MIXTRAL)
+    counted = ModelShape.from_config(m, total_params(m))
+    assert counted.active_n == active_params(m) == ModelShape.from_config(m).active_n
+    assert ModelShape.from_config(m, total_params(m) - 1000).active_n == active_params(m) - 1000
+    for convention in CONVENTIONS:
+        assert flops_per_iteration(counted, 1, convention) == flops_per_iteration(
+            ModelShape.from_config(m), 1, convention
+        )

@@ -480,19 +480,20 @@ class ModelShape:
     def from_config(cls, m: ModelConfig, num_params: int | None = None, tp: int = 1) -> ModelShape:
         """Shape of a resolved ModelConfig; the vocabulary is padded as the model pads it (for `tp`
         tensor-parallel ranks). num_params is N, by default `total_params(m)` (which equals
-        `models.count_parameters(m)`); pass another N to count with it (`stx flops --params`), which
-        then is the active N too (the N a token runs through, what the 6 N conventions read)."""
+        `models.count_parameters(m)`); pass another N to count with it (`stx flops --params`). An MoE
+        model's active N is that N without the idle experts (num_experts - topk per MoE layer)."""
         if m.vocab_size is None:
             raise ValueError(
                 "model.vocab_size is None: resolve the config first "
                 "(config.validate.resolve) or set model.vocab_size"
             )
+        n = int(total_params(m) if num_params is None else num_params)
         return cls(
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
             seq_length=m.seq_length,
             vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
-            num_params=int(total_params(m) if num_params is None else num_params),
+            num_params=n,
             ffn_hidden_size=m.ffn_hidden_size,
             gated_mlp=gated_mlp(m),
             kv_heads_ratio=query_groups(m) / m.num_attention_heads,
@@ -504,9 +505,7 @@ class ModelShape:
             moe_topk=m.moe_router_topk if m.num_experts else 0,
             moe_ffn_hidden_size=moe_ffn(m) if m.num_experts else None,
             shared_expert_size=m.moe_shared_expert_size if m.num_experts else 0,
-            active_params=(active_params(m) if num_params is None else int(num_params))
-            if m.num_experts
-            else None,
+            active_params=active_params(m) + n - total_params(m) if m.num_experts else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -147,17 +147,7 @@ def predict(
             method = f"{method}; the probe failed: {e}"
     seconds = st.total
     gbs = layout.global_batch_size
-    known = None
-    if cluster.kind == "gpu" and cluster.profile is not None and method.startswith(RATE_MODEL):
-        # a built-in profile's name is its device key; a calibrated one's is not in the table
-        params = total_params(cfg.model)
-        known = expected_error(
-            cluster.profile.name,
-            params,
-            layout.world_size,
-            cluster.devices_per_node,
-            cfg.model.num_experts > 0,
-        )
+    known = _expected_error(cfg, cluster, layout) if method.startswith(RATE_MODEL) else None
     peak_flops = cluster.peak(cfg.train.precision)
     tflops = st.model_flops / seconds / layout.world_size
     peak_fp8 = cluster.peak_flops.get("fp8") if cfg.train.fp8 != "none" else None
@@ -180,6 +170,16 @@ def predict(
         mfu_fp8=tflops / peak_fp8 if peak_fp8 else None,
         peak_flops_fp8=peak_fp8,
     )
+
+
+def _expected_error(cfg: Config, cluster: Cluster, layout: Layout) -> dict[str, Any] | None:
+    """How far the time model was off on published runs of the layout's class (a GPU with a profile;
+    a built-in profile's name is its device key, a calibrated one's is not in the table)."""
+    if cluster.kind != "gpu" or cluster.profile is None:
+        return None
+    moe = cfg.model.num_experts > 0
+    params = total_params(cfg.model)
+    return expected_error(cluster.profile.name, params, layout.world_size, cluster.devices_per_node, moe)
 
 
 def prepare(cfg: Config, world_size: int) -> Config:
