@@ -30,9 +30,9 @@ from ..config.schema import Config
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # Mixture of experts: the busiest expert's tokens over the mean (max/mean tokens per expert), the
-# planner's default for `--moe-imbalance`. 1.25: Switch Transformer (Fedus et al. 2021, section 2.2)
-# and GShard train aux-loss-balanced routers at capacity factor 1.25 dropping under 1% of the tokens,
-# so their busiest expert stays near 1.25x the mean; measure yours (the run logs max/mean per step).
+# planner's default for `--moe-imbalance`. 1.25: the capacity factor Switch Transformer (Fedus et al.
+# 2021) trains its aux-loss-balanced routers at, i.e. the load it budgets the busiest expert over the
+# mean; not a measurement of any run: measure yours (the run logs max/mean per step) and pass it.
 DEFAULT_MOE_IMBALANCE = 1.25
 
 
