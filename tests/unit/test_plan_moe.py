@@ -228,3 +228,17 @@ def test_cli_takes_the_imbalance_and_prints_ep(capsys):
         == 2
     )
     assert "--moe-imbalance" in capsys.readouterr().err
+
+
+def test_human_output_says_the_imbalance_it_planned_at(capsys):
+    args = [
+        "plan",
+        "llama-8b",
+        *MIXTRAL,
+        "parallel.ep=8",
+        "parallel.zero_stage=3",
+        "train.global_batch_size=64",
+    ]
+    assert main([*args, "--world-size", "64", "--device", "h100-sxm", "--moe-imbalance", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "1.5x the mean routed tokens" in out and "ep communication" in out

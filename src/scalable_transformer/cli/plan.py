@@ -276,6 +276,11 @@ def render_one(r: Any, cluster: Any) -> None:
         )
     print(("fits" if r.fits else "DOES NOT FIT") + (f": {r.reason}" if r.reason else ""))
     print(f"step time: {r.time.total * 1000:,.1f} ms ({r.time_method})")
+    if r.layout.ep > 1:
+        print(
+            f"  experts: the busiest of {r.layout.ep} expert-parallel ranks at {cluster.moe_imbalance:g}x "
+            "the mean routed tokens (--moe-imbalance; docs/PLANNER.md#mixture-of-experts)"
+        )
     if r.expected_error:
         e = r.expected_error
         print(
