@@ -41,10 +41,11 @@ def _mixtral(world: int, *overrides: str):
 
 
 def test_expert_memory_falls_with_ep_as_counted_by_hand():
-    """ZeRO-1 on 64 ranks: each rank holds every parameter but the experts, and 1/ep of the experts;
-    the optimizer state is sharded over dp for the rest and over dp / ep for the experts, so it does
-    not change with ep (1/ep of the experts over 1/ep as many ranks)."""
-    base = ["parallel.zero_stage=1", "train.global_batch_size=64"]
+    """ZeRO-0 on 64 ranks: each rank holds every parameter but the experts, and 1/ep of the experts,
+    with their gradients and optimizer state; with ep > 1 the engine replicates through FSDP2's
+    replicate (parallel/expert.py), which keeps an unsharded copy from forward to backward, where
+    DDP (ep = 1) keeps its gradient buckets."""
+    base = ["parallel.zero_stage=0", "train.global_batch_size=64"]
     by_ep = {ep: stage_memory(_mixtral(64, *base, f"parallel.ep={ep}"), 0, "gpu", 0) for ep in (1, 2, 8)}
     m = _mixtral(64, *base).model
     experts = len(moe_layers(m)) * m.num_experts * expert_numel(m)
@@ -52,16 +53,18 @@ def test_expert_memory_falls_with_ep_as_counted_by_hand():
     for ep, mem in by_ep.items():
         held = total - experts + experts // ep
         assert mem.breakdown["parameters"] == 4 * held  # fp32 master weights
-        assert mem.breakdown["optimizer_state"] == int(
-            8 * (total - experts) / 64 + 8 * (experts // ep) / (64 // ep)
-        )
+        assert mem.breakdown["optimizer_state"] == 8 * held  # AdamW's two fp32 moments
+        # DDP's buckets at ep = 1; FSDP2's replicate has none (its unsharded copy is freed before the step)
+        assert mem.breakdown["communication_buffers"] == (4 * held if ep == 1 else 0)
+        if mem.phase == "backward":
+            assert mem.breakdown["gathered_parameters"] == (4 * held if ep > 1 else 0)
     assert (
         by_ep[8].breakdown["parameters"] < by_ep[2].breakdown["parameters"] < by_ep[1].breakdown["parameters"]
     )
-    # with ep = 1 the 46.7B parameters' fp32 weights alone (174 GiB) do not fit an 80 GB H100; with ep = 8 ...
-    assert by_ep[1].total > 80 * 2**30
-    # ... the weights are 4 x (1.6B + 45.1B / 8) bytes
-    assert by_ep[8].breakdown["parameters"] / 2**30 == pytest.approx(4 * (total - experts * 7 / 8) / 2**30)
+    # with ep = 1 the 46.7B parameters' fp32 weights alone (174 GiB) do not fit an 80 GB H100; with
+    # ep = 8 they are 4 x (1.6B + 45.1B / 8) bytes, 27 GiB
+    assert by_ep[1].breakdown["parameters"] > 80 * 2**30
+    assert by_ep[8].breakdown["parameters"] == 4 * (total - experts + experts // 8) < 28 * 2**30
 
 
 def test_zero3_shards_the_experts_over_the_expert_data_parallel_ranks():
@@ -101,30 +104,27 @@ def _ep_ms(cfg, cluster) -> float:
 
 
 def test_all_to_all_bytes_and_crossing_nodes():
-    """ep = 8 with tp = 1 sits in one 8-GPU node (NVLink); with tp = 2 the ep ranks, consecutive in dp
-    order after tp, span 16 ranks: two nodes, half of each rank's rows through its NIC (400 Gb/s)."""
+    """The ep ranks are consecutive in the dp x cp order (parallel/dims.py): ep = 8 sits in one 8-GPU
+    node (NVLink); ep = 16 (a Mixtral shape with 16 experts) spans two, and half of each rank's rows
+    leave its node through its NIC (400 Gb/s)."""
     cluster = table_cluster("h100-sxm", 8, 8)
-    cfg = _mixtral(64, "parallel.ep=8", "parallel.zero_stage=3", "train.global_batch_size=64")
-    inside = _ep_ms(cfg, cluster)
+    sixteen = ["model.num_experts=16", "parallel.zero_stage=3", "train.global_batch_size=64"]
+    inside = _ep_ms(_mixtral(64, *sixteen, "parallel.ep=8"), cluster)
+    across = _ep_ms(_mixtral(64, *sixteen, "parallel.ep=16"), cluster)
     # 32 MoE layers x (2 forward + 2 backward) all-to-alls of k x tokens x imbalance rows of h bf16
     nbytes = 2 * 4096 * DEFAULT_MOE_IMBALANCE * 4096 * 2
     rates = _rates(cluster)
     assert inside == pytest.approx(32 * 4 * rates.collective("all_to_all", 8, nbytes, 1))
-    tp2 = _mixtral(
-        64, "parallel.ep=8", "parallel.tp=2", "parallel.zero_stage=3", "train.global_batch_size=32"
-    )
-    across = _ep_ms(tp2, cluster)
     topo = cluster.profile.topology  # 8 NICs per node, their measured GB/s each (one per GPU)
     assert topo["nics_per_node"] == 8
-    # 4 of the 8 ranks on the other node
-    assert across == pytest.approx(32 * 4 * 0.5 * nbytes / (topo["nic_gbps"] * 1e9))
+    assert across == pytest.approx(32 * 4 * 0.5 * nbytes / (topo["nic_gbps"] * 1e9))  # 8 of 16 elsewhere
     assert across > 3 * inside
     # full recompute dispatches and combines again in backward
-    full = _mixtral(64, "parallel.ep=8", "parallel.zero_stage=3", "train.global_batch_size=64")
+    eight = _mixtral(64, "parallel.ep=8", "parallel.zero_stage=3", "train.global_batch_size=64")
     full = dataclasses.replace(
-        full, parallel=dataclasses.replace(full.parallel, activation_checkpointing="full")
+        eight, parallel=dataclasses.replace(eight.parallel, activation_checkpointing="full")
     )
-    assert _ep_ms(full, cluster) == pytest.approx(inside * 6 / 4)
+    assert _ep_ms(full, cluster) == pytest.approx(_ep_ms(eight, cluster) * 6 / 4)
     # no expert parallelism, no all-to-all
     assert _ep_ms(_mixtral(64, "parallel.zero_stage=3", "train.global_batch_size=64"), cluster) == 0
 
@@ -180,13 +180,18 @@ def test_the_search_tries_every_ep_that_divides_the_experts_and_dp_x_cp():
 
 @pytest.mark.slow
 def test_search_picks_expert_parallelism_for_mixtral_on_64_h100():
-    """Where memory forces it (ZeRO-1 without tensor or pipeline parallelism: 46.7B parameters held whole
-    on each rank do not fit, 1/8 of the experts do) and overall: the best layout that fits has ep > 1."""
+    """Where memory forces it (ZeRO-2 without tensor or pipeline parallelism keeps every parameter it
+    holds gathered from forward to backward: 46.7B in bf16 do not fit beside the rest, 1/8 of the
+    experts do) and overall: the best layout that fits has ep > 1."""
     cluster = table_cluster("h100-sxm", 8, 8)
     results = search_layouts(load_config("llama-8b", [*MIXTRAL, "train.global_batch_size=64"]), cluster)
     best = next(r for r in results if r.fits)
     assert best.layout.ep > 1, best.layout.label()
-    plain = [r for r in results if r.layout.zero_stage == 1 and r.layout.tp == r.layout.pp == 1]
+    plain = [
+        r
+        for r in results
+        if r.layout.zero_stage == 2 and r.layout.tp == r.layout.pp == 1 and not r.layout.offload_optimizer
+    ]
     assert plain and all(not r.fits for r in plain if r.layout.ep == 1)
     assert any(r.fits for r in plain if r.layout.ep == 8)
 

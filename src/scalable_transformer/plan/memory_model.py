@@ -54,11 +54,19 @@ def expert_local(sp_: StageParams, ep: int) -> StageParams:
     )
 
 
-def sharded_numel(local: StageParams, ranks: int, ep: int) -> float:
-    """Elements per rank of the stage's parameters `local` (`expert_local`) sharded over `ranks`
-    data-parallel ranks: the experts' share over the expert-data-parallel ranks, ranks / ep (the
-    ones holding the same experts; at least one), everything else over all of them."""
-    return (local.total - local.experts) / ranks + local.experts / max(1.0, ranks / ep)
+def sharded_numel(local: StageParams, ranks: int, expert_ranks: float) -> float:
+    """Elements per rank of the stage's parameters `local` (`expert_local`): the routed experts
+    sharded over `expert_ranks` (the expert-data-parallel ranks holding the same experts, dp x cp /
+    ep; at least one), everything else over `ranks` data-parallel ranks."""
+    return (local.total - local.experts) / ranks + local.experts / max(1.0, expert_ranks)
+
+
+def expert_data_ranks(cfg: Config) -> float:
+    """The ranks the experts' states are sharded over (ZeRO-2/3) and their gradients reduced over:
+    dp x cp / ep, all of them also under hybrid sharding (parallel/expert.py shards the experts over
+    the whole expert-data-parallel group)."""
+    p = cfg.parallel
+    return p.dp * p.cp / p.ep
 
 
 def moe_rank_imbalance(cfg: Config, imbalance: float) -> float:
@@ -437,15 +445,17 @@ def _replicated_states(cfg: Config, sp_: StageParams) -> tuple[dict[str, int], d
     params = 4 * P
     grads = 4 * P
     # ZeRO-1 shards the experts' states over the expert-data-parallel ranks (dp x cp / ep)
-    stepped = sharded_numel(sp_, dp, p.ep) if zero == 1 else P
+    stepped = sharded_numel(sp_, dp, expert_data_ranks(cfg)) if zero == 1 else P
     states = int(k * stepped)
     # DDP (tp = 1, dp > 1): its all-reduce buckets, allocated when DDP is built, hold the
     # gradients (gradient_as_bucket_view=True): .grad are views into them, no second copy
-    buckets = 4 * P if dp > 1 and p.tp == 1 else 0
-    # ZeRO-0 with tp > 1 replicates through FSDP2's `replicate` (parallel/apply.py), which keeps
-    # a separate unsharded copy of every parameter (fp32: its policy sets no param_dtype) from the
-    # forward until the backward is done (not resharded after forward), freed before the step
-    replicated = 4 * P if dp > 1 and p.tp > 1 else 0
+    # ZeRO-0 with tp > 1 (or expert parallelism) replicates through FSDP2's `replicate`
+    # (parallel/apply.py), which keeps a separate unsharded copy of every parameter (fp32: its policy
+    # sets no param_dtype) from the forward until the backward is done (not resharded after
+    # forward), freed before the step
+    fsdp_replicate = p.tp > 1 or p.ep > 1
+    buckets = 4 * P if dp > 1 and not fsdp_replicate else 0
+    replicated = 4 * P if dp > 1 and fsdp_replicate else 0
     # with accumulation the gradients exist, but an interleaved rank peaks in the backward of its
     # first chunk to go back (its warm-up holds the most chunks): only that chunk's (1/v) exist
     accumulated = grads / p.virtual_pipeline_stages if p.pp > 1 else grads
@@ -486,8 +496,8 @@ def _sharded_states(
     gather_bytes = _gather_bytes(cfg)
     accumulating = t.gradient_accumulation_steps > 1
     host = 0
-    # the experts over the expert-data-parallel ranks of the shard group (torchtitan's dp_shard_mod_ep)
-    shard = sharded_numel(sp_, dp, p.ep)
+    # the experts over the expert-data-parallel ranks (torchtitan's dp_shard_mod_ep), all of them
+    shard = sharded_numel(sp_, dp, expert_data_ranks(cfg))
     sharded = int(4 * shard)
     states = int(k * shard)
     # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its

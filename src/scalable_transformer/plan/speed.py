@@ -43,6 +43,7 @@ from .memory_model import (
     DEFAULT_MOE_IMBALANCE,
     DTYPE_BYTES,
     activation_model,
+    expert_data_ranks,
     expert_local,
     moe_rank_imbalance,
     sharded_numel,
@@ -622,13 +623,14 @@ def _ep_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, moe_layers: int) 
     k x tokens routed rows (h wide, the activations' dtype) to their experts' ranks and takes them back
     (dispatch and combine) in forward, and the same two in backward; full recompute dispatches and
     combines again. The busiest rank's rows (x imbalance) set the size. The ep ranks are consecutive in
-    dp order after tp x cp (stride tp x cp), so the group crosses nodes once ep x tp x cp exceeds a node."""
+    the flattened dp x cp order (cp inner; parallel/dims.py), stride tp, so the group crosses nodes
+    once ep x tp exceeds a node."""
     p = cfg.parallel
     if p.ep <= 1 or not moe_layers:
         return 0.0
     nbytes = sh.routed_rows * sh.h * sh.e
     count = 4 + (2 if p.activation_checkpointing == "full" else 0)
-    return moe_layers * count * rates.collective("all_to_all", p.ep, nbytes, p.tp * p.cp)
+    return moe_layers * count * rates.collective("all_to_all", p.ep, nbytes, p.tp)
 
 
 def _expert_split(sp_: StageParams, ep: int) -> tuple[StageParams, StageParams | None]:
@@ -680,7 +682,8 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any, group: int = 1) -> 
     scatters = m if p.reduce_each_micro_batch else 1
     # hybrid sharding: gathers and reduce-scatters within the dp_shard ranks (adjacent in dp), then
     # each unit's gradient shard all-reduced across the dp / dp_shard replicas (FSDP2 HSDP)
-    shard = max(1, dp_shard_size(p) * p.cp // group)
+    # the experts (group = ep): sharded over all their dp x cp / ep ranks, hybrid sharding or not
+    shard = dp if group > 1 else dp_shard_size(p) * p.cp
     replicas, dp = dp // shard, shard
     across = [rates.collective("all_reduce", replicas, grad_e * u / dp, stride * dp) for u, _ in units]
     unit_e = [block_e, gather_e][: len(units)]  # the blocks', then the root's
@@ -743,7 +746,8 @@ def _optimizer_seconds(cfg: Config, rates: _ProfileRates, sp_: StageParams) -> d
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
     sharded_over = {0: 1, 1: p.dp * p.cp}.get(p.zero_stage, dp_shard_size(p) * p.cp)
-    shard = sharded_numel(expert_local(sp_, p.ep), sharded_over, p.ep if sharded_over > 1 else 1)
+    expert_ranks = expert_data_ranks(cfg) if sharded_over > 1 else 1
+    shard = sharded_numel(expert_local(sp_, p.ep), sharded_over, expert_ranks)
     opt_bytes = shard * optimizer_step_bytes(cfg)
     offload = p.offload_optimizer or p.offload_param
     out: dict[str, dict[str, float]] = {}
