@@ -78,24 +78,30 @@ def moe_rank_imbalance(cfg: Config, imbalance: float) -> float:
 
 def moe_layer_extra_bytes(cfg: Config, recompute: str, am: ActivationModel, imbalance: float) -> float:
     """Bytes an MoE layer keeps for backward beyond a dense layer's, per micro-batch (full recompute:
-    none, both keep their input). Out: the dense MLP's activation input and output. In: the router's
-    fp32 logits and scores (tokens x E each); of the k x tokens routed rows (times the busiest rank's
-    imbalance) the sorted input of w_up, the activation's input and output (their f split over the
-    expert tensor-parallel ranks) and the experts' outputs that the score-weighted combine keeps; the
-    shared expert's activation input and output as a dense MLP's."""
+    none, both keep their input). Out: what `layer_activation_bytes` counts for the dense MLP, its
+    activation input and output (up + f per token). In, as the engine's MoELayer saves them (counted
+    tensor by tensor on the CPU, tests/unit/test_plan_moe.py): the router's fp32 logits and scores
+    (tokens x E each) and, below fp32, its fp32 copy of the input (it routes in fp32); per routed row
+    (k x tokens x the busiest rank's imbalance) three h-wide tensors (the sorted input of w_up, w_down's
+    output and the weighted output the combine adds up) and the activation's input and output, with
+    the gated activation's gate output besides (up + f, + f when gated; f over the expert
+    tensor-parallel ranks); the shared expert's the same per token (its gate output included).
+    Measured against the planner's dense MLP (up + f per token) the engine's gated MLP keeps f more,
+    the gate output: the dense layers' count leaves it out, this one does not."""
     if recompute == "full":
         return 0.0
     mc, p = cfg.model, cfg.parallel
     assert mc.ffn_hidden_size is not None
     e, h, t = am.act_bytes, mc.hidden_size, p.tp
     tokens = cfg.train.micro_batch_size * local_seq(cfg)
-    gated = gated_mlp(mc)
+    up = 2 if gated_mlp(mc) else 1
     f, fe, fs = mc.ffn_hidden_size, moe_ffn(mc), mc.moe_shared_expert_size
-    dense = e * tokens * ((2 if gated else 1) * f + f) / t
+    dense = e * tokens * (up * f + f) / t
     rows = mc.moe_router_topk * tokens * moe_rank_imbalance(cfg, imbalance)
-    routed = rows * e * (2 * h + ((2 if gated else 1) * fe + fe) / expert_tp(t))
-    shared = e * tokens * ((2 if gated else 1) * fs + fs) / t
-    router = 2 * 4 * tokens * mc.num_experts
+    gate = fe if gated_mlp(mc) else 0
+    routed = rows * e * (3 * h + (up * fe + fe + gate) / expert_tp(t))
+    shared = e * tokens * (up * fs + fs + (fs if gated_mlp(mc) else 0)) / t
+    router = 2 * 4 * tokens * mc.num_experts + (4 * tokens * h if e != 4 else 0)
     return routed + shared + router - dense
 
 
