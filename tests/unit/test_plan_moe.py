@@ -253,3 +253,17 @@ def test_human_output_says_the_imbalance_it_planned_at(capsys):
     assert main([*args, "--world-size", "64", "--device", "h100-sxm", "--moe-imbalance", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "1.5x the mean routed tokens" in out and "ep communication" in out
+
+
+def test_hybrid_sharding_shards_the_experts_over_all_their_expert_data_parallel_ranks():
+    """HSDP (dp_shard 16 of dp 64): the dense parameters' states over the 16-rank shard group, the
+    experts' (1/8 of them on each rank) over all 64 / 8 = 8 ranks holding the same experts, as
+    parallel/expert.py shards them on the edp mesh."""
+    cfg = _mixtral(
+        64, "parallel.ep=8", "parallel.zero_stage=3", "parallel.dp_shard=16", "train.global_batch_size=64"
+    )
+    m = cfg.model
+    experts = len(moe_layers(m)) * m.num_experts * expert_numel(m)
+    rest = stage_params(m, 1, 1, 0).total - experts
+    mem = stage_memory(cfg, 0, "gpu", 0)
+    assert mem.breakdown["optimizer_state"] == int(8 * (rest / 16 + (experts // 8) / 8))
