@@ -19,6 +19,7 @@ from scalable_transformer.plan.cluster import table_cluster
 from scalable_transformer.plan.memory_model import (
     DEFAULT_MOE_IMBALANCE,
     activation_model,
+    config_layer_bytes,
     moe_layer_extra_bytes,
     stage_memory,
 )
@@ -94,10 +95,14 @@ def test_moe_activations_are_the_routed_tokens_times_the_imbalance():
     # f gate output and f product
     per_row = e * (3 * h + 4 * f)
     assert more - one == 2 * tokens * per_row
-    # against the dense MLP it replaces (the planner's up + f = 3f per token), plus the router's fp32
-    # copy of its bf16 input (tokens x h) and two fp32 tokens x E tensors (logits, scores)
+    # against the dense MLP it replaces (what the dense layer's count holds for it: 3f per token at
+    # this branch's base, 4f since main's 2b963c6), plus the router's fp32 copy of its bf16 input
+    # (tokens x h) and two fp32 tokens x E tensors (logits, scores)
+    no_mlp = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_hidden_size=0))
+    dense = config_layer_bytes(cfg, "none", am) - config_layer_bytes(no_mlp, "none", am)
+    assert dense in (tokens * e * 3 * f, tokens * e * 4 * f)
     router = 4 * tokens * h + 2 * 4 * tokens * 8
-    assert one == 2 * tokens * per_row + router - tokens * e * 3 * f
+    assert one == 2 * tokens * per_row + router - dense
     # full recompute keeps the layer input only, MoE or not
     assert moe_layer_extra_bytes(cfg, "full", am, 2.0) == 0
     # without expert parallelism one rank runs every routed token: no busiest rank

@@ -78,16 +78,14 @@ def moe_rank_imbalance(cfg: Config, imbalance: float) -> float:
 
 def moe_layer_extra_bytes(cfg: Config, recompute: str, am: ActivationModel, imbalance: float) -> float:
     """Bytes an MoE layer keeps for backward beyond a dense layer's, per micro-batch (full recompute:
-    none, both keep their input). Out: what `layer_activation_bytes` counts for the dense MLP, its
-    activation input and output (up + f per token). In, as the engine's MoELayer saves them (counted
-    tensor by tensor on the CPU, tests/unit/test_plan_moe.py): the router's fp32 logits and scores
-    (tokens x E each) and, below fp32, its fp32 copy of the input (it routes in fp32); per routed row
-    (k x tokens x the busiest rank's imbalance) three h-wide tensors (the sorted input of w_up, w_down's
-    output and the weighted output the combine adds up) and the activation's input and output, with
-    the gated activation's gate output besides (up + f, + f when gated; f over the expert
-    tensor-parallel ranks); the shared expert's the same per token (its gate output included).
-    Measured against the planner's dense MLP (up + f per token) the engine's gated MLP keeps f more,
-    the gate output: the dense layers' count leaves it out, this one does not."""
+    none, both keep their input). Out: what `layer_activation_bytes` counts for the dense MLP (its
+    bytes at this f less its bytes at f = 0, so the two counts cannot drift apart). In, as the
+    engine's MoELayer saves them (counted tensor by tensor on the CPU, tests/unit/test_plan_moe.py):
+    the router's fp32 logits and scores (tokens x E each) and, below fp32, its fp32 copy of the input
+    (it routes in fp32); per routed row (k x tokens x the busiest rank's imbalance) three h-wide
+    tensors (the sorted input of w_up, w_down's output and the weighted output the combine adds up)
+    and the activation's input and output, with the gated activation's gate output besides (up + f,
+    + f when gated; f over the expert tensor-parallel ranks); the shared expert's the same per token."""
     if recompute == "full":
         return 0.0
     mc, p = cfg.model, cfg.parallel
@@ -95,8 +93,9 @@ def moe_layer_extra_bytes(cfg: Config, recompute: str, am: ActivationModel, imba
     e, h, t = am.act_bytes, mc.hidden_size, p.tp
     tokens = cfg.train.micro_batch_size * local_seq(cfg)
     up = 2 if gated_mlp(mc) else 1
-    f, fe, fs = mc.ffn_hidden_size, moe_ffn(mc), mc.moe_shared_expert_size
-    dense = e * tokens * (up * f + f) / t
+    fe, fs = moe_ffn(mc), mc.moe_shared_expert_size
+    no_mlp = dataclasses.replace(cfg, model=dataclasses.replace(mc, ffn_hidden_size=0))
+    dense = config_layer_bytes(cfg, "none", am) - config_layer_bytes(no_mlp, "none", am)
     rows = mc.moe_router_topk * tokens * moe_rank_imbalance(cfg, imbalance)
     gate = fe if gated_mlp(mc) else 0
     routed = rows * e * (3 * h + (up * fe + fe + gate) / expert_tp(t))
