@@ -29,6 +29,12 @@ def print_flops(result: dict[str, Any]) -> None:
         f"V={shape['vocab_size']} (padded) F={shape['ffn_hidden_size']} N={shape['num_params']:,} "
         f"[dim]({result['num_params_source']})[/dim]"
     )
+    if "active_params" in shape:  # mixture of experts: what a token runs through (docs/METRICS.md)
+        console.print(
+            f"experts: {shape['moe_layers']} MoE layers of {shape['num_experts']} experts "
+            f"(F={shape['moe_ffn_hidden_size']}), top-{shape['moe_topk']}, "
+            f"shared F={shape['shared_expert_size']}; active N={shape['active_params']:,} per token"
+        )
     step = (
         f", {result['global_batch_size']} samples/step = {result['iteration_seconds']:.4g} s/step"
         if result["global_batch_size"]

@@ -267,6 +267,27 @@ def register_flops(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=command("flops", "run"))
 
 
+def _plan_what_if_options(p: argparse.ArgumentParser) -> None:
+    """`stx plan`'s options that change what the time model assumes of the run, not the layout."""
+    p.add_argument(
+        "--attention-kernel",
+        metavar="KERNEL",
+        help="time the attention core at this kernel's rates from the hardware profile (flash, "
+        "mem_efficient, math, cudnn, triton, flash1: those it has points of) instead of the kernel this "
+        "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
+        "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
+    )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=None,
+        metavar="X",
+        help="MoE models: the routed tokens' max/mean per expert to plan the busiest expert-parallel rank "
+        "at (its activations, expert GEMMs and all-to-alls), >= 1; default 1.25 (Switch Transformer's "
+        "capacity factor: a balanced router's busiest expert); docs/PLANNER.md#mixture-of-experts",
+    )
+
+
 def register_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
@@ -336,14 +357,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
         "(docs/PLANNER.md#prediction-error-and-refits) and plan with them",
     )
     p.add_argument("--output", metavar="PROFILE", help="--calibrate-from: write the refitted profile here")
-    p.add_argument(
-        "--attention-kernel",
-        metavar="KERNEL",
-        help="time the attention core at this kernel's rates from the hardware profile (flash, "
-        "mem_efficient, math, cudnn, triton, flash1: those it has points of) instead of the kernel this "
-        "engine's SDPA takes for the config; for another engine's run, or a what-if. Time model only "
-        "(on cpu with --no-probe); docs/PLANNER.md#attention-kernels",
-    )
+    _plan_what_if_options(p)
     p.set_defaults(fn=command("plan", "run"))
 
 

@@ -43,6 +43,7 @@ class PlanOptions:
     calibrate_from: Path | None = None  # a results store: refit the profile's corrections from its runs
     output: Path | None = None  # where the refitted profile goes
     attention_kernel: str | None = None  # plan the attention core at this kernel's rates
+    moe_imbalance: float | None = None  # MoE: max/mean routed tokens per expert (None: the planner's default)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanOptions:
@@ -69,6 +70,11 @@ class PlanOptions:
             raise UsageError("--dry-run-top K dry-runs the best K layouts of a --search; add --search")
         if args.dry_run_top is not None and args.dry_run_top < 1:
             raise UsageError(f"--dry-run-top must be >= 1, got {args.dry_run_top}")
+        imbalance = getattr(args, "moe_imbalance", None)
+        if imbalance is not None and not imbalance >= 1:
+            raise UsageError(
+                f"--moe-imbalance is the busiest expert's tokens over the mean, so >= 1; got {imbalance}"
+            )
         return cls(
             config,
             tuple(overrides),
@@ -87,6 +93,7 @@ class PlanOptions:
             dry_run=args.dry_run,
             dry_run_top=args.dry_run_top or 0,
             attention_kernel=args.attention_kernel,
+            moe_imbalance=imbalance,
             **calibrate_options(args),
         )
 
@@ -151,6 +158,8 @@ def build_cluster(opts: PlanOptions, precision: str) -> Any:
         cluster = dataclasses.replace(cluster, host_memory_bytes=int(opts.host_memory_gb * 2**30))
     if opts.attention_kernel is not None:
         cluster = with_attention_kernel(cluster, opts.attention_kernel, opts.probe)
+    if opts.moe_imbalance is not None:
+        cluster = dataclasses.replace(cluster, moe_imbalance=opts.moe_imbalance)
     return cluster
 
 
@@ -267,6 +276,11 @@ def render_one(r: Any, cluster: Any) -> None:
         )
     print(("fits" if r.fits else "DOES NOT FIT") + (f": {r.reason}" if r.reason else ""))
     print(f"step time: {r.time.total * 1000:,.1f} ms ({r.time_method})")
+    if r.layout.ep > 1:
+        print(
+            f"  experts: the busiest of {r.layout.ep} expert-parallel ranks at {cluster.moe_imbalance:g}x "
+            "the mean routed tokens (--moe-imbalance; docs/PLANNER.md#mixture-of-experts)"
+        )
     if r.expected_error:
         e = r.expected_error
         print(

@@ -24,10 +24,15 @@ class StageParams:
     """Parameters held by one pipeline rank (all its virtual stages) on one tensor-parallel rank.
 
     blocks        parameters of the transformer blocks (local shards), in total
-    block         parameters of one block (local shard): an FSDP2 unit
+    block         parameters of one block (local shard): an FSDP2 unit; the largest of the rank's
+                  blocks (an MoE block, with all its routed experts, where the rank holds one)
     layers        number of blocks
     root          parameters outside the blocks (embedding, heads, final norm; local shards)
     first, last   whether the rank holds the model's embedding / head
+    experts       routed-expert parameters among `blocks` (all num_experts of each MoE layer; expert
+                  parallelism divides them by ep, the planner's business): 0 for a dense model
+    expert_block  routed-expert parameters among `block` (one MoE layer's)
+    moe_layers    how many of the rank's `layers` are MoE layers
     """
 
     blocks: int
@@ -36,6 +41,9 @@ class StageParams:
     root: int
     first: bool
     last: bool
+    experts: int = 0
+    expert_block: int = 0
+    moe_layers: int = 0
 
     @property
     def total(self) -> int:
@@ -116,6 +124,48 @@ def moe_layers(m: ModelConfig) -> list[int]:
     return [i for i in range(m.num_layers) if is_moe_layer(m, i)]
 
 
+def moe_ffn(m: ModelConfig) -> int:
+    """The routed experts' MLP inner size: model.moe_ffn_hidden_size, else ffn_hidden_size (as resolve
+    fills it)."""
+    f = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
+    assert f is not None, "resolve the config first"
+    return f
+
+
+def expert_numel(m: ModelConfig) -> int:
+    """Parameters of one routed expert (models/moe.py GroupedExperts, no biases): w_up h x (2 f gated |
+    f) and w_down f x h."""
+    f = moe_ffn(m)
+    return m.hidden_size * (2 * f if gated_mlp(m) else f) + f * m.hidden_size
+
+
+def router_numel(m: ModelConfig) -> int:
+    """The router of one MoE layer: a linear h -> num_experts without bias."""
+    return m.hidden_size * m.num_experts
+
+
+def shared_expert_numel(m: ModelConfig, tp: int = 1) -> int:
+    """The always-on shared expert of one MoE layer on one tp rank: a dense MLP of
+    moe_shared_expert_size (biases as the dense MLP's), sharded over tp as the dense MLP; 0 without one."""
+    f = m.moe_shared_expert_size
+    if not f:
+        return 0
+    up = 2 * f if gated_mlp(m) else f
+    bias = 1 if mlp_bias(m) else 0
+    return (m.hidden_size * up + bias * up) // tp + f * m.hidden_size // tp + bias * m.hidden_size
+
+
+# Expert tensor parallelism: the routed experts' inner size f is split over the tp ranks like the dense
+# MLP's (Megatron's default --expert-tensor-parallel-size = tp); the router is replicated. The planner's
+# one assumption about how parallel/ composes experts with tp: change it here if that changes.
+EXPERTS_SHARDED_OVER_TP = True
+
+
+def expert_tp(tp: int) -> int:
+    """The tp ranks each routed expert's f is split over (`EXPERTS_SHARDED_OVER_TP`)."""
+    return tp if EXPERTS_SHARDED_OVER_TP else 1
+
+
 def norm_numel(m: ModelConfig) -> int:
     """Parameters of one norm layer: LayerNorm has weight and bias, RMSNorm only a weight."""
     return m.hidden_size * (1 if m.norm == "rmsnorm" else 2)
@@ -132,25 +182,30 @@ class BlockParams:
     """Parameters of one TransformerBlock on one tensor-parallel rank, by part (local shards).
 
     attention   the fused qkv projection and the output projection (weights and biases)
-    mlp         the up projection (value, and gate when gated) and the down projection
+    mlp         the up projection (value, and gate when gated) and the down projection; in an MoE
+                layer the router and the shared expert instead
     norms       the two norms (replicated)
+    experts     an MoE layer's routed experts (all num_experts; 0 in a dense layer)
     """
 
     attention: int
     mlp: int
     norms: int
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.attention + self.mlp + self.norms
+        return self.attention + self.mlp + self.norms + self.experts
 
 
-def block_params(m: ModelConfig, tp: int = 1) -> BlockParams:
+def block_params(m: ModelConfig, tp: int = 1, moe: bool = False) -> BlockParams:
     """One TransformerBlock on one tp rank: qkv and up column-sharded (weight and bias), proj and
     down row-sharded (weight; bias replicated), norms replicated. Biases as add_bias_linear says
     (attention's output), qkv_bias and mlp_bias.
     With more tp ranks than key/value groups the qkv projection is replicated (parallel/tensor.py).
-    The layout rules (config/rules.py) make every sharded part divisible by tp."""
+    The layout rules (config/rules.py) make every sharded part divisible by tp.
+    moe: the block of an MoE layer (`is_moe_layer`): the router (replicated), the shared expert and
+    num_experts routed experts (split over `expert_tp(tp)`) instead of the dense MLP."""
     assert m.ffn_hidden_size is not None
     h, f, qkv = m.hidden_size, m.ffn_hidden_size, qkv_width(m)
     up = 2 * f if gated_mlp(m) else f
@@ -158,16 +213,38 @@ def block_params(m: ModelConfig, tp: int = 1) -> BlockParams:
     mlp = 1 if mlp_bias(m) else 0
     qkv_numel = h * qkv + (qkv if qkv_bias(m) else 0)
     qkv_local = qkv_numel if query_groups(m) % tp else qkv_numel // tp
+    attention = qkv_local + h * h // tp + bias * h
+    if moe:
+        return BlockParams(
+            attention=attention,
+            mlp=router_numel(m) + shared_expert_numel(m, tp),
+            norms=2 * norm_numel(m),
+            experts=m.num_experts * expert_numel(m) // expert_tp(tp),
+        )
     return BlockParams(
-        attention=qkv_local + h * h // tp + bias * h,
+        attention=attention,
         mlp=(h * up + mlp * up) // tp + f * h // tp + mlp * h,
         norms=2 * norm_numel(m),
     )
 
 
-def block_numel(m: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one TransformerBlock on one tp rank (see `block_params`)."""
-    return block_params(m, tp).total
+def block_numel(m: ModelConfig, tp: int = 1, moe: bool = False) -> int:
+    """Parameters of one TransformerBlock (of an MoE layer when `moe`) on one tp rank (see `block_params`)."""
+    return block_params(m, tp, moe).total
+
+
+def layers_numel(m: ModelConfig, tp: int = 1) -> int:
+    """Parameters of all num_layers blocks on one tp rank: dense and MoE layers as `is_moe_layer` says."""
+    n_moe = len(moe_layers(m))
+    return (m.num_layers - n_moe) * block_numel(m, tp) + n_moe * block_numel(m, tp, moe=True)
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token runs through (tp = 1): every parameter but the routed experts a token is not
+    sent to, i.e. total_params - (num_experts - moe_router_topk) x one expert per MoE layer. The router
+    and the shared expert are active. Equals total_params for a dense model."""
+    idle = (m.num_experts - m.moe_router_topk) * expert_numel(m) if m.num_experts else 0
+    return total_params(m) - len(moe_layers(m)) * idle
 
 
 def embedding_numel(m: ModelConfig, tp: int = 1) -> int:
@@ -225,12 +302,12 @@ def head_numel(m: ModelConfig, tp: int = 1, with_tied_copy: bool = False) -> int
 
 
 def parameter_parts(m: ModelConfig) -> dict[str, int]:
-    """Parameters by part (tp = 1, no pipeline): embedding, layers (num_layers blocks), final_norm,
-    lm_head, binary_head. A tied output matrix is counted once, in `embedding`. The values sum to
-    `total_params(m)`; `block_params(m)` splits one layer into attention, MLP and norms."""
+    """Parameters by part (tp = 1, no pipeline): embedding, layers (num_layers blocks, dense and MoE),
+    final_norm, lm_head, binary_head. A tied output matrix is counted once, in `embedding`. The values
+    sum to `total_params(m)`; `block_params(m)` splits one layer into attention, MLP and norms."""
     return {
         "embedding": embedding_numel(m),
-        "layers": m.num_layers * block_numel(m),
+        "layers": layers_numel(m),
         "final_norm": final_norm_numel(m),
         "lm_head": lm_head_numel(m),
         "binary_head": binary_head_numel(m),
@@ -258,7 +335,8 @@ def stage_params(
         m.num_attention_heads, m.num_query_groups, m.add_bias_linear, m.add_qkv_bias, m.add_mlp_bias,
         m.max_position_embeddings, m.position_embedding_type, m.num_tokentypes, m.norm, m.activation,
         m.apply_residual_connection_post_layernorm, m.tie_word_embeddings, m.bert_binary_head,
-        tp, pp, pp_rank, virtual, schedule, pipeline_layers,
+        m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_size, m.moe_layer_freq,
+        m.moe_first_k_dense, tp, pp, pp_rank, virtual, schedule, pipeline_layers,
     )  # fmt: skip
     hit = _CACHE.get(key)
     if hit is None:
@@ -284,8 +362,21 @@ def _stage_params(
         root += embedding_numel(m, tp)
     if last:
         root += head_numel(m, tp, with_tied_copy=m.tie_word_embeddings and not first)
-    block = block_numel(m, tp)
-    return StageParams(blocks=layers * block, block=block, layers=layers, root=root, first=first, last=last)
+    starts = [sum(counts[:i]) for i in range(stages)]
+    n_moe = sum(is_moe_layer(m, j) for i in ids for j in range(starts[i], starts[i] + counts[i]))
+    dense, moe = block_params(m, tp), block_params(m, tp, moe=True) if n_moe else None
+    blocks = (layers - n_moe) * dense.total + (n_moe * moe.total if moe else 0)
+    return StageParams(
+        blocks=blocks,
+        block=moe.total if moe else dense.total,
+        layers=layers,
+        root=root,
+        first=first,
+        last=last,
+        experts=n_moe * moe.experts if moe else 0,
+        expert_block=moe.experts if moe else 0,
+        moe_layers=n_moe,
+    )
 
 
 def family_options(m: ModelConfig) -> ModelConfig:
@@ -307,6 +398,11 @@ class ModelShape:
     attention window in tokens (None: every earlier position); embedding_params E counts the
     embedding tables (word, learned positions, token types) and tied_embeddings says whether the
     output matrix is the word table: torchtitan's convention counts N - E for an untied model.
+    Mixture of experts: moe_layers of the num_layers layers (`is_moe_layer`) replace the dense MLP by
+    a router (h -> num_experts), moe_topk routed experts per token (each an MLP of moe_ffn_hidden_size,
+    gated as the dense MLP) and a shared expert of shared_expert_size (0: none); active_params is the
+    N one token runs through (`active_params`; None: num_params, a dense model), what the conventions
+    counting 6 N per token count for an MoE model.
     """
 
     num_layers: int
@@ -320,6 +416,12 @@ class ModelShape:
     sliding_window: int | None = None
     embedding_params: int = 0
     tied_embeddings: bool = True
+    moe_layers: int = 0
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int | None = None
+    shared_expert_size: int = 0
+    active_params: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_heads_ratio <= 1:
@@ -344,6 +446,25 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape.embedding_params must be an int >= 0, got {self.embedding_params!r}"
             )
+        if not 0 <= self.moe_layers <= self.num_layers:
+            raise ValueError(
+                f"ModelShape.moe_layers must be in 0..num_layers ({self.num_layers}), got {self.moe_layers!r}"
+            )
+        if self.moe_layers and not 1 <= self.moe_topk <= self.num_experts:
+            raise ValueError(
+                f"ModelShape.moe_topk must be in 1..num_experts ({self.num_experts}) with MoE layers, "
+                f"got {self.moe_topk!r}"
+            )
+
+    @property
+    def active_n(self) -> int:
+        """N counted per token by the 6 N conventions: active_params for an MoE model, else num_params."""
+        return self.num_params if self.active_params is None else self.active_params
+
+    @property
+    def expert_ffn(self) -> int:
+        """The routed experts' MLP inner size (units: features): moe_ffn_hidden_size, else F."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
 
     @property
     def ffn(self) -> int:
@@ -359,28 +480,37 @@ class ModelShape:
     def from_config(cls, m: ModelConfig, num_params: int | None = None, tp: int = 1) -> ModelShape:
         """Shape of a resolved ModelConfig; the vocabulary is padded as the model pads it (for `tp`
         tensor-parallel ranks). num_params is N, by default `total_params(m)` (which equals
-        `models.count_parameters(m)`); pass another N to count with it (`stx flops --params`)."""
+        `models.count_parameters(m)`); pass another N to count with it (`stx flops --params`). An MoE
+        model's active N is that N without the idle experts (num_experts - topk per MoE layer)."""
         if m.vocab_size is None:
             raise ValueError(
                 "model.vocab_size is None: resolve the config first "
                 "(config.validate.resolve) or set model.vocab_size"
             )
+        n = int(total_params(m) if num_params is None else num_params)
         return cls(
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
             seq_length=m.seq_length,
             vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
-            num_params=int(total_params(m) if num_params is None else num_params),
+            num_params=n,
             ffn_hidden_size=m.ffn_hidden_size,
             gated_mlp=gated_mlp(m),
             kv_heads_ratio=query_groups(m) / m.num_attention_heads,
             sliding_window=m.sliding_window,
             embedding_params=embedding_tables_numel(m, tp),
             tied_embeddings=m.tie_word_embeddings,
+            moe_layers=len(moe_layers(m)),
+            num_experts=m.num_experts,
+            moe_topk=m.moe_router_topk if m.num_experts else 0,
+            moe_ffn_hidden_size=moe_ffn(m) if m.num_experts else None,
+            shared_expert_size=m.moe_shared_expert_size if m.num_experts else 0,
+            active_params=active_params(m) + n - total_params(m) if m.num_experts else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The shape as JSON (`stx flops --json`); the MoE fields only for a model with MoE layers."""
+        d = {
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "seq_length": self.seq_length,
@@ -393,6 +523,16 @@ class ModelShape:
             "embedding_params": self.embedding_params,
             "tied_embeddings": self.tied_embeddings,
         }
+        if self.moe_layers:
+            d |= {
+                "moe_layers": self.moe_layers,
+                "num_experts": self.num_experts,
+                "moe_topk": self.moe_topk,
+                "moe_ffn_hidden_size": self.expert_ffn,
+                "shared_expert_size": self.shared_expert_size,
+                "active_params": self.active_n,
+            }
+        return d
 
 
 def sized_model(

@@ -23,6 +23,8 @@ megatron-deepspeed-2022 -- Megatron-DeepSpeed `megatron/utils.py::throughput_cal
   model FLOPs take f = 3, so the logits count 4.5*B*s*h*V. The source reads no F, no gate, no GQA and
   no window: a Llama is counted as if its MLP were 4h, ungated, with one K/V head per head.
   Selective recompute (not in the 2022 source) adds one attention-core forward, 4*B*s^2*h*L.
+  Experts: none; the source sees no expert, so an MoE model is counted as if every layer had one
+  dense 4h MLP (use another convention for MoE models).
 
 megatron -- the name `logging.flops_convention` had before the conventions were named by source, and
   the default; NOT an alias: it is megatron-deepspeed-2022 generalised by this project (not by
@@ -33,16 +35,24 @@ megatron -- the name `logging.flops_convention` had before the conventions were 
   formula counts them), and with a sliding window the attention core is counted over the s x min(s, w)
   band a windowed kernel computes: s/(6h) becomes min(s, w)/(6h). Its only difference from
   megatron-lm-2024 for a dense model without window is then the logits (4.5 vs 6 B*s*h*V).
+  Experts: an MoE layer's F is topk x the expert size + the shared expert's (the active experts,
+  as Megatron-LM counts them), plus the router's h x E GEMM (6*h*E per token per MoE layer, which
+  no Megatron formula counts); dense layers keep F.
 
 megatron-lm-2024 -- NVIDIA Megatron-LM `megatron/training/training.py::num_floating_point_operations`
   as of ed7db1d (2025-02-27; the dense formula is the same from 2bfe9be, 2024-04-03):
       12 * B * s * L * h^2 * ((1 + g/n + s/h) * p + (F/h) * (3/2 if swiglu else 1) + V/(2*L*h)),
   p = kv_channels * n / h (1 here: head dim = h / n). Logits 6*B*s*h*V; attention core 12*B*s^2*L*h
   (no causal halving). No window term (Megatron-LM's --window-size is not in its FLOPs).
+  Experts: with num_experts set, EVERY layer's F is moe_router_topk x moe_ffn_hidden_size, plus the
+  shared expert's size (the 2024 text has no layer pattern); no router term.
 
 megatron-lm -- the same function at Megatron-LM d98e8a6 (2026-08-22), whose attention core is halved
   for the causal mask (8873b55, 2025-03-06: s/h becomes s/(2h), i.e. 6*B*s^2*L*h), for every model
   type, BERT's bidirectional attention included, as the source does. No window term.
+  Experts: MoE layers (moe_layer_freq's pattern, here with moe_first_k_dense, which the source takes
+  as a list pattern) count moe_router_topk x moe_ffn_hidden_size + the shared expert's size, dense
+  layers F; no router term.
 
 torchtitan -- PyTorch torchtitan `torchtitan/models/utils.py::get_dense_model_nparams_and_flops` at
   b5bcd76 (2026-08-21), as its Llama/Qwen model args call it (head_dims = 2 * h / n): per token
@@ -50,13 +60,16 @@ torchtitan -- PyTorch torchtitan `torchtitan/models/utils.py::get_dense_model_np
   N' = N with tied embeddings, else N - E (the nn.Embedding children of the model: the output matrix
   stays counted). No causal halving ("we follow the convention and do not account for sparsity in
   causal attention"), no window term (its gpt-oss windows are not in its FLOPs).
+  Experts: `get_moe_model_nparams_and_flops` at the same commit: N is the active N (dense + router +
+  shared experts + routed experts x top_k / num_experts), the same formula otherwise.
 
 llm-foundry -- MosaicML llm-foundry `llmfoundry/models/mpt/modeling_mpt.py`
   `ComposerMPTCausalLM.flops_per_batch` / `get_attention_flops` at 8c8dd48 (2025-07-21): per sequence
   params = 2*N*s (`n_active_params`: every parameter, a tied embedding once), attn = L*2*2*h*s^2;
   model FLOPs 3*(params + attn) = 6*N*s + 12*L*h*s^2; full recompute 4*(params + attn), selective
   3*params + 4*attn. MPT's sliding_window_size is not in its FLOPs: no window term. Its attention
-  term is 3x (MFU) and 8/3x (HFU) the `mosaic` table's.
+  term is 3x (MFU) and 8/3x (HFU) the `mosaic` table's. Experts: N is the active N (what its
+  `n_active_params` counts for MPT's MoE blocks: the top-k experts, router and everything else).
 
 mosaic -- the formula of MosaicML's published MosaicGPT throughput table (llm-foundry's benchmarking
   README, as the users' table was computed): per sequence  params = 2*N*s,  attn = L*2*h*s^2;
@@ -64,12 +77,15 @@ mosaic -- the formula of MosaicML's published MosaicGPT throughput table (llm-fo
   4*params + 3*attn (HFU = MFU without checkpointing); selective recompute adds one attention
   forward: 3*params + 3*attn. N is every parameter, embeddings included (a tied embedding once).
   Reproduces every row of the table to 1e-3 (tests/unit/test_flops.py::MOSAIC_TABLE). No window term.
+  Experts: N is the active N (the table has dense models only).
 
 6n -- PaLM (arXiv 2204.02311) appendix B, as used by nanoGPT's `estimate_mfu`: per token
   6*N + 12*L*h*s; with full recompute 8*N + 16*L*h*s; selective 6*N + 16*L*h*s. For the same N this
   equals `llm-foundry` exactly (12*L*h*s per token = 12*L*h*s^2 per sequence); the two names are kept
   because users quote both. nanoGPT passes N without the position table (`get_num_params()`); give
   such an N through `ModelShape.num_params` if you want that variant. No window term.
+  Experts: N is the active N (`config.model_shapes.active_params`: the top-k experts, the shared
+  expert, the router and every parameter outside the experts), the usual 6N for MoE models.
 
 Architecture fields without a FLOPs term in any convention: ALiBi (an elementwise bias added to the
 scores, no matmul), partial rotary and rotary itself (elementwise), the parallel residual (the same
@@ -136,11 +152,24 @@ def _megatron_deepspeed_2022(shape: ModelShape) -> tuple[float, float]:
     return scale * (1 + s / (6 * h) + v / (16 * n_l * h)), scale * s / (6 * h)
 
 
+def _mlp_width(shape: ModelShape, every_layer_moe: bool = False) -> float:
+    """The MLP inner size a token runs through, averaged over the layers: F in a dense layer, topk x
+    the expert size + the shared expert's in an MoE layer (every layer one with `every_layer_moe`,
+    as Megatron-LM's 2024 formula counts a model with experts)."""
+    if not shape.moe_layers:
+        return float(shape.ffn)
+    moe = shape.moe_topk * shape.expert_ffn + shape.shared_expert_size
+    n_moe = shape.num_layers if every_layer_moe else shape.moe_layers
+    return ((shape.num_layers - n_moe) * shape.ffn + n_moe * moe) / shape.num_layers
+
+
 def _megatron(shape: ModelShape) -> tuple[float, float]:
     s, n_l, h, v = shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
     up = 2 if shape.gated_mlp else 1
-    # = 1 for a plain MLP with F = 4h and one K/V head per head
-    dense = (1 + shape.kv_heads_ratio) / 6 + shape.ffn * (1 + up) / (12 * h)
+    # = 1 for a plain MLP with F = 4h and one K/V head per head; MoE layers: the active experts'
+    # width, and the router's h x E GEMM (6 h E per token, E / (12 h) in these units)
+    router = shape.moe_layers * shape.num_experts / (12 * h) / n_l
+    dense = (1 + shape.kv_heads_ratio) / 6 + _mlp_width(shape) * (1 + up) / (12 * h) + router
     core = shape.attended_keys / (6 * h)
     scale = 24 * 3 * s * n_l * h * h
     return scale * (dense + core + v / (16 * n_l * h)), scale * core
@@ -151,13 +180,15 @@ def _megatron_lm(shape: ModelShape, causal_half: bool) -> tuple[float, float]:
     gated = 3 / 2 if shape.gated_mlp else 1
     core = s / h / (2 if causal_half else 1)
     scale = 12 * s * n_l * h * h
-    model = scale * ((1 + shape.kv_heads_ratio + core) + shape.ffn / h * gated + v / (2 * n_l * h))
+    # the 2024 text counts every layer of a model with experts as an MoE layer (no layer pattern)
+    mlp = _mlp_width(shape, every_layer_moe=not causal_half)
+    model = scale * ((1 + shape.kv_heads_ratio + core) + mlp / h * gated + v / (2 * n_l * h))
     return model, scale * core
 
 
 def _torchtitan(shape: ModelShape) -> tuple[float, float]:
     s, n_l, h = shape.seq_length, shape.num_layers, shape.hidden_size
-    matmul_params = shape.num_params if shape.tied_embeddings else shape.num_params - shape.embedding_params
+    matmul_params = shape.active_n if shape.tied_embeddings else shape.active_n - shape.embedding_params
     core = 12 * n_l * h * s * s
     return 6 * matmul_params * s + core, core
 
@@ -165,13 +196,13 @@ def _torchtitan(shape: ModelShape) -> tuple[float, float]:
 def _llm_foundry(shape: ModelShape) -> tuple[float, float]:
     s = shape.seq_length
     core = 3 * shape.num_layers * 2 * 2 * shape.hidden_size * s * s
-    return 3 * 2 * shape.num_params * s + core, core
+    return 3 * 2 * shape.active_n * s + core, core
 
 
 def _six_n(shape: ModelShape) -> tuple[float, float]:
     s = shape.seq_length
     core = 12 * shape.num_layers * shape.hidden_size * s * s
-    return 6 * shape.num_params * s + core, core
+    return 6 * shape.active_n * s + core, core
 
 
 def _with_recompute(counts: tuple[float, float], recompute: str) -> tuple[float, float]:
@@ -186,7 +217,7 @@ def _with_recompute(counts: tuple[float, float], recompute: str) -> tuple[float,
 def _mosaic(shape: ModelShape, recompute: str) -> tuple[float, float]:
     """The table's own factors: 3*params + 2*attn, full 4*params + 3*attn, selective 3*params + 3*attn."""
     s = shape.seq_length
-    params_per_seq = 2 * shape.num_params * s
+    params_per_seq = 2 * shape.active_n * s
     attn_per_seq = shape.num_layers * 2 * shape.hidden_size * s * s
     model = 3 * params_per_seq + 2 * attn_per_seq
     if recompute == "full":

@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import ConfigError, StxWarning
 from ..metrics.device_table import PEAK_TFLOPS, DeviceSpec, _normalize_name, lookup_device
 from .hardware_profile import HardwareProfile, is_profile_file, load_profile, profile_mismatch, read_yaml
+from .memory_model import DEFAULT_MOE_IMBALANCE
 
 GIB = 2**30
 # What the CUDA context, NCCL communicators and the caching allocator's fragmentation take of a GPU
@@ -72,6 +73,11 @@ class Cluster:
     # `stx plan --attention-kernel`: plan the attention core at this kernel's rates instead of the one
     # the engine's SDPA takes for the config (time model only; the memory model keeps the config's)
     attention_kernel: str | None = None
+    # `stx plan --moe-imbalance`: the routed tokens' max/mean per expert an MoE model trains at (the
+    # busiest expert-parallel rank's activations, GEMMs and all-to-alls); a property of the run, not of
+    # the hardware, kept here beside attention_kernel so every prediction of the cluster reads the same
+    # (plan/memory_model.py DEFAULT_MOE_IMBALANCE says why 1.25)
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE
 
     @property
     def world_size(self) -> int:

@@ -30,6 +30,7 @@ class Layout:
     cpu_checkpointing: bool = False
     dp_shard: int = -1  # ZeRO-2/3: ranks sharded over (-1: dp); < dp is hybrid sharding (HSDP)
     cp: int = 1  # context parallel: ranks each sample's sequence is split over
+    ep: int = 1  # expert parallel (MoE): ranks the routed experts are split over, carved out of dp x cp
 
     @property
     def world_size(self) -> int:
@@ -66,6 +67,7 @@ class Layout:
             cpu_checkpointing=p.cpu_checkpointing,
             dp_shard=p.dp_shard,
             cp=p.cp,
+            ep=p.ep,
         )
 
     def apply(self, cfg: Config) -> Config:
@@ -87,6 +89,7 @@ class Layout:
             cpu_checkpointing=self.cpu_checkpointing,
             dp_shard=self.dp_shard,
             cp=self.cp,
+            ep=self.ep,
             pipeline_layers=cfg.parallel.pipeline_layers if self.pp == cfg.parallel.pp else None,
         )
         train = dataclasses.replace(
@@ -114,13 +117,15 @@ class Layout:
             "parallel.cpu_checkpointing": self.cpu_checkpointing,
             "parallel.dp_shard": self.dp_shard,
             "parallel.cp": self.cp,
+            "parallel.ep": self.ep,
             "train.micro_batch_size": self.micro_batch_size,
             "train.gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
 
     def label(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        parts = [f"dp={self.dp}{cp} tp={self.tp} pp={self.pp} zero{self.zero_stage}"]
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        parts = [f"dp={self.dp}{cp}{ep} tp={self.tp} pp={self.pp} zero{self.zero_stage}"]
         if self.offload_optimizer or self.offload_param:
             parts[-1] += "+offload" + ("(param)" if self.offload_param else "")
         if 0 < self.dp_shard < self.dp:

@@ -8,14 +8,17 @@ t tensor-parallel size, e bytes of a saved activation element, P parameters held
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config.model_shapes import (
     StageParams,
     causal_attention,
     causal_blocks_under_cp,
+    expert_tp,
     gated_mlp,
     lm_head_transform,
+    moe_ffn,
     qkv_width,
     query_groups,
     stage_params,
@@ -25,6 +28,80 @@ from ..config.rules import dp_shard_size
 from ..config.schema import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Mixture of experts: the busiest expert's tokens over the mean (max/mean tokens per expert), the
+# planner's default for `--moe-imbalance`. 1.25: the capacity factor Switch Transformer (Fedus et al.
+# 2021) trains its aux-loss-balanced routers at, i.e. the load it budgets the busiest expert over the
+# mean; not a measurement of any run: measure yours (the run logs max/mean per step) and pass it.
+DEFAULT_MOE_IMBALANCE = 1.25
+
+
+# ------------------------------------------------------------------------------ expert parallelism
+
+
+def expert_local(sp_: StageParams, ep: int) -> StageParams:
+    """What one expert-parallel rank of the stage holds: its 1/ep of the routed experts, everything
+    else whole (the same object when ep = 1)."""
+    if ep == 1 or not sp_.experts:
+        return sp_
+    experts, expert_block = sp_.experts // ep, sp_.expert_block // ep
+    return dataclasses.replace(
+        sp_,
+        blocks=sp_.blocks - sp_.experts + experts,
+        block=sp_.block - sp_.expert_block + expert_block,
+        experts=experts,
+        expert_block=expert_block,
+    )
+
+
+def sharded_numel(local: StageParams, ranks: int, expert_ranks: float) -> float:
+    """Elements per rank of the stage's parameters `local` (`expert_local`): the routed experts
+    sharded over `expert_ranks` (the expert-data-parallel ranks holding the same experts, dp x cp /
+    ep; at least one), everything else over `ranks` data-parallel ranks."""
+    return (local.total - local.experts) / ranks + local.experts / max(1.0, expert_ranks)
+
+
+def expert_data_ranks(cfg: Config) -> float:
+    """The ranks the experts' states are sharded over (ZeRO-2/3) and their gradients reduced over:
+    dp x cp / ep, all of them also under hybrid sharding (parallel/expert.py shards the experts over
+    the whole expert-data-parallel group)."""
+    p = cfg.parallel
+    return p.dp * p.cp / p.ep
+
+
+def moe_rank_imbalance(cfg: Config, imbalance: float) -> float:
+    """The busiest expert-parallel rank's routed tokens over the mean: `imbalance` (max/mean tokens
+    per expert) with ep > 1, an upper bound when a rank holds several experts (their loads average
+    out in part); 1 without expert parallelism, where one rank runs every expert's tokens."""
+    return imbalance if cfg.parallel.ep > 1 else 1.0
+
+
+def moe_layer_extra_bytes(cfg: Config, recompute: str, am: ActivationModel, imbalance: float) -> float:
+    """Bytes an MoE layer keeps for backward beyond a dense layer's, per micro-batch (full recompute:
+    none, both keep their input). Out: what `layer_activation_bytes` counts for the dense MLP (its
+    bytes at this f less its bytes at f = 0, so the two counts cannot drift apart). In, as the
+    engine's MoELayer saves them (counted tensor by tensor on the CPU, tests/unit/test_plan_moe.py):
+    the router's fp32 logits and scores (tokens x E each) and, below fp32, its fp32 copy of the input
+    (it routes in fp32); per routed row (k x tokens x the busiest rank's imbalance) three h-wide
+    tensors (the sorted input of w_up, w_down's output and the weighted output the combine adds up)
+    and the activation's input and output, with the gated activation's gate output besides (up + f,
+    + f when gated; f over the expert tensor-parallel ranks); the shared expert's the same per token."""
+    if recompute == "full":
+        return 0.0
+    mc, p = cfg.model, cfg.parallel
+    assert mc.ffn_hidden_size is not None
+    e, h, t = am.act_bytes, mc.hidden_size, p.tp
+    tokens = cfg.train.micro_batch_size * local_seq(cfg)
+    up = 2 if gated_mlp(mc) else 1
+    fe, fs = moe_ffn(mc), mc.moe_shared_expert_size
+    no_mlp = dataclasses.replace(cfg, model=dataclasses.replace(mc, ffn_hidden_size=0))
+    dense = config_layer_bytes(cfg, "none", am) - config_layer_bytes(no_mlp, "none", am)
+    rows = mc.moe_router_topk * tokens * moe_rank_imbalance(cfg, imbalance)
+    gate = fe if gated_mlp(mc) else 0
+    routed = rows * e * (3 * h + (up * fe + fe + gate) / expert_tp(t))
+    shared = e * tokens * (up * fs + fs + (fs if gated_mlp(mc) else 0)) / t
+    router = 2 * 4 * tokens * mc.num_experts + (4 * tokens * h if e != 4 else 0)
+    return routed + shared + router - dense
 
 
 def optimizer_bytes_per_param(cfg: Config) -> int:
@@ -68,6 +145,11 @@ def largest_param_group(cfg: Config, sp_: StageParams) -> int:
     h, f = mc.hidden_size, mc.ffn_hidden_size
     up = 2 * f if gated_mlp(mc) else f
     largest = sp_.layers * max(h * qkv_width(mc), h * h, h * up, f * h) // tp
+    if sp_.experts:  # the rank's w_up (the larger of the experts' two weights) of all its MoE layers
+        fe = moe_ffn(mc)
+        largest = max(
+            largest, sp_.experts * (2 if gated_mlp(mc) else 1) * fe // ((2 if gated_mlp(mc) else 1) * fe + fe)
+        )
     if sp_.first or sp_.last:
         largest = max(largest, vocab(mc) * h // tp)
     return largest
@@ -301,7 +383,13 @@ class StageMemory:
         return sum(self.breakdown.values())
 
 
-def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int) -> StageMemory:
+def stage_memory(
+    cfg: Config,
+    pp_rank: int,
+    device_kind: str,
+    reserve_bytes: int,
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
+) -> StageMemory:
     """Peak bytes on a device of pipeline rank pp_rank for a resolved-enough cfg (dp, accumulation
     and ffn_hidden_size filled): the larger of two moments of a step,
 
@@ -311,11 +399,17 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
               accumulated ones otherwise);
     optimizer the optimizer step: parameters, all gradients, optimizer state and the foreach
               temporaries, activations freed.
+    Under expert parallelism the rank holds 1/ep of the routed experts (`expert_local`), their states
+    sharded over the expert-data-parallel ranks; `moe_imbalance` (max/mean tokens per expert) sizes
+    the busiest rank's routed activations.
     """
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
-    sp_ = stage_params(
-        mc, p.tp, p.pp, pp_rank, p.virtual_pipeline_stages, p.pipeline_schedule, p.pipeline_layers
+    sp_ = expert_local(
+        stage_params(
+            mc, p.tp, p.pp, pp_rank, p.virtual_pipeline_stages, p.pipeline_schedule, p.pipeline_layers
+        ),
+        p.ep,
     )
     e = DTYPE_BYTES[t.precision]
     common = {
@@ -327,7 +421,7 @@ def stage_memory(cfg: Config, pp_rank: int, device_kind: str, reserve_bytes: int
         host = 0
     else:
         backward, optimizer, host = _sharded_states(cfg, sp_, device_kind)
-    backward = _backward_peak(cfg, sp_, pp_rank, device_kind, backward)
+    backward = _backward_peak(cfg, sp_, pp_rank, device_kind, backward, moe_imbalance)
     host += int(host_checkpoint_bytes(cfg, sp_, pp_rank, device_kind))
     if optimizer and sp_.last and p.pp == 1:
         # the trainer still holds the last micro-batch's outputs (logits) during the step
@@ -357,14 +451,18 @@ def _replicated_states(cfg: Config, sp_: StageParams) -> tuple[dict[str, int], d
     accumulating = t.gradient_accumulation_steps > 1
     params = 4 * P
     grads = 4 * P
-    states = int(k * P / (dp if zero == 1 else 1))
+    # ZeRO-1 shards the experts' states over the expert-data-parallel ranks (dp x cp / ep)
+    stepped = sharded_numel(sp_, dp, expert_data_ranks(cfg)) if zero == 1 else P
+    states = int(k * stepped)
     # DDP (tp = 1, dp > 1): its all-reduce buckets, allocated when DDP is built, hold the
     # gradients (gradient_as_bucket_view=True): .grad are views into them, no second copy
-    buckets = 4 * P if dp > 1 and p.tp == 1 else 0
-    # ZeRO-0 with tp > 1 replicates through FSDP2's `replicate` (parallel/apply.py), which keeps
-    # a separate unsharded copy of every parameter (fp32: its policy sets no param_dtype) from the
-    # forward until the backward is done (not resharded after forward), freed before the step
-    replicated = 4 * P if dp > 1 and p.tp > 1 else 0
+    # ZeRO-0 with tp > 1 (or expert parallelism) replicates through FSDP2's `replicate`
+    # (parallel/apply.py), which keeps a separate unsharded copy of every parameter (fp32: its policy
+    # sets no param_dtype) from the forward until the backward is done (not resharded after
+    # forward), freed before the step
+    fsdp_replicate = p.tp > 1 or p.ep > 1
+    buckets = 4 * P if dp > 1 and not fsdp_replicate else 0
+    replicated = 4 * P if dp > 1 and fsdp_replicate else 0
     # with accumulation the gradients exist, but an interleaved rank peaks in the backward of its
     # first chunk to go back (its warm-up holds the most chunks): only that chunk's (1/v) exist
     accumulated = grads / p.virtual_pipeline_stages if p.pp > 1 else grads
@@ -378,7 +476,8 @@ def _replicated_states(cfg: Config, sp_: StageParams) -> tuple[dict[str, int], d
         "compute_dtype_weights": e * P if precision != "fp32" else 0,
     }
     # foreach AdamW's sqrt(exp_avg_sq), one parameter group at a time, on the stepped shard
-    temporaries = int(4 * largest_param_group(cfg, sp_) / (dp if zero == 1 else 1)) if k else 0
+    share = stepped / P if sp_.experts else 1 / (dp if zero == 1 else 1)
+    temporaries = int(4 * largest_param_group(cfg, sp_) * share) if k else 0
     optimizer = {
         "parameters": params,
         "gradients": 0 if buckets else grads,
@@ -404,8 +503,10 @@ def _sharded_states(
     gather_bytes = _gather_bytes(cfg)
     accumulating = t.gradient_accumulation_steps > 1
     host = 0
-    sharded = int(4 * P / dp)
-    states = int(k * P / dp)
+    # the experts over the expert-data-parallel ranks (torchtitan's dp_shard_mod_ep), all of them
+    shard = sharded_numel(sp_, dp, expert_data_ranks(cfg))
+    sharded = int(4 * shard)
+    states = int(k * shard)
     # ZeRO-2 (reshard_after_forward=False): every unit stays gathered from its forward to its
     # backward; ZeRO-3: at the loss's backward every block is resharded but the last, and without
     # pipeline stages the root (embedding, head) stays gathered too (parallel/apply.py): both
@@ -442,7 +543,11 @@ def _sharded_states(
             "parameters": sharded,
             "gradients": sharded,
             "optimizer_state": states,
-            "optimizer_temporaries": int(4 * largest_param_group(cfg, sp_) / dp) if k else 0,
+            "optimizer_temporaries": int(
+                4 * largest_param_group(cfg, sp_) * (shard / P if sp_.experts else 1 / dp)
+            )
+            if k
+            else 0,
         }
     backward["gathered_parameters"] = int(gathered)
     backward["gradients"] = int(unsharded_grads + sharded_grads)
@@ -450,7 +555,12 @@ def _sharded_states(
 
 
 def _backward_peak(
-    cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str, backward: dict[str, int]
+    cfg: Config,
+    sp_: StageParams,
+    pp_rank: int,
+    device_kind: str,
+    backward: dict[str, int],
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
 ) -> dict[str, int]:
     """The loss's backward moment: the model states with the activations in flight and the logits
     and loss buffers (or the recompute workspace, whichever is larger)."""
@@ -469,12 +579,12 @@ def _backward_peak(
             moment["gradients"] = 0
             if fsdp and not offload:
                 moment["communication_buffers"] = 0
-        moment["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind, later))
+        moment["activations"] = int(activation_bytes(cfg, sp_, pp_rank, device_kind, later, moe_imbalance))
         # the head's weight gradient is made afresh at its backward, in the parameters' dtype, even
         # where a gradient exists (accumulated, or a view into DDP's buckets): added to it, then freed
         head_grad = (gather_bytes if fsdp else 4) * vocab(mc) * mc.hidden_size / p.tp
         loss_buffers = logits_bytes(cfg, sp_, pp_rank, later, head_grad)
-        recompute = recompute_bytes(cfg, sp_, device_kind)
+        recompute = recompute_bytes(cfg, sp_, device_kind, moe_imbalance)
         if recompute > loss_buffers:
             moment["recompute_workspace"] = int(recompute)
         else:
@@ -512,16 +622,21 @@ def host_checkpoint_bytes(cfg: Config, sp_: StageParams, pp_rank: int, device_ki
     return per_layer * sp_.layers / p.checkpoint_num_layers * inflight
 
 
-def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
+def recompute_bytes(
+    cfg: Config, sp_: StageParams, device_kind: str, moe_imbalance: float = DEFAULT_MOE_IMBALANCE
+) -> float:
     """What recomputation adds during backward: the activations of the chunk being recomputed (full:
-    checkpoint_num_layers layers), or of one attention core (selective). This happens after the
-    loss's backward has freed the logits buffers, so the peak holds the larger of the two."""
+    checkpoint_num_layers layers, MoE ones where the rank has them), or of one attention core
+    (selective). This happens after the loss's backward has freed the logits buffers, so the peak
+    holds the larger of the two."""
     p = cfg.parallel
     mode = p.activation_checkpointing
     if mode == "none" or not sp_.layers:
         return 0.0
     am = activation_model(cfg, device_kind)
     full_layer = config_layer_bytes(cfg, "none", am)
+    if sp_.moe_layers:
+        full_layer += moe_layer_extra_bytes(cfg, "none", am, moe_imbalance)
     if mode == "full":
         # a distributed or host-kept input is rebuilt whole on the device for the recomputation
         rebuilt = config_layer_bytes(cfg, "full", am) * (1 - kept_input_fraction(cfg, device_kind))
@@ -530,10 +645,16 @@ def recompute_bytes(cfg: Config, sp_: StageParams, device_kind: str) -> float:
 
 
 def activation_bytes(
-    cfg: Config, sp_: StageParams, pp_rank: int, device_kind: str, later: bool = False
+    cfg: Config,
+    sp_: StageParams,
+    pp_rank: int,
+    device_kind: str,
+    later: bool = False,
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
 ) -> float:
     """Saved activations of the rank's layers for its in-flight micro-batches (what recomputation
-    keeps, when on), plus the embedding's and the pipeline boundaries' tensors."""
+    keeps, when on; MoE layers their routed tokens, `moe_layer_extra_bytes`), plus the embedding's
+    and the pipeline boundaries' tensors."""
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
     am = activation_model(cfg, device_kind)
@@ -546,6 +667,8 @@ def activation_bytes(
     if mode == "full":
         per_layer = per_layer * kept_input_fraction(cfg, device_kind) / p.checkpoint_num_layers
     total = per_layer * layers * inflight
+    if sp_.moe_layers:
+        total += moe_layer_extra_bytes(cfg, mode, am, moe_imbalance) * sp_.moe_layers * inflight
     if layers:
         kept, shared, per_layer_mask = context_parallel_mask_bytes(cfg, device_kind)
         # selective and full recompute rerun the attention core in backward: its masks are not kept

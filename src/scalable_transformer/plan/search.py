@@ -111,7 +111,7 @@ def predict(
     layout = Layout.from_config(cfg)
     p = cfg.parallel
     ranks = range(p.pp) if every_stage or p.pipeline_layers else sorted({0, p.pp - 1})
-    stages = [stage_memory(cfg, r, cluster.kind, cluster.reserve_bytes) for r in ranks]
+    stages = [stage_memory(cfg, r, cluster.kind, cluster.reserve_bytes, cluster.moe_imbalance) for r in ranks]
     peak = max(stages, key=lambda st: st.total)
     capacity = cluster.device.memory_bytes
     reasons = []
@@ -147,11 +147,7 @@ def predict(
             method = f"{method}; the probe failed: {e}"
     seconds = st.total
     gbs = layout.global_batch_size
-    known = None
-    if cluster.kind == "gpu" and cluster.profile is not None and method.startswith(RATE_MODEL):
-        # a built-in profile's name is its device key; a calibrated one's is not in the table
-        params = total_params(cfg.model)
-        known = expected_error(cluster.profile.name, params, layout.world_size, cluster.devices_per_node)
+    known = _expected_error(cfg, cluster, layout) if method.startswith(RATE_MODEL) else None
     peak_flops = cluster.peak(cfg.train.precision)
     tflops = st.model_flops / seconds / layout.world_size
     peak_fp8 = cluster.peak_flops.get("fp8") if cfg.train.fp8 != "none" else None
@@ -174,6 +170,16 @@ def predict(
         mfu_fp8=tflops / peak_fp8 if peak_fp8 else None,
         peak_flops_fp8=peak_fp8,
     )
+
+
+def _expected_error(cfg: Config, cluster: Cluster, layout: Layout) -> dict[str, Any] | None:
+    """How far the time model was off on published runs of the layout's class (a GPU with a profile;
+    a built-in profile's name is its device key, a calibrated one's is not in the table)."""
+    if cluster.kind != "gpu" or cluster.profile is None:
+        return None
+    moe = cfg.model.num_experts > 0
+    params = total_params(cfg.model)
+    return expected_error(cluster.profile.name, params, layout.world_size, cluster.devices_per_node, moe)
 
 
 def prepare(cfg: Config, world_size: int) -> Config:
@@ -213,7 +219,9 @@ def candidate_layouts(
     the offload variants; micro-batch sizes dividing the per-replica batch; recompute
     none/selective/full; schedules with 2 and 4 virtual stages for the interleaved ones; sequence
     parallel with tp > 1; for ZeRO-2/3 whose dp spans nodes, hybrid sharding within a node
-    (dp_shard = devices_per_node / tp). Invalid ones are dropped by config.rules.check_layout."""
+    (dp_shard = devices_per_node / tp); for an MoE model every expert-parallel size ep dividing both
+    num_experts and dp x cp (`expert_parallel_sizes`). Invalid ones are dropped by
+    config.rules.check_layout."""
     m = cfg.model
     out: list[Layout] = []
     tps = [t for t in _divisors(world_size) if t & (t - 1) == 0 and m.num_attention_heads % t == 0]
@@ -235,20 +243,31 @@ def candidate_layouts(
                 ]
             zeros: list[tuple[int, bool, bool]] = [(0, False, False), (1, False, False), (2, False, False)]
             zeros += [(3, False, False), (2, True, False), (3, True, False), (3, True, True)]
-            for (zero, off_opt, off_par), mb, (sched, vs), ac, sp in itertools.product(
-                zeros, micro_sizes, schedules, ("none", "selective", "full"), (False, True)
+            for (zero, off_opt, off_par), mb, (sched, vs), ac, sp, ep in itertools.product(
+                zeros,
+                micro_sizes,
+                schedules,
+                ("none", "selective", "full"),
+                (False, True),
+                expert_parallel_sizes(m.num_experts, dp * cp),
             ):
                 if sp and tp == 1:
                     continue
                 if (dp == 1 and zero in (1, 2)) or (dp == 1 and zero == 3 and not off_opt):
                     continue  # nothing to shard
                 acc = per_replica // mb
-                layout = Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp, cp=cp)
+                layout = Layout(tp, pp, dp, zero, off_opt, off_par, mb, acc, ac, sched, vs, sp, cp=cp, ep=ep)
                 out += _memory_variants(layout)
                 node_shard = (devices_per_node or 0) // tp
                 if zero >= 2 and 1 < node_shard < dp and dp % node_shard == 0:
                     out += _memory_variants(dataclasses.replace(layout, dp_shard=node_shard))
     return out
+
+
+def expert_parallel_sizes(num_experts: int, dp_cp: int) -> list[int]:
+    """ep sizes the search tries: the divisors of both num_experts and dp x cp (the rule
+    config.rules.check_expert_parallel checks); [1] for a dense model."""
+    return [d for d in _divisors(dp_cp) if num_experts % d == 0] if num_experts else [1]
 
 
 # Below this many tokens per rank, context parallelism is not searched: its per-layer key/value
@@ -270,6 +289,7 @@ def context_parallel_sizes(seq_length: int, world_size: int) -> list[int]:
 # Layout fields printed beside --json's "layout" object (whose keys issue 13 fixed)
 MEMORY_OPTIONS = (
     "cp",
+    "ep",
     "dp_shard",
     "sequence_parallel",
     "reduce_each_micro_batch",

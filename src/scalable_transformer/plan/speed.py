@@ -25,9 +25,12 @@ from typing import Any
 
 from ..config.model_shapes import (
     ModelShape,
+    StageParams,
     causal_attention,
     causal_blocks_under_cp,
+    expert_tp,
     gated_mlp,
+    moe_ffn,
     query_groups,
     stage_params,
     vocab,
@@ -36,7 +39,15 @@ from ..config.rules import dp_shard_size
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
-from .memory_model import DTYPE_BYTES, activation_model
+from .memory_model import (
+    DEFAULT_MOE_IMBALANCE,
+    DTYPE_BYTES,
+    activation_model,
+    expert_data_ranks,
+    expert_local,
+    moe_rank_imbalance,
+    sharded_numel,
+)
 
 # torch ops per transformer layer per micro-batch (counted with torch.profiler on our TransformerBlock:
 # forward about 30 dispatched ops, backward about 45); the embedding, head and loss about 60 more.
@@ -57,6 +68,7 @@ PHASES = (
     "grads_sync",
     "tp_communication",
     "cp_communication",
+    "ep_communication",
     "pipeline_bubble",
     "pipeline_p2p",
     "offload",
@@ -138,11 +150,22 @@ class _ProfileRates:
         per_node = self.cluster.devices_per_node
         if ranks * stride <= per_node or self.cluster.nodes == 1:
             return self.profile.collective_seconds(op, "intra_node", ranks, nbytes)
-        if any(p.scope == "inter_node" for p in self.profile.collectives):
-            return self.profile.collective_seconds(op, "inter_node", ranks, nbytes)
         local = max(1, min(ranks, per_node // stride))  # the group's members on one node
         topo = self.profile.topology
         share = topo.get("nics_per_node", per_node) * topo.get("nic_gbps", 25.0) * 1e9 / per_node
+        if op == "all_to_all":
+            # expert parallelism's all-to-all runs on every device of a node at once (each is in an ep
+            # group): each sends the share of its buffer bound for other nodes through its share of the
+            # node's NICs; no ring or tree lets NVLink carry part of it, as it does for an all-reduce
+            scope = (
+                "inter_node"
+                if any(p.scope == "inter_node" for p in self.profile.collectives)
+                else "intra_node"
+            )
+            curve = self.profile.collective_seconds(op, scope, ranks, nbytes)
+            return max(curve, (ranks - local) / ranks * nbytes / share)
+        if any(p.scope == "inter_node" for p in self.profile.collectives):
+            return self.profile.collective_seconds(op, "inter_node", ranks, nbytes)
         bw = local * share
         factor = 2 * (ranks - 1) / ranks if op == "all_reduce" else (ranks - 1) / ranks
         if op == "send_recv":
@@ -263,6 +286,21 @@ class _Shape:
     fp8: str = "none"  # train.fp8: the blocks' linear layers run float8 GEMMs (torchao)
     cp: int = 1  # context parallel: each rank computes s / cp of the s tokens against all s keys
     masked_cp: bool = False  # cp > 1 under an explicit mask, which computes the masked half too
+    # mixture of experts (num_experts 0: a dense model): routed experts, top-k, expert and shared
+    # expert MLP sizes, the expert-parallel size, the busiest ep rank's routed tokens over the mean,
+    # the tp ranks each expert's f is split over
+    num_experts: int = 0
+    topk: int = 0
+    f_expert: int = 0
+    f_shared: int = 0
+    ep: int = 1
+    imbalance: float = 1.0
+    etp: int = 1
+
+    @property
+    def routed_rows(self) -> float:
+        """Token-expert rows the busiest expert-parallel rank runs through its experts per micro-batch."""
+        return self.topk * self.tokens * self.imbalance
 
     @property
     def tokens(self) -> int:
@@ -270,18 +308,25 @@ class _Shape:
         return self.b * self.s // self.cp
 
 
-def _layer_gemms(sh: _Shape) -> list[tuple[int, int, int]]:
+def _layer_gemms(sh: _Shape, moe: bool = False) -> list[tuple[int, int, int]]:
     """(M, N, K) of one layer's forward GEMMs on one tensor-parallel rank: qkv, proj, fc1 (gate and up
-    as one GEMM when gated), fc2."""
+    as one GEMM when gated), fc2. An MoE layer (`moe`) has instead of fc1 and fc2 the router (h -> E),
+    the shared expert's two, and each local expert's two over its share of the busiest rank's routed
+    rows (E / ep experts of k x tokens x imbalance rows: the grouped GEMM timed as its GEMMs)."""
     t, tokens = sh.tp, sh.tokens
     qkv = (sh.n + 2 * sh.g) * sh.d
     up = (2 if sh.gated else 1) * sh.f
-    return [
-        (tokens, qkv // t, sh.h),
-        (tokens, sh.h, sh.n * sh.d // t),
-        (tokens, up // t, sh.h),
-        (tokens, sh.h, sh.f // t),
-    ]
+    attention = [(tokens, qkv // t, sh.h), (tokens, sh.h, sh.n * sh.d // t)]
+    if not moe:
+        return [*attention, (tokens, up // t, sh.h), (tokens, sh.h, sh.f // t)]
+    gemms = [*attention, (tokens, sh.num_experts, sh.h)]
+    if sh.f_shared:
+        up_s = (2 if sh.gated else 1) * sh.f_shared
+        gemms += [(tokens, up_s // t, sh.h), (tokens, sh.h, sh.f_shared // t)]
+    local = sh.num_experts // sh.ep
+    rows = max(1, round(sh.routed_rows / local))
+    up_e = (2 if sh.gated else 1) * sh.f_expert
+    return gemms + local * [(rows, up_e // sh.etp, sh.h), (rows, sh.h, sh.f_expert // sh.etp)]
 
 
 def _gemm_seconds(rates: _ProfileRates, gemms: list[tuple[int, int, int]], dtype: str) -> tuple[float, float]:
@@ -329,7 +374,7 @@ def _attention_seconds(rates: _ProfileRates, sh: _Shape) -> tuple[float, float]:
     return fwd_flops / fwd_rate, 2.5 * fwd_flops / bwd_rate
 
 
-def _layer_bytes(sh: _Shape) -> float:
+def _layer_bytes(sh: _Shape, moe: bool = False) -> float:
     """Bytes a layer's memory-bound ops move in forward on one rank (backward: twice, reading the
     gradient and the saved input, writing the input's gradient): two norms in fp32 (read the
     stream, write the normed input), the activation (gated: two inputs), two residual adds (read
@@ -341,6 +386,13 @@ def _layer_bytes(sh: _Shape) -> float:
     per_pos = sh.h / seq_shard
     norms = 2 * (4 + sh.e) * per_pos
     act = (3 if sh.gated else 2) * sh.e * sh.f / sh.tp
+    if moe:
+        # an MoE layer: the activations of the routed rows and the shared expert; the softmax and
+        # top-k over the fp32 router logits; the sort of the routed copies by expert and its undoing,
+        # and the score-weighted combine (read and write of k rows of h each)
+        rows = sh.routed_rows / sh.tokens
+        act = (3 if sh.gated else 2) * sh.e * (rows * sh.f_expert / sh.etp + sh.f_shared / sh.tp)
+        act += 3 * 4 * sh.num_experts + 3 * 2 * sh.e * rows * sh.h
     residual = 2 * 3 * sh.e * per_pos
     dropout = 2 * (2 * sh.e + 1) * per_pos if sh.dropout else 0.0
     softmax = 0.0
@@ -366,7 +418,9 @@ def _loss_bytes(sh: _Shape) -> tuple[float, float]:
     return logits * (sh.e + 4), logits * (4 + 4 + 4 + 4 + cast)
 
 
-def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shape:
+def _shape(
+    cfg: Config, kind: str, attention_kernel: str | None = None, imbalance: float = DEFAULT_MOE_IMBALANCE
+) -> _Shape:
     mc, p = cfg.model, cfg.parallel
     assert mc.ffn_hidden_size is not None
     am = activation_model(cfg, kind)
@@ -392,18 +446,28 @@ def _shape(cfg: Config, kind: str, attention_kernel: str | None = None) -> _Shap
         fp8=cfg.train.fp8,
         cp=p.cp,
         masked_cp=p.cp > 1 and not causal_blocks_under_cp(mc),
+        num_experts=mc.num_experts,
+        topk=mc.moe_router_topk if mc.num_experts else 0,
+        f_expert=moe_ffn(mc) if mc.num_experts else 0,
+        f_shared=mc.moe_shared_expert_size if mc.num_experts else 0,
+        ep=p.ep,
+        imbalance=moe_rank_imbalance(cfg, imbalance),
+        etp=expert_tp(p.tp),
     )
 
 
-def _layer_compute(rates: _ProfileRates, sh: _Shape, recompute: str) -> dict[str, dict[str, float]]:
-    """Seconds of one layer on one rank for one micro-batch: {"forward"|"backward": {class: s}}; the
-    recomputed forward (full: the whole layer; selective: the attention core) counts in backward.
-    The layer's own work is scaled by the profile's measured layer factor (`layer_factors.layer`:
-    the model's real layer over the sum of its kernels), the tensor-parallel layer's fixed cost not."""
-    gemms = _layer_gemms(sh)
+def _layer_compute(
+    rates: _ProfileRates, sh: _Shape, recompute: str, moe: bool = False
+) -> dict[str, dict[str, float]]:
+    """Seconds of one layer (an MoE layer with `moe`) on one rank for one micro-batch:
+    {"forward"|"backward": {class: s}}; the recomputed forward (full: the whole layer; selective: the
+    attention core) counts in backward. The layer's own work is scaled by the profile's measured
+    layer factor (`layer_factors.layer`: the model's real layer over the sum of its kernels), the
+    tensor-parallel layer's fixed cost not."""
+    gemms = _layer_gemms(sh, moe)
     g_f, g_b = _gemm_seconds(rates, gemms, "fp8" if sh.fp8 != "none" else sh.dtype)
     a_f, a_b = _attention_seconds(rates, sh)
-    mem = _layer_bytes(sh) / rates.activation_bandwidth
+    mem = _layer_bytes(sh, moe) / rates.activation_bandwidth
     cast_f, cast_b = _float8_cast_bytes(sh, gemms) if sh.fp8 != "none" else (0.0, 0.0)
     # a tensor-parallel layer's DTensor dispatch (the profile's measured cost per layer and
     # micro-batch), shared between the passes as their op counts
@@ -483,14 +547,18 @@ def _stage_compute(cfg: Config, rates: _ProfileRates, sh: _Shape) -> tuple[dict[
     StageParams (the parameters it holds, for the data-parallel collectives)."""
     mc, p = cfg.model, cfg.parallel
     layer = _layer_compute(rates, sh, p.activation_checkpointing)
+    moe = _layer_compute(rates, sh, p.activation_checkpointing, moe=True) if mc.num_experts else layer
     best: tuple[float, dict[str, dict[str, float]], Any] | None = None
-    for r in range(p.pp) if p.pipeline_layers else sorted({0, p.pp - 1}):
+    # the MoE layers need not sit evenly over the stages: every rank is a candidate for the slowest
+    ranks = range(p.pp) if p.pipeline_layers or mc.num_experts else sorted({0, p.pp - 1})
+    for r in ranks:
         sp_ = stage_params(
             mc, p.tp, p.pp, r, p.virtual_pipeline_stages, p.pipeline_schedule, p.pipeline_layers
         )
         ends = _ends_compute(rates, sh, sp_.first, sp_.last)
+        dense = sp_.layers - sp_.moe_layers
         work = {
-            ph: {c: layer[ph][c] * sp_.layers + ends[ph][c] for c in layer[ph]}
+            ph: {c: layer[ph][c] * dense + moe[ph][c] * sp_.moe_layers + ends[ph][c] for c in layer[ph]}
             for ph in ("forward", "backward")
         }
         total = sum(sum(v.values()) for v in work.values())
@@ -550,15 +618,51 @@ def _cp_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, layers: int) -> f
     return layers * per_layer
 
 
-def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, float]:
+def _ep_seconds(cfg: Config, rates: _ProfileRates, sh: _Shape, moe_layers: int) -> float:
+    """Expert-parallel all-to-alls of one rank per micro-batch, none hidden: each MoE layer sends its
+    k x tokens routed rows (h wide, the activations' dtype) to their experts' ranks and takes them back
+    (dispatch and combine) in forward, and the same two in backward; full recompute dispatches and
+    combines again. The busiest rank's rows (x imbalance) set the size. The ep ranks are consecutive in
+    the flattened dp x cp order (cp inner; parallel/dims.py), stride tp, so the group crosses nodes
+    once ep x tp exceeds a node."""
+    p = cfg.parallel
+    if p.ep <= 1 or not moe_layers:
+        return 0.0
+    nbytes = sh.routed_rows * sh.h * sh.e
+    count = 4 + (2 if p.activation_checkpointing == "full" else 0)
+    return moe_layers * count * rates.collective("all_to_all", p.ep, nbytes, p.tp)
+
+
+def _expert_split(sp_: StageParams, ep: int) -> tuple[StageParams, StageParams | None]:
+    """(everything but the routed experts, the rank's 1/ep of the experts as units of their own), for
+    the data-parallel collectives under expert parallelism: the experts' gradients are reduced over the
+    expert-data-parallel ranks only. (sp_, None) without expert parallelism."""
+    if ep == 1 or not sp_.experts:
+        return sp_, None
+    local = expert_local(sp_, ep)
+    dense = StageParams(
+        local.blocks - local.experts,
+        local.block - local.expert_block,
+        local.layers,
+        local.root,
+        local.first,
+        local.last,
+    )
+    experts = StageParams(local.experts, local.expert_block, local.moe_layers, 0, False, False)
+    return dense, experts
+
+
+def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any, group: int = 1) -> tuple[float, float]:
     """(seconds of the step's data-parallel collectives, of them overlappable with compute): DDP's
     gradient all-reduce (ZeRO-1 adds the parameters' broadcast); FSDP's per-unit reduce-scatter
     (each micro-batch with reduce_each_micro_batch) and all-gathers (forward; ZeRO-3 backward too),
-    one collective per unit (a block, plus the root parameters) so each pays its latency."""
+    one collective per unit (a block, plus the root parameters) so each pays its latency.
+    group = ep for the routed experts: reduced over the dp x cp / ep expert-data-parallel ranks, which
+    sit ep apart in dp order."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
     # gradients are reduced over dp x cp (context-parallel ranks hold the same parameters)
-    dp, m, stride = p.dp * p.cp, t.gradient_accumulation_steps, p.tp * p.pp
+    dp, m, stride = p.dp * p.cp // group, t.gradient_accumulation_steps, p.tp * p.pp * group
     if dp <= 1:
         return 0.0, 0.0
     grad_e = DTYPE_BYTES[p.grad_reduce_dtype]
@@ -578,7 +682,9 @@ def _dp_seconds(cfg: Config, rates: _ProfileRates, sp_: Any) -> tuple[float, flo
     scatters = m if p.reduce_each_micro_batch else 1
     # hybrid sharding: gathers and reduce-scatters within the dp_shard ranks (adjacent in dp), then
     # each unit's gradient shard all-reduced across the dp / dp_shard replicas (FSDP2 HSDP)
-    replicas, dp = dp // (dp_shard_size(p) * p.cp), dp_shard_size(p) * p.cp
+    # the experts (group = ep): sharded over all their dp x cp / ep ranks, hybrid sharding or not
+    shard = dp if group > 1 else dp_shard_size(p) * p.cp
+    replicas, dp = dp // shard, shard
     across = [rates.collective("all_reduce", replicas, grad_e * u / dp, stride * dp) for u, _ in units]
     unit_e = [block_e, gather_e][: len(units)]  # the blocks', then the root's
     gather = sum(
@@ -632,14 +738,16 @@ def optimizer_step_bytes(cfg: Config) -> int:
     return step + CLIP_BYTES
 
 
-def _optimizer_seconds(cfg: Config, rates: _ProfileRates, total_params: int) -> dict[str, dict[str, float]]:
+def _optimizer_seconds(cfg: Config, rates: _ProfileRates, sp_: StageParams) -> dict[str, dict[str, float]]:
     """The optimizer over the shard this rank steps, as the bytes its foreach passes move
     (`optimizer_step_bytes`); on the host under offload (HOST_BANDWIDTH), with the transfers over
-    the host link."""
+    the host link. Under expert parallelism the rank holds 1/ep of the experts, sharded over 1/ep
+    as many ranks."""
     p, t = cfg.parallel, cfg.train
     assert t.gradient_accumulation_steps is not None
     sharded_over = {0: 1, 1: p.dp * p.cp}.get(p.zero_stage, dp_shard_size(p) * p.cp)
-    shard = total_params / sharded_over
+    expert_ranks = expert_data_ranks(cfg) if sharded_over > 1 else 1
+    shard = sharded_numel(expert_local(sp_, p.ep), sharded_over, expert_ranks)
     opt_bytes = shard * optimizer_step_bytes(cfg)
     offload = p.offload_optimizer or p.offload_param
     out: dict[str, dict[str, float]] = {}
@@ -680,7 +788,8 @@ def attention_kernel(cluster: Cluster) -> str | None:
 
 
 def step_time(cfg: Config, cluster: Cluster) -> StepTime:
-    """Predicted seconds per optimizer step of cfg's layout on `cluster`, by part and by phase/class."""
+    """Predicted seconds per optimizer step of cfg's layout on `cluster`, by part and by phase/class
+    (an MoE model's busiest expert-parallel rank at the cluster's `moe_imbalance`)."""
     mc, p, t = cfg.model, cfg.parallel, cfg.train
     assert mc.ffn_hidden_size is not None and t.gradient_accumulation_steps is not None
     m, v = t.gradient_accumulation_steps, p.virtual_pipeline_stages
@@ -689,7 +798,7 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
         p.activation_checkpointing,
     )  # fmt: skip
     rates = _rates(cluster)
-    sh = _shape(cfg, cluster.kind, attention_kernel(cluster))
+    sh = _shape(cfg, cluster.kind, attention_kernel(cluster), cluster.moe_imbalance)
     per_micro, sp_ = _stage_compute(cfg, rates, sh)
     tally = _Tally()
     for phase, by_class in per_micro.items():
@@ -697,12 +806,17 @@ def step_time(cfg: Config, cluster: Cluster) -> StepTime:
             tally.add(phase, c, sec * m)
     tally.add("tp_communication", "communication", _tp_seconds(cfg, rates, sh, sp_.layers) * m)
     tally.add("cp_communication", "communication", _cp_seconds(cfg, rates, sh, sp_.layers) * m)
+    tally.add("ep_communication", "communication", _ep_seconds(cfg, rates, sh, sp_.moe_layers) * m)
     # host-kept checkpointed inputs: phase "offload", breakdown part "checkpoint_transfers"
     tally.add(
         "checkpoint_offload", "communication", _checkpoint_transfer_seconds(cfg, rates, sh, sp_.layers) * m
     )
-    dp_comm, dp_hideable = _dp_seconds(cfg, rates, sp_)
-    for phase, by_class in _optimizer_seconds(cfg, rates, sp_.total).items():
+    dense, experts = _expert_split(sp_, p.ep)
+    dp_comm, dp_hideable = _dp_seconds(cfg, rates, dense)
+    if experts is not None:
+        comm, hideable = _dp_seconds(cfg, rates, experts, group=p.ep)
+        dp_comm, dp_hideable = dp_comm + comm, dp_hideable + hideable
+    for phase, by_class in _optimizer_seconds(cfg, rates, sp_).items():
         for c, sec in by_class.items():
             tally.add(phase, c, sec)
     if p.pp > 1:
@@ -744,6 +858,7 @@ def _assemble(
         "backward": "compute",
         "tp_communication": "tp_communication",
         "cp_communication": "cp_communication",
+        "ep_communication": "ep_communication",
         "grads_sync": "dp_communication",
         "pipeline_p2p": "pipeline_p2p",
         "pipeline_bubble": "pipeline_bubble",
