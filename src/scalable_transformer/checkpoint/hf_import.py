@@ -255,7 +255,7 @@ class _HFTensors:
         without `{e}` (the router) is the one matrix itself."""
         if "{e}" not in parts[0]:
             return self._read(stem + parts[0])
-        experts = []
+        experts: list[torch.Tensor] = []
         while stem + parts[0].format(e=len(experts)) in self.where:
             e = len(experts)
             experts.append(torch.cat([self._read(stem + part.format(e=e)) for part in parts], dim=0))
