@@ -37,6 +37,8 @@ _NO_EQUIVALENT = {
     "olmo2": "OLMo-2 normalizes the attention and MLP outputs inside the residual (post_attention_layernorm "
     "and post_feedforward_layernorm after each sublayer, none before) and normalizes q and k over all "
     "heads (q_norm, k_norm); blocks here normalize their inputs and have no q/k norm",
+    "olmoe": "OLMoE normalizes q and k over all heads (q_norm, k_norm: RMSNorm over the whole q and k "
+    "projections); attention here has no q/k norm (its mixture of experts: the olmoe-1b-7b preset)",
     # ALiBi models: the engine's ALiBi (model.position_embedding_type: alibi) is BLOOM's and GPT-NeoX's,
     # but neither family's block is one of ours
     "bloom": "BLOOM normalizes the word embeddings before the first block (word_embeddings_layernorm); "
