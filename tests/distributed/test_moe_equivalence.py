@@ -3,9 +3,9 @@ losses, gradient norms and the router's figures (aux and z losses, dropped assig
 of every step, with dropless routing and with a capacity factor, as test_equivalence.py checks the
 dense layouts (its BASE, harness and tolerances; expert parallelism's cases are parallel/'s tests).
 
-The aux losses are strong here (0.1 and 0.01, ten times the usual) so that a wrong gradient scale of
-theirs (a factor of the data-parallel size or of the micro-batches) moves the later steps' losses well
-beyond the tolerance."""
+The aux losses are strong here (1.0 and 0.1, a hundred times the usual) so that a wrong gradient scale
+of theirs shows: leaving out the 1 / micro-batches of `MoEStep.begin` moved dp2's third loss by 2e-4
+relative, ten times the tolerance (with coefficients ten times smaller: 3e-5, too close to it)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ MOE = [
     "model.moe_router_topk=2",
     "model.moe_ffn_hidden_size=32",
     "model.moe_layer_freq=2",  # layers 0 and 2 MoE, 1 and 3 dense
-    "model.moe_aux_loss_coeff=0.1",
-    "model.moe_z_loss_coeff=0.01",
+    "model.moe_aux_loss_coeff=1.0",
+    "model.moe_z_loss_coeff=0.1",
 ]
 ROUTINGS = {"dropless": [], "capacity": ["model.moe_capacity_factor=1.0"]}
 CASES = {
