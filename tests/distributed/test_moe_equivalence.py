@@ -1,7 +1,8 @@
-"""A mixture-of-experts GPT trains the same under data parallelism as in one process (issue 43): the
-losses, gradient norms and the router's figures (aux and z losses, dropped assignments, load imbalance)
-of every step, with dropless routing and with a capacity factor, as test_equivalence.py checks the
-dense layouts (its BASE, harness and tolerances; expert parallelism's cases are parallel/'s tests).
+"""A mixture-of-experts GPT trains the same under data and pipeline parallelism as in one process
+(issue 43): the losses, gradient norms and the router's figures (aux and z losses, dropped
+assignments, load imbalance) of every step, with dropless routing and with a capacity factor, as
+test_equivalence.py checks the dense layouts (its BASE, harness and tolerances; expert parallelism's
+cases are parallel/'s tests).
 
 The aux losses are strong here (1.0 and 0.1, a hundred times the usual) so that a wrong gradient scale
 of theirs shows: leaving out the 1 / micro-batches of `MoEStep.begin` moved dp2's third loss by 2e-4
@@ -41,6 +42,8 @@ ROUTINGS = {"dropless": [], "capacity": ["model.moe_capacity_factor=1.0"]}
 CASES = {
     "dp2-zero0-dropless": ["parallel.zero_stage=0"],
     "dp2-zero3-dropless": ["parallel.zero_stage=3"],
+    # the router figures of each stage's MoE layers summed over pp, the aux gradient inside the schedule
+    "pp2-1f1b-dropless": ["parallel.pp=2", "parallel.pipeline_schedule=1f1b"],
     "dp2-zero3-recompute-capacity": [
         "parallel.zero_stage=3",
         "parallel.activation_checkpointing=full",
