@@ -262,6 +262,10 @@ NO_EQUIVALENT = {
         lambda: transformers.Olmo2Config(**COMMON, intermediate_size=96),
         r"'olmo2'.*post_feed.*q_norm, k_norm",
     ),
+    "olmoe": (
+        lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4),
+        r"'olmoe'.*q_norm, k_norm",
+    ),
     "bloom": (
         lambda: transformers.BloomConfig(vocab_size=500, hidden_size=64, n_layer=2),
         "word_embeddings_layernorm",

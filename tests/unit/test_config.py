@@ -54,6 +54,9 @@ def test_presets_cover_the_issue_list():
         "llama-1b",
         "llama-8b",
         "llama-70b",
+        "tiny-moe",
+        "mixtral-8x7b",
+        "olmoe-1b-7b",
     }
     assert expected <= set(preset_names())
     shapes = {

@@ -1,14 +1,23 @@
-"""The MoE layer's pieces against plain per-expert matmuls."""
+"""The MoE layer and its pieces against plain per-token and per-expert loops; its losses, statistics,
+init rules, and a step without host reads."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.validate import resolve
+from scalable_transformer.dryrun import dry_run as dry
 from scalable_transformer.models import moe
-from scalable_transformer.models.moe import GroupedExperts
+from scalable_transformer.models.gpt.model import GPTModel
+from scalable_transformer.models.layers import MLP, init_rules
+from scalable_transformer.models.moe import GroupedExperts, MoELayer, MoEStep
+from scalable_transformer.train.measurement import load_imbalance
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
@@ -63,3 +72,171 @@ def test_grouped_experts_fall_back_to_a_loop_on_unaligned_widths():
     assert not moe._grouped_mm_runs(x_th, experts.w_up, experts.w_down)
     y_th = experts(x_th, torch.tensor([2, 3]))
     torch.testing.assert_close(y_th[2:], experts(x_th[2:], torch.tensor([0, 3])))
+
+
+def _moe_cfg(*overrides: str):
+    return resolve(
+        load_config(
+            "tiny-moe",
+            ["model.vocab_size=512", "model.seq_length=16", "model.moe_ffn_hidden_size=32", *overrides],
+        )
+    ).model
+
+
+def _layer(cfg, seed=0) -> MoELayer:
+    torch.manual_seed(seed)
+    layer = MoELayer(cfg, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return layer
+
+
+def _expert(layer: MoELayer, e: int, x_h: torch.Tensor) -> torch.Tensor:
+    gate, value = (x_h @ layer.experts.w_up[e]).unflatten(-1, (-1, 2)).unbind(-1)
+    return (F.silu(gate) * value) @ layer.experts.w_down[e]
+
+
+def _reference(layer: MoELayer, x_th: torch.Tensor, capacity: int | None = None):
+    """Token by token: each token's top-k experts weighted by their scores, an expert keeping only its
+    `capacity` highest-scored assignments (ties: the earlier token). (output, dropped assignments)."""
+    logits = x_th @ layer.router.weight.T
+    scores = logits.softmax(-1) if layer.score == "softmax" else logits.sigmoid()
+    weights, experts = scores.topk(layer.topk, dim=-1)
+    if layer.norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    kept = torch.ones_like(experts, dtype=torch.bool)
+    if capacity is not None:
+        for e in range(layer.num_experts):
+            mine = [(-weights[t, j].item(), t, j) for t in range(len(x_th)) for j in range(layer.topk)]
+            mine = sorted(a for a in mine if experts[a[1], a[2]] == e)
+            for _, t, j in mine[capacity:]:
+                kept[t, j] = False
+    rows = []
+    for t in range(len(x_th)):
+        parts = [
+            weights[t, j] * _expert(layer, experts[t, j], x_th[t]) for j in range(layer.topk) if kept[t, j]
+        ]
+        rows.append(torch.stack(parts).sum(0) if parts else torch.zeros_like(x_th[t]))
+    return torch.stack(rows), int((~kept).sum())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.moe_router_score=sigmoid", "model.moe_norm_topk_prob=false", "model.moe_router_topk=3"]],
+)
+def test_dropless_layer_equals_a_loop_over_tokens_forward_and_backward(overrides):
+    cfg = _moe_cfg("model.moe_aux_loss_coeff=0", "model.moe_z_loss_coeff=0", *overrides)
+    layer = _layer(cfg)
+    x_bsh = torch.randn(2, 8, cfg.hidden_size, requires_grad=True)
+    y_bsh = layer(x_bsh)
+    grad = torch.randn_like(y_bsh)
+    y_bsh.backward(grad)
+    got = [y_bsh.detach(), x_bsh.grad, layer.router.weight.grad, layer.experts.w_up.grad]
+
+    ref = _layer(cfg)
+    x_ref = x_bsh.detach().clone().requires_grad_()
+    y_ref, dropped = _reference(ref, x_ref.view(-1, cfg.hidden_size))
+    y_ref.backward(grad.view(-1, cfg.hidden_size))
+    want = [y_ref.detach().view_as(y_bsh), x_ref.grad, ref.router.weight.grad, ref.experts.w_up.grad]
+    assert dropped == 0
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 4.0])
+def test_capacity_keeps_each_experts_highest_scored_assignments_and_counts_the_rest(factor):
+    cfg = _moe_cfg("model.moe_aux_loss_coeff=0", f"model.moe_capacity_factor={factor}")
+    layer = _layer(cfg, seed=1)
+    layer.train()
+    x_th = torch.randn(16, cfg.hidden_size)
+    capacity = math.ceil(factor * 16 * cfg.moe_router_topk / cfg.num_experts)
+    y_ref, dropped = _reference(layer, x_th, capacity)
+    y = layer(x_th.view(1, 16, -1)).view(16, -1)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    assert int(layer.stats.dropped) == dropped
+    # 0.5: room for half the assignments; 4.0: each expert has room for all 16 tokens (16 x 2 / 8 x 4)
+    assert dropped >= 16 if factor == 0.5 else dropped == 0 if factor == 4.0 else True
+    assert int(layer.stats.tokens_e.sum()) == 16 * cfg.moe_router_topk  # routed, before the drop
+
+
+def test_aux_and_z_losses_reach_backward_with_the_steps_scale_and_leave_the_output_alone():
+    cfg = _moe_cfg("model.moe_aux_loss_coeff=0.1", "model.moe_z_loss_coeff=0.01", "model.num_layers=1")
+    layer, plain = _layer(cfg), _layer(_moe_cfg("model.moe_aux_loss_coeff=0", "model.moe_z_loss_coeff=0"))
+    step = MoEStep(layer, cfg)
+    step.begin(loss_scale=8.0, micro_batches=4)  # the aux losses' gradient: 8 / 4 = 2 x their own
+    x_bsh = torch.randn(2, 8, cfg.hidden_size)
+    y = layer(x_bsh)
+    y.sum().backward()
+
+    y_plain = plain(x_bsh)
+    logits, scores, _, experts = plain.route(x_bsh.view(-1, cfg.hidden_size))
+    tokens_e = torch.bincount(experts.flatten(), minlength=cfg.num_experts)
+    share_e = tokens_e / (16 * cfg.moe_router_topk)
+    aux = 0.1 * cfg.num_experts * (share_e * scores.mean(0)).sum()  # Switch, Megatron's normalisation
+    z = 0.01 * torch.logsumexp(logits, -1).square().mean()
+    (y_plain.sum() + 2.0 * (aux + z)).backward()
+    torch.testing.assert_close(y.detach(), y_plain.detach())
+    torch.testing.assert_close(layer.router.weight.grad, plain.router.weight.grad)
+    output_only = torch.autograd.grad(plain(x_bsh).sum(), plain.router.weight)[0]
+    assert not torch.allclose(layer.router.weight.grad, output_only)  # the aux losses did contribute
+
+    metrics, tokens_le = step.end(share=0.25, device=torch.device("cpu"))
+    torch.testing.assert_close(metrics["moe_aux_loss"], 0.25 * aux.detach())  # one MoE layer: its value
+    torch.testing.assert_close(metrics["moe_z_loss"], 0.25 * z.detach())
+    assert tokens_le.tolist() == [tokens_e.float().tolist()]
+
+
+def test_each_micro_batch_is_counted_once_under_activation_checkpointing():
+    cfg = _moe_cfg("model.num_layers=2")
+    model = GPTModel(cfg)
+    step = MoEStep(model, cfg)
+    step.begin(1.0, 1)
+    ids = torch.randint(0, 512, (2, 16))
+    x = model.embedding(ids)
+    # every block recomputed in backward, as parallel/ checkpoints them; whole (early stop would end the
+    # recompute at the block's last saved tensor, which may come before the layer's statistics)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        for block in model.layers:
+            x = torch.utils.checkpoint.checkpoint(block, x, None, None, use_reentrant=False)
+        x.sum().backward()
+    _, tokens_le = step.end(1.0, torch.device("cpu"))
+    assert tokens_le.sum(1).tolist() == [2 * 16 * cfg.moe_router_topk] * 2
+
+
+def test_moe_parameters_and_their_init_rules():
+    cfg = _moe_cfg("model.moe_shared_expert_size=64", "model.num_layers=4", "model.moe_first_k_dense=1")
+    model = GPTModel(cfg)
+    names = {n for n, _ in model.named_parameters() if n.startswith("layers.1.mlp.")}
+    assert names == {
+        "layers.1.mlp.router.weight",
+        "layers.1.mlp.experts.w_up",
+        "layers.1.mlp.experts.w_down",
+        "layers.1.mlp.shared_expert.up.weight",
+        "layers.1.mlp.shared_expert.down.weight",
+    }
+    assert isinstance(model.layers[0].mlp, MLP) and isinstance(model.layers[3].mlp, MoELayer)
+    rules = init_rules(model, cfg)
+    std, out_std = cfg.init_method_std, cfg.init_method_std / math.sqrt(2 * 4)
+    assert rules["layers.1.mlp.router.weight"].std == rules["layers.1.mlp.experts.w_up"].std == std
+    assert rules["layers.1.mlp.experts.w_down"].std == out_std
+    assert rules["layers.1.mlp.shared_expert.down.weight"].std == out_std
+    assert rules["layers.0.mlp.down.weight"].std == out_std
+    assert model.layers[1].mlp.experts.w_down.std().item() == pytest.approx(out_std, rel=0.1)
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe_capacity_factor=1.0"]], ids=["dropless", "capacity"])
+def test_an_moe_step_reads_nothing_on_the_host_between_logging_steps(extra):
+    # bf16: the fake-tensor (meta) grouped GEMM accepts bf16 only, as CUDA's kernel
+    overrides = ["model.seq_length=32", "model.vocab_size=512", "train.micro_batch_size=2"]
+    cfg = resolve(
+        load_config("tiny-moe", [*overrides, "parallel.zero_stage=3", "train.precision=bf16", *extra]), 8
+    )
+    out = dry.dry_run(cfg, 8, "cpu").to_dict()
+    assert out["host_syncs_per_step"] == 0, out["host_syncs"]
+    logged = {s["where"].split(":")[0] for s in out["host_syncs"] if s["logging_step"]}
+    assert logged == {"scalable_transformer/train/measurement.py"}, out["host_syncs"]
+
+
+def test_load_imbalance_is_the_worst_layers_max_over_mean():
+    assert load_imbalance([2, 2, 2, 2, 1, 1, 1, 5], 4) == pytest.approx(2.5)
+    assert load_imbalance([0, 0, 0, 0], 4) == 1.0

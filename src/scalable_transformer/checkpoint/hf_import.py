@@ -37,6 +37,8 @@ _NO_EQUIVALENT = {
     "olmo2": "OLMo-2 normalizes the attention and MLP outputs inside the residual (post_attention_layernorm "
     "and post_feedforward_layernorm after each sublayer, none before) and normalizes q and k over all "
     "heads (q_norm, k_norm); blocks here normalize their inputs and have no q/k norm",
+    "olmoe": "OLMoE normalizes q and k over all heads (q_norm, k_norm: RMSNorm over the whole q and k "
+    "projections); attention here has no q/k norm (its mixture of experts: the olmoe-1b-7b preset)",
     # ALiBi models: the engine's ALiBi (model.position_embedding_type: alibi) is BLOOM's and GPT-NeoX's,
     # but neither family's block is one of ours
     "bloom": "BLOOM normalizes the word embeddings before the first block (word_embeddings_layernorm); "
@@ -90,8 +92,9 @@ def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
     wrong = [
         f"model.{key} = {getattr(cfg, key)!r} (the Hugging Face model has {value!r})"
         for key, value in want.items()
-        # the padding of the vocabulary is ours to choose (import fills the file's rows)
-        if key not in ("vocab_size", "bert_binary_head", "make_vocab_size_divisible_by")
+        # the padding of the vocabulary is ours to choose (import fills the file's rows), and so is the
+        # weight of the router's load-balancing loss (a training setting, not a shape)
+        if key not in ("vocab_size", "bert_binary_head", "make_vocab_size_divisible_by", "moe_aux_loss_coeff")
         and getattr(cfg, key) != value
     ]
     assert cfg.vocab_size is not None
@@ -188,6 +191,22 @@ def _layer_key(key: str, i: int, layer_part: str) -> str:
 # Names transformers writes to files for a tensor its model holds under another name (its save-time
 # renaming for older checkpoints): GPT-NeoX's output matrix is `lm_head` in the model, `embed_out` on disk.
 _SAVED_AS = {"lm_head.weight": ("embed_out.weight",)}
+# transformers 5 holds a layer's experts fused (experts.gate_up_proj [E, 2f, h]: gate rows, then up rows;
+# experts.down_proj [E, h, f]) and writes them to files one matrix per expert, as the Hub's checkpoints
+# are: Mixtral's block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down) and router
+# block_sparse_moe.gate; OLMoE's mlp.experts.{e}.gate_proj, up_proj, down_proj. Fused key suffix -> the
+# per-expert forms of its parts on disk (concatenated along dim 0, then stacked over e = 0, 1, ...).
+_PER_EXPERT = {
+    "mlp.experts.gate_up_proj": (
+        ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+    ),
+    "mlp.experts.down_proj": (
+        ("block_sparse_moe.experts.{e}.w2.weight",),
+        ("mlp.experts.{e}.down_proj.weight",),
+    ),
+    "mlp.gate.weight": (("block_sparse_moe.gate.weight",),),
+}
 
 
 class _HFTensors:
@@ -215,11 +234,34 @@ class _HFTensors:
                 self.where[key] = state
 
     def get(self, key: str) -> torch.Tensor | None:
-        for name in (key, key.removeprefix(self.prefix), self.prefix + key, *_SAVED_AS.get(key, ())):
-            source = self.where.get(name)
-            if source is not None:
-                return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]
+        names = (key, key.removeprefix(self.prefix), self.prefix + key, *_SAVED_AS.get(key, ()))
+        for name in names:
+            if name in self.where:
+                return self._read(name)
+        suffix = next((s for s in _PER_EXPERT if key.endswith(s)), None)
+        if suffix is None:
+            return None
+        for name in names[:3]:
+            stem = name.removesuffix(suffix)
+            for parts in _PER_EXPERT[suffix]:
+                if stem + parts[0].format(e=0) in self.where:
+                    return self._experts(stem, parts)
         return None
+
+    def _read(self, name: str) -> torch.Tensor:
+        source = self.where[name]
+        return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]
+
+    def _experts(self, stem: str, parts: tuple[str, ...]) -> torch.Tensor:
+        """A fused experts tensor from its per-expert matrices on disk (see `_PER_EXPERT`); a form
+        without `{e}` (the router) is the one matrix itself."""
+        if "{e}" not in parts[0]:
+            return self._read(stem + parts[0])
+        experts: list[torch.Tensor] = []
+        while stem + parts[0].format(e=len(experts)) in self.where:
+            e = len(experts)
+            experts.append(torch.cat([self._read(stem + part.format(e=e)) for part in parts], dim=0))
+        return torch.stack(experts)
 
 
 def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path) -> None:

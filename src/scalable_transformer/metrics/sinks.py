@@ -126,6 +126,19 @@ def _fmt_bytes(n: float) -> str:
 _COMPONENTS = (("mlm_loss", "lm loss"), ("binary_loss", "binary loss"))  # as Megatron's BERT log line
 
 
+def _moe_parts(r: dict[str, Any] | LogRecord) -> list[str]:
+    """An MoE model's router figures: aux and z losses (coefficient-weighted, mean over MoE layers),
+    assignments dropped per step by the capacity factor, the worst layer's max/mean tokens per expert."""
+    if "moe_aux_loss" not in r:
+        return []
+    return [
+        f"moe aux loss: {r['moe_aux_loss']:.4E}",
+        f"moe z loss: {r['moe_z_loss']:.4E}",
+        f"moe dropped tokens/step: {r['moe_dropped_tokens']:.0f}",
+        f"moe load imbalance (max/mean): {r['moe_load_imbalance']:.2f}",
+    ]
+
+
 class ConsoleSink:
     """Megatron-style one-line-per-interval console output, with units on every figure."""
 
@@ -150,6 +163,7 @@ class ConsoleSink:
             # the parts only when there are two of them (BERT with its binary head)
             *(f"{name}: {r[key]:.4E}" for key, name in _COMPONENTS if key in r and "binary_loss" in r),
             f"grad norm: {r['grad_norm']:.3f}",
+            *_moe_parts(r),
             f"samples/s: {r['samples_per_second']:.2f}",
             f"tokens/s: {r['tokens_per_second']:.0f}",
             f"TFLOPs/dev: {r['tflops_per_device']:.3f}",

@@ -8,6 +8,7 @@ from scalable_transformer.config.rules import padded_vocab_size
 from scalable_transformer.models.bert import BertModel
 from scalable_transformer.models.gpt import GPTModel
 from scalable_transformer.models.layers import TransformerBlock
+from scalable_transformer.models.moe import MOE_METRICS, MoEStep
 from scalable_transformer.models.registry import (
     SPECS,
     build_model,
@@ -21,11 +22,13 @@ from scalable_transformer.models.registry import (
 from scalable_transformer.models.spec import PLAIN_LOSS_OPS, LossOps, ModelSpec
 
 __all__ = [
+    "MOE_METRICS",
     "PLAIN_LOSS_OPS",
     "SPECS",
     "BertModel",
     "GPTModel",
     "LossOps",
+    "MoEStep",
     "ModelSpec",
     "TransformerBlock",
     "build_model",

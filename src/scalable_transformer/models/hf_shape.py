@@ -66,12 +66,16 @@ def block_form(
     qkv_bias: tuple[bool, ...] | None = None,
     rotary_percent: bool = False,
     mlp_bias: bool = False,
+    moe: bool = False,
 ) -> list[Needs]:
     """The needs of the newer block settings, for an architecture that has (True) or lacks (False)
     the parallel residual, a sliding window, partial rotary, an MLP bias set apart from the other
-    linear layers'; qkv_bias: the q/k/v bias values it holds (None: only add_bias_linear's, the same
-    bias on every linear layer)."""
+    linear layers', mixture-of-experts MLPs (whose own settings the architecture checks: `moe`
+    only lifts the dense-MLP need); qkv_bias: the q/k/v bias values it holds (None: only
+    add_bias_linear's, the same bias on every linear layer)."""
     needs = []
+    if not moe:
+        needs.append(Needs("num_experts", (0,), f"{name} has a dense MLP in every layer"))
     if not mlp_bias and cfg.add_mlp_bias not in (None, cfg.add_bias_linear):
         needs.append(
             Needs(

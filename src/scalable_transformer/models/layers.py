@@ -13,6 +13,7 @@ checkpointing can recompute just it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Iterable
@@ -25,10 +26,18 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from scalable_transformer.config.model_shapes import gated_mlp, mlp_bias, qkv_bias, qkv_width, query_groups
+from scalable_transformer.config.model_shapes import (
+    gated_mlp,
+    is_moe_layer,
+    mlp_bias,
+    qkv_bias,
+    qkv_width,
+    query_groups,
+)
 from scalable_transformer.config.rules import check_model
 from scalable_transformer.config.schema import ModelConfig, check_section
 from scalable_transformer.models.context_parallel import ContextParallel, context_parallel_mask
+from scalable_transformer.models.moe import GroupedExperts, MoELayer
 
 _CHOICES = {
     "activation": ("gelu", "openai-gelu", "geglu", "swiglu"),
@@ -398,17 +407,29 @@ class Logits(nn.Module):
         return F.linear(x_bsh, weight_vh).add_(bias_v)
 
 
+def moe_or_mlp(cfg: ModelConfig, layer: int | None) -> nn.Module:
+    """Block `layer`'s MLP: an MoELayer (with its shared expert, an MLP of moe_shared_expert_size)
+    where config.model_shapes.is_moe_layer says so, else the dense MLP."""
+    if layer is None or not is_moe_layer(cfg, layer):
+        return MLP(cfg)
+    size = cfg.moe_shared_expert_size
+    shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=size)) if size > 0 else None
+    return MoELayer(cfg, layer, shared)
+
+
 class TransformerBlock(nn.Module):
     """Pre-LN by default; post-LN (original BERT) when apply_residual_connection_post_layernorm;
-    GPT-J/NeoX's parallel residual (x + attention(norm1(x)) + mlp(norm2(x))) when parallel_residual."""
+    GPT-J/NeoX's parallel residual (x + attention(norm1(x)) + mlp(norm2(x))) when parallel_residual.
+    `layer`: the block's index in the model, which decides whether `mlp` is a mixture of experts
+    (models/moe.py MoELayer; None: always dense)."""
 
-    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+    def __init__(self, cfg: ModelConfig, causal: bool, layer: int | None = None) -> None:
         super().__init__()
         self.post_ln = cfg.apply_residual_connection_post_layernorm
         self.parallel_residual = cfg.parallel_residual
         self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.attention = Attention(cfg, causal)
-        self.mlp = MLP(cfg)
+        self.mlp = moe_or_mlp(cfg, layer)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
@@ -582,20 +603,26 @@ class InitRule:
 def init_rules(model: nn.Module, cfg: ModelConfig) -> dict[str, InitRule]:
     """Parameter name (as `model.named_parameters()` gives it) -> its Megatron init rule: N(0, std)
     for Linear and Embedding weights, N(0, std / sqrt(2 L)) for the two residual output projections
-    of every block (keeps the residual stream's variance independent of depth), unit norm weights,
-    zero biases. Reads module types only, so it works on meta-device and parallelized models (the
-    wrappers of parallel/ keep the wrapped modules' types)."""
+    of every block (keeps the residual stream's variance independent of depth; in an MoE layer the
+    experts' w_down and the shared expert's down), unit norm weights, zero biases; an MoE layer's
+    router and experts' w_up N(0, std). Reads module types only, so it works on meta-device and
+    parallelized models (the wrappers of parallel/ keep the wrapped modules' types)."""
     std = cfg.init_method_std
     out_std = std / math.sqrt(2.0 * cfg.num_layers)
     scaled: set[int] = set()  # ids: tensors compare elementwise, so they cannot be set members
     for module in model.modules():
         if isinstance(module, TransformerBlock):
-            scaled.update({id(module.attention.proj.weight), id(module.mlp.down.weight)})
+            scaled.add(id(module.attention.proj.weight))
+            dense = module.mlp.shared_expert if isinstance(module.mlp, MoELayer) else module.mlp
+            if isinstance(dense, MLP):
+                scaled.add(id(dense.down.weight))
     rules: dict[str, InitRule] = {}
     for module_name, module in model.named_modules():
         for local, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{local}" if module_name else local
-            if local == "weight" and isinstance(module, nn.Linear | nn.Embedding):
+            if isinstance(module, GroupedExperts):
+                rules[name] = InitRule("normal", out_std if local == "w_down" else std)
+            elif local == "weight" and isinstance(module, nn.Linear | nn.Embedding):
                 rules[name] = InitRule("normal", out_std if id(param) in scaled else std)
             elif local == "weight" and isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 rules[name] = InitRule("ones")

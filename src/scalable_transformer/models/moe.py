@@ -1,8 +1,19 @@
-"""Mixture of experts: the routed experts as one module with 3-D weights.
+"""Mixture of experts: the token-choice MoE layer of a GPT block (`MoELayer`: router, dispatch,
+losses) and its routed experts as one module with 3-D weights (`GroupedExperts`).
 
-Shape legend: t tokens routed (token-expert assignments, sorted by expert), h hidden, f expert MLP
-inner size, e experts held by this module (all of them, or this rank's share under expert
-parallelism).
+Shape legend: t tokens (of the micro-batch, or routed: token-expert assignments sorted by expert), k
+experts per token (top-k), n = t k assignments, h hidden, f expert MLP inner size, e experts held by
+the experts module (all of them, or this rank's share under expert parallelism), E all experts, l
+MoE layers of the model.
+
+Auxiliary losses (load balancing, router z-loss): their gradients enter backward through
+`_AuxLossScaler` on the layer's output (Megatron's MoEAuxLossAutoScaler), so a block still returns x
+only (pipeline stages pass x alone). The convention, which every layout shares: the step's aux loss
+is the mean, over the step's micro-batches and the data-parallel (x context-parallel) ranks, of each
+micro-batch's aux loss, summed over the MoE layers, times its coefficient. The trainer backpropagates
+every micro-batch's LM share times dp x cp (DDP/FSDP average over those ranks) times the fp16 loss
+scale, so each micro-batch's aux loss gets the gradient scale coefficient x loss scale / micro-batches
+(`MoEStep.begin`); dp x cp cancels, as in Megatron (loss_scale / num_microbatches).
 
 Contract relied on by parallel/ (expert parallelism shards the weights' first dimension and moves
 tokens to their experts around `GroupedExperts.forward`):
@@ -14,10 +25,15 @@ output in the same order.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalable_transformer.config.model_shapes import moe_layers
 from scalable_transformer.config.schema import ModelConfig
 
 # torch's grouped GEMM reads each matrix's rows with a 16-byte aligned stride (checked on torch 2.13:
@@ -71,3 +87,212 @@ def _grouped_mm_runs(x_th: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
     size = x_th.element_size()
     widths = (x_th.shape[-1], w_up.shape[-1], w_down.shape[-1])
     return all(w * size % _GROUPED_MM_ALIGN_BYTES == 0 for w in widths)
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Identity on the layer's output y; in backward, the auxiliary loss gets the gradient `scale`
+    (Megatron's MoEAuxLossAutoScaler, with the scale carried per call instead of in a global)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        (aux,) = ctx.saved_tensors
+        return grad_y, torch.full_like(aux, ctx.scale), None
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward (activation checkpointing's recompute), where the
+    layer's statistics were already counted. torch's private graph-task id (-1 outside backward) is
+    what torch.utils.checkpoint itself tests (torch 2.13); test_moe.py fails if it stops working."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's statistics since the last `MoEStep.begin`, on the device (never read here):
+    coefficient-weighted aux and z losses summed over micro-batches, dropped assignments, and the
+    assignments routed to each expert (before any capacity drop)."""
+
+    aux: torch.Tensor | None = None
+    z: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None
+    tokens_e: torch.Tensor | None = None
+
+    def add(self, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor, tokens_e: torch.Tensor) -> None:
+        if self.tokens_e is None:
+            self.aux, self.z, self.dropped, self.tokens_e = aux, z, dropped, tokens_e
+            return
+        assert self.aux is not None and self.z is not None and self.dropped is not None
+        self.aux, self.z = self.aux + aux, self.z + z
+        self.dropped, self.tokens_e = self.dropped + dropped, self.tokens_e + tokens_e
+
+
+class MoELayer(nn.Module):
+    """A token-choice mixture of experts in a block's MLP place: `router` (h -> E logits, fp32),
+    scores (softmax or sigmoid), top-k experts per token (renormalised under moe_norm_topk_prob),
+    the tokens sorted by expert and run by `experts` (GroupedExperts; expert parallelism wraps this
+    call), each output weighted by its score and added back in token order, plus the optional dense
+    `shared_expert` (an MLP built by the caller, models/layers.py).
+
+    Dropless by default: every assignment is computed, and no count is read on the host. With
+    moe_capacity_factor each expert takes at most ceil(cf x t x k / E) assignments of the micro-batch
+    (padded to that capacity, so shapes are static) and keeps those with the highest scores
+    (Megatron's "probs" drop policy); the dropped ones are counted."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.layer = layer  # the block's index in the whole model
+        self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
+        self.score, self.norm_topk = cfg.moe_router_score, cfg.moe_norm_topk_prob
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg)
+        self.shared_expert = shared_expert
+        self.backward_scale = 1.0  # the aux losses' gradient: set each step by MoEStep.begin
+        self.stats = RouterStats()
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        x_th = x_bsh.reshape(-1, x_bsh.shape[-1])
+        logits_te, scores_te, weights_tk, experts_tk = self.route(x_th)
+        device = x_th.device.type  # the experts compute in autocast's dtype, if on
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_th.dtype
+        if self.capacity_factor is None:
+            y_th, tokens_e = self._dropless(x_th.to(dtype), weights_tk, experts_tk)
+            dropped = tokens_e.new_zeros(())
+        else:
+            y_th, tokens_e, dropped = self._with_capacity(x_th.to(dtype), weights_tk, experts_tk)
+        aux, z = self._losses(logits_te, scores_te, tokens_e)
+        if torch.is_grad_enabled() and logits_te.requires_grad and (self.aux_coeff or self.z_coeff):
+            y_th = _AuxLossScaler.apply(y_th, aux + z, self.backward_scale)
+        if self.training and not _recomputing():
+            self.stats.add(aux.detach(), z.detach(), dropped, tokens_e)
+        y_bsh = y_th.view(x_bsh.shape)
+        return y_bsh if self.shared_expert is None else y_bsh + self.shared_expert(x_bsh)
+
+    def route(self, x_th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits [t, E], scores [t, E], top-k weights [t, k], top-k experts [t, k]), fp32:
+        routing runs in fp32 whatever the compute dtype (Megatron, HF Mixtral)."""
+        with torch.autocast(x_th.device.type, enabled=False):
+            logits_te = F.linear(x_th.float(), self.router.weight.float())
+        scores_te = logits_te.softmax(-1) if self.score == "softmax" else logits_te.sigmoid()
+        weights_tk, experts_tk = scores_te.topk(self.topk, dim=-1)
+        if self.norm_topk:
+            weights_tk = weights_tk / weights_tk.sum(-1, keepdim=True)
+        return logits_te, scores_te, weights_tk, experts_tk
+
+    def _counts(self, experts_n: torch.Tensor) -> torch.Tensor:
+        """Assignments per expert [E], on the device (scatter_add: bincount's size is data-dependent)."""
+        counts_e = experts_n.new_zeros(self.num_experts)
+        return counts_e.scatter_add_(0, experts_n, torch.ones_like(experts_n))
+
+    def _dropless(
+        self, x_th: torch.Tensor, weights_tk: torch.Tensor, experts_tk: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        experts_n = experts_tk.reshape(-1)
+        order_n = torch.argsort(experts_n, stable=True)  # by expert, token order within one
+        token_n = order_n // self.topk
+        counts_e = self._counts(experts_n)
+        y_nh = self.experts(x_th[token_n], counts_e)
+        y_nh = y_nh * weights_tk.reshape(-1)[order_n].unsqueeze(-1).to(y_nh.dtype)
+        return y_nh.new_zeros(x_th.shape).index_add_(0, token_n, y_nh), counts_e
+
+    def _with_capacity(
+        self, x_th: torch.Tensor, weights_tk: torch.Tensor, experts_tk: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each expert's `capacity` slots filled by its highest-scored assignments; the rest go to one
+        spare slot whose output is zero (static shapes: E x capacity rows whatever the routing)."""
+        assert self.capacity_factor is not None
+        t, e = x_th.shape[0], self.num_experts
+        capacity = math.ceil(self.capacity_factor * t * self.topk / e)
+        experts_n, weights_n = experts_tk.reshape(-1), weights_tk.reshape(-1)
+        by_score_n = torch.argsort(weights_n, descending=True, stable=True)
+        order_n = by_score_n[torch.argsort(experts_n[by_score_n], stable=True)]
+        counts_e = self._counts(experts_n)
+        sorted_n = experts_n[order_n]
+        starts_e = counts_e.cumsum(0) - counts_e
+        position_n = torch.arange(order_n.numel(), device=order_n.device) - starts_e[sorted_n]
+        kept_n = position_n < capacity
+        slot_n = torch.where(kept_n, sorted_n * capacity + position_n, e * capacity)
+        token_n = order_n // self.topk
+        x_slots = x_th.new_zeros(e * capacity + 1, x_th.shape[1]).index_copy(0, slot_n, x_th[token_n])
+        y_slots = self.experts(x_slots[:-1], counts_e.new_full((e,), capacity))
+        y_nh = torch.cat([y_slots, y_slots.new_zeros(1, y_slots.shape[1])])[slot_n]
+        y_nh = y_nh * weights_n[order_n].unsqueeze(-1).to(y_nh.dtype)
+        y_th = y_nh.new_zeros(x_th.shape).index_add_(0, token_n, y_nh)
+        return y_th, counts_e, (~kept_n).sum()
+
+    def _losses(
+        self, logits_te: torch.Tensor, scores_te: torch.Tensor, tokens_e: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(coefficient x load-balancing loss, coefficient x z-loss) of this micro-batch, fp32.
+        Load balancing (Switch/GShard, Megatron's normalisation): E x sum_e f_e P_e, f_e the share of
+        the t k assignments routed to e (sums to 1, so a uniform router gives 1 whatever k; HF's
+        Mixtral sums to k instead), P_e the mean score of e (sigmoid scores normalised per token
+        first, as Megatron). z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
+        zero = logits_te.new_zeros(())
+        aux = z = zero
+        if self.aux_coeff:
+            probs_te = scores_te if self.score == "softmax" else scores_te / scores_te.sum(-1, keepdim=True)
+            share_e = tokens_e.float() / (logits_te.shape[0] * self.topk)
+            aux = self.aux_coeff * self.num_experts * (share_e * probs_te.mean(0)).sum()
+        if self.z_coeff:
+            z = self.z_coeff * torch.logsumexp(logits_te, dim=-1).square().mean()
+        return aux, z
+
+
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_tokens")
+
+
+class MoEStep:
+    """The trainer's handle on the MoE layers a rank holds (the model, or its pipeline stages): the
+    aux losses' gradient scale in before each step, the step's statistics out after it, as device
+    tensors (the step ledger reads them at logging steps, train/measurement.py)."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        self.rows = {layer: row for row, layer in enumerate(moe_layers(cfg))}
+        self.num_experts = cfg.num_experts
+
+    @classmethod
+    def of(cls, model: nn.Module, cfg: ModelConfig) -> MoEStep | None:
+        """The handle, or None for a dense model."""
+        return cls(model, cfg) if cfg.num_experts > 0 else None
+
+    def begin(self, loss_scale: float, micro_batches: int) -> None:
+        """Before a step of `micro_batches` micro-batches whose losses are backpropagated times
+        `loss_scale` (fp16's; 1.0 otherwise): see the module docstring for the convention."""
+        for layer in self.layers:
+            layer.backward_scale = loss_scale / micro_batches
+            layer.stats = RouterStats()
+
+    def end(self, share: float, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(metrics, tokens [l, E]) of the step on this rank. Metrics: `moe_aux_loss` and `moe_z_loss`
+        (coefficient-weighted, mean over the MoE layers, as Megatron logs them) times `share` (this
+        rank's micro-batch share of the step: 1 / (micro-batches x dp x cp)), so that summed over the
+        ranks they are the step's mean; `moe_dropped_tokens`: the assignments dropped by the capacity
+        factor, summed over layers and micro-batches. tokens: the assignments routed to each expert
+        of each MoE layer (rows of layers another pipeline stage holds are 0), summed over the
+        micro-batches; summed over the ranks, the step's."""
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        aux, z, dropped = zero, zero, zero
+        tokens_le = torch.zeros(len(self.rows), self.num_experts, dtype=torch.float32, device=device)
+        for layer in self.layers:
+            s = layer.stats
+            if s.tokens_e is None:
+                continue
+            assert s.aux is not None and s.z is not None and s.dropped is not None
+            aux, z, dropped = aux + s.aux.float(), z + s.z.float(), dropped + s.dropped.float()
+            tokens_le[self.rows[layer.layer]] = s.tokens_e.float()
+        n = max(len(self.rows), 1)
+        metrics = {
+            "moe_aux_loss": aux * (share / n),
+            "moe_z_loss": z * (share / n),
+            "moe_dropped_tokens": dropped,
+        }
+        return metrics, tokens_le

@@ -30,6 +30,7 @@ from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.peak_memory import MemoryTracker
 from ..metrics.sinks import LogRecord, Sinks
 from ..metrics.timers import Timers, minmax_over_ranks
+from ..models import MOE_METRICS
 from ..parallel.comm import KINDS
 from ..parallel.dims import ParallelDims
 from ..parallel.distributed import all_reduce_floats, collective_device
@@ -63,7 +64,7 @@ WAITS = (
     "pipeline-p2p-wait",
 )
 STRAGGLER_MARGIN = 0.10  # a rank busier than the median of the ranks by more than this is flagged
-LOSS_KEYS = ("loss", "lm_loss", "mlm_loss", "binary_loss", "grad_norm")
+LOSS_KEYS = ("loss", "lm_loss", "mlm_loss", "binary_loss", "grad_norm", *MOE_METRICS, "moe_load_imbalance")
 
 
 @dataclass
@@ -75,6 +76,8 @@ class StepResult:
     skipped: bool  # no update: an fp16 overflow, or a non-finite step under train.on_nonfinite=skip
     lr: float  # the learning rate this step's update used
     nonfinite: bool = False  # skipped because its gradient norm was inf/nan (not an fp16 overflow)
+    # MoE: assignments routed to each expert [MoE layers, experts], this rank's, summed over micro-batches
+    expert_tokens: torch.Tensor | None = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -110,13 +113,19 @@ class StepLedger:
         self.pending.append((iteration, result))
 
     def settle(self) -> list[StepValues]:
-        """Read every pending step (one all-reduce per group, one host read); returns them."""
+        """Read every pending step (one all-reduce per group, one host read); returns them. An MoE
+        model's per-expert token counts travel in the same rows; each step gets `moe_load_imbalance`
+        from them (`load_imbalance`)."""
         if not self.pending:
             return []
         keys = sorted(self.pending[0][1].metrics)
         rows = torch.stack(
             [torch.stack([local(r.metrics[k]).float() for k in keys]) for _, r in self.pending]
         )
+        tokens = self.pending[0][1].expert_tokens
+        if tokens is not None:
+            counts = [local(r.expert_tokens).float().flatten() for _, r in self.pending]  # type: ignore[arg-type]
+            rows = torch.cat([rows, torch.stack(counts).to(rows.device)], dim=1)
         for group in self.groups:
             device = collective_device(group)
             staged = rows if rows.device == device else rows.to(device)
@@ -124,13 +133,14 @@ class StepLedger:
             rows = staged
         norms = torch.stack([local(r.grad_norm).float().to(rows.device) for _, r in self.pending])
         flat = torch.cat([rows, norms[:, None]], dim=1).flatten().tolist()  # the one host read
-        width = len(keys) + 1
+        width = rows.shape[1] + 1
         settled = []
         for n, (i, r) in enumerate(self.pending):
             row = flat[n * width : (n + 1) * width]
-            settled.append(
-                StepValues(i, dict(zip(keys, row[:-1], strict=True)), row[-1], r.skipped, r.nonfinite)
-            )
+            metrics = dict(zip(keys, row[: len(keys)], strict=True))
+            if tokens is not None:
+                metrics["moe_load_imbalance"] = load_imbalance(row[len(keys) : -1], tokens.shape[-1])
+            settled.append(StepValues(i, metrics, row[-1], r.skipped, r.nonfinite))
         self.pending = []
         self.read.extend(settled)
         return settled
@@ -144,6 +154,19 @@ class StepLedger:
 
 def _size(group: Any) -> int:
     return dist.get_world_size(group)
+
+
+def load_imbalance(tokens: Sequence[float], experts: int) -> float:
+    """The worst MoE layer's max / mean assignments per expert over a step (1.0: perfectly balanced;
+    the worst layer, not the mean over layers, since the slowest expert of any layer holds the step
+    up). `tokens`: the step's counts, layer by layer, `experts` per layer."""
+    worst = 1.0
+    for start in range(0, len(tokens), experts):
+        layer = tokens[start : start + experts]
+        mean = sum(layer) / experts
+        if mean > 0:
+            worst = max(worst, max(layer) / mean)
+    return worst
 
 
 class StepClock:

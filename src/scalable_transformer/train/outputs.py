@@ -27,6 +27,7 @@ from ..metrics.device_specs import PeakInfo, cpu_precision_warning
 from ..metrics.environment import environment
 from ..metrics.flops import FlopsCount, throughput_metrics
 from ..metrics.sinks import ConsoleSink, JsonlSink, LogRecord, Sink, TensorBoardSink, percent
+from ..models import MOE_METRICS
 from ..models.registry import hf_unsupported
 from ..parallel.dims import ParallelDims
 from .build import Place, RunModel
@@ -238,6 +239,7 @@ def summarize(
         "peak_memory_bytes": history.peak_memory_bytes,
         "peak_memory_method": history.peak_memory_method,
         "run_peak_memory_bytes": history.run_peak_memory_bytes,
+        **_moe_summary(history),
         "first_logged_train_loss": history.first_logged_loss,
         "final_train_loss": history.last_logged_loss,
         "final_valid": history.last_valid,
@@ -344,6 +346,16 @@ def straggler_summary(history: History) -> dict[str, Any]:
         "straggler_rank": rank if consistent else None,
         "straggler_intervals": {"flagged": count, "of": len(flags)} if rank is not None else None,
     }
+
+
+def _moe_summary(history: History) -> dict:
+    """An MoE model's router figures of the last logged interval (means over its steps, as the log
+    line shows them: `moe_aux_loss`, `moe_z_loss`, `moe_dropped_tokens` per step,
+    `moe_load_imbalance`); nothing for a dense model."""
+    last = history.records[-1] if history.records else None
+    if last is None or "moe_aux_loss" not in last:
+        return {}
+    return {key: last[key] for key in (*MOE_METRICS, "moe_load_imbalance") if key in last}
 
 
 def _fp8_summary(cfg: ResolvedConfig, flops, median: float, num_devices: int, peak) -> dict:

@@ -25,7 +25,7 @@ from ..config.schema import ResolvedConfig
 from ..errors import StxWarning
 from ..metrics.peak_memory import model_state_bytes
 from ..metrics.sinks import LogRecord
-from ..models import spec_for
+from ..models import MoEStep, spec_for
 from ..parallel.comm import recorders
 from ..parallel.context import split_batch
 from ..parallel.dims import ParallelDims
@@ -132,6 +132,7 @@ class Trainer:
         self.sinks = measurement.sinks
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.float8_scales = float8_all_gathers(model)  # train.fp8 = tensorwise under FSDP2
+        self.moe = MoEStep.of(model, cfg.model)  # the MoE layers this rank holds (None: dense model)
         self.iteration = 0
         self.consumed_samples = 0
         self.last_lr = 0.0
@@ -172,12 +173,19 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         # tokens: over every rank holding a share of the step's sequences (dp x cp); samples: over dp
         normalizers, counted = self._normalizers(micro_batches, self.dims.grad_group, self.dims.dp)
+        if self.moe is not None:  # the aux losses' gradient scale (models/moe.py: the convention)
+            self.moe.begin(self.scaler.get_scale() if self.scaler.is_enabled() else 1.0, len(micro_batches))
         if self.pipeline is not None:
             metrics = self._pipeline_forward_backward(micro_batches, normalizers, counted)
             with self.timers("embedding-grads-all-reduce"):
                 self.pipeline.sync_tied_grads()
         else:
             metrics = self._forward_backward(micro_batches, normalizers, counted)
+        expert_tokens = None
+        if self.moe is not None:  # device tensors, read with the step's losses at logging steps
+            share = 1.0 / (len(micro_batches) * self.dims.grad_ranks)  # of the step's mean
+            moe_metrics, expert_tokens = self.moe.end(share, self.device)
+            metrics.update(moe_metrics)
         if self.dims.tp > 1 and self.cfg.parallel.sequence_parallel:
             # the norms' Partial gradients, summed over the tensor-parallel ranks in one all-reduce
             with self.timers("layernorm-grads-all-reduce"):
@@ -193,7 +201,8 @@ class Trainer:
                 if self.float8_scales:  # the next step's float8 all-gathers' scales, in one pass
                     refresh_float8_scales(self.model)
             self.scaler.update(found_inf)
-        return StepResult(metrics, norm, skipped=found_inf or nonfinite, lr=lr, nonfinite=nonfinite)
+        skipped = found_inf or nonfinite
+        return StepResult(metrics, norm, skipped, lr=lr, nonfinite=nonfinite, expert_tokens=expert_tokens)
 
     def _forward_backward(
         self, micro_batches: list[Batch], normalizers: dict[str, Any], counted: Callable[[], None]

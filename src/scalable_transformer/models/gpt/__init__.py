@@ -82,6 +82,14 @@ SPEC = ModelSpec(
             vocab_keys=("embedding.word.weight", "output.weight"),
         ),
         HFMapping(
+            model_type="mixtral",
+            hf_class="MixtralForCausalLM",
+            unsupported=hf.mixtral_unsupported,
+            to_hf=hf.to_mixtral,
+            overrides=hf.overrides_from_mixtral,
+            vocab_keys=("embedding.word.weight", "output.weight"),
+        ),
+        HFMapping(
             model_type="qwen2",
             hf_class="Qwen2ForCausalLM",
             unsupported=hf.qwen2_unsupported,

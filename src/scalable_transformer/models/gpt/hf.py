@@ -216,8 +216,9 @@ def _llama_state_dict(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, tor
             t + "input_layernorm.weight": ours[o + "norm1.weight"],
             t + "post_attention_layernorm.weight": ours[o + "norm2.weight"],
             t + "self_attn.o_proj.weight": ours[o + "attention.proj.weight"],
-            t + "mlp.down_proj.weight": ours[o + "mlp.down.weight"],
         }
+        if o + "mlp.down.weight" in ours:  # a dense MLP (an MoE layer's: _moe_state_dict)
+            sd[t + "mlp.down_proj.weight"] = ours[o + "mlp.down.weight"]
         for kind, tail in [("weight", (h,)), ("bias", ())]:
             if o + f"attention.qkv.{kind}" in ours:
                 qkv = ours[o + f"attention.qkv.{kind}"].view(g, (r + 2) * d, *tail)
@@ -371,6 +372,96 @@ def overrides_from_qwen2(hf: Any) -> dict[str, Any]:
     _refuse_config(problems, "Qwen2")
     window = hf.sliding_window if kinds == {"sliding_attention"} else None
     return settings | {"add_bias_linear": False, "add_qkv_bias": True, "sliding_window": window}
+
+
+# ------------------------------------------------------------------------------------ MixtralForCausalLM
+# Mistral's attention with every MLP a mixture of experts (MixtralSparseMoeBlock): `mlp.gate` is our
+# router; transformers 5 stores the experts fused, gate_up_proj [E, 2f, h] (all gate rows, then all up
+# rows: chunk(2)) and down_proj [E, h, f], applied as x @ W^T; our w_up [E, h, 2f] interleaves gate and
+# value columns and w_down [E, f, h] is applied as x @ W. Mixtral's router: softmax, top-k renormalised.
+
+
+def _moe_needs(name: str, cfg: ModelConfig, norm_topk_prob: tuple[bool, ...]) -> list[Needs]:
+    needs = [
+        Needs("moe_layer_freq", (1,), f"{name} has experts in every layer"),
+        Needs("moe_first_k_dense", (0,), f"{name} has experts in every layer"),
+        Needs("moe_shared_expert_size", (0,), f"{name} has no shared expert"),
+        Needs("moe_router_score", ("softmax",), f"{name}'s router scores are a softmax"),
+        Needs("moe_norm_topk_prob", norm_topk_prob, ""),
+    ]
+    if cfg.num_experts == 0:
+        needs.append(Needs("num_experts", (), f"{name} is a mixture of experts"))
+    return needs
+
+
+def mixtral_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no MixtralForCausalLM equivalent (empty: it has one): Mistral's block with a
+    mixture of experts in every layer, top-k scores renormalised. A capacity factor is a training
+    setting: Mixtral computes every assignment, as our model does without one."""
+    needs = [
+        *_llama_block("Mixtral"),
+        Needs("rope_scaling", (False,), "Mixtral has no Llama 3.1 scaling"),
+        Needs("add_bias_linear", (False,), "Mixtral's linear layers have no biases"),
+        *block_form("Mixtral", cfg, window=True, moe=True),
+        *_moe_needs("Mixtral", cfg, (True,)),
+    ]
+    return mismatches(cfg, needs)
+
+
+def _moe_state_dict(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The MoE layers' router and experts under Mixtral's (and OLMoE's) names."""
+    ours = model.state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_layers):
+        o, t = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        if o + "router.weight" not in ours:
+            continue
+        w_up, w_down = ours[o + "experts.w_up"], ours[o + "experts.w_down"]  # [E, h, 2f], [E, f, h]
+        sd |= {
+            t + "gate.weight": ours[o + "router.weight"],
+            t + "experts.gate_up_proj": torch.cat([w_up[..., 0::2], w_up[..., 1::2]], dim=-1).transpose(1, 2),
+            t + "experts.down_proj": w_down.transpose(1, 2),
+        }
+    return sd
+
+
+def to_mixtral(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers MixtralForCausalLM holding `model`'s weights."""
+    from transformers import MixtralConfig, MixtralForCausalLM  # optional dependency (the bench extra)
+
+    refuse(mixtral_unsupported(cfg), "MixtralForCausalLM")
+    hf_cfg = MixtralConfig(
+        **(_llama_config(cfg) | {"intermediate_size": cfg.moe_ffn_hidden_size}),
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        sliding_window=cfg.sliding_window,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk,
+        router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+    )
+    sd = _llama_state_dict(model, cfg) | _moe_state_dict(model, cfg)
+    return _load_exported(MixtralForCausalLM(hf_cfg), sd, cfg, "Mixtral")
+
+
+def overrides_from_mixtral(hf: Any) -> dict[str, Any]:
+    """The model.* settings describing a Hugging Face MixtralConfig (Mistral's, with num_local_experts
+    SwiGLU experts of intermediate_size in every layer, num_experts_per_tok per token, renormalised);
+    router_aux_loss_coef is carried as model.moe_aux_loss_coeff as it is, not rescaled (transformers'
+    Mixtral loss sums the k choices' shares, k x ours, over all layers' tokens at once; ours is
+    Megatron's, per layer); router_jitter_noise (training noise) is refused when set."""
+    problems, settings = _llama_overrides(hf, "Mixtral", ("default",))
+    if getattr(hf, "router_jitter_noise", 0.0):
+        problems.append(f"router_jitter_noise = {hf.router_jitter_noise} (no router noise here)")
+    _refuse_config(problems, "Mixtral")
+    return settings | {
+        "add_bias_linear": False,
+        "sliding_window": hf.sliding_window,
+        "num_experts": hf.num_local_experts,
+        "moe_router_topk": hf.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf.intermediate_size,
+        "moe_router_score": "softmax",
+        "moe_norm_topk_prob": True,
+        "moe_aux_loss_coeff": float(hf.router_aux_loss_coef),
+    }
 
 
 # ------------------------------------------------------------------------------------ GPTNeoXForCausalLM

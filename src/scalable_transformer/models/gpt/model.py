@@ -45,7 +45,9 @@ class GPTModel(nn.Module):
         self.rotary = rotary_for(cfg)
         self.recompute_chunk = 0  # set by parallel.apply for chunked full recompute
         self.recompute_checkpoint = None  # and where such a chunk keeps its input
-        self.layers = nn.ModuleList(TransformerBlock(cfg, causal=True) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg, causal=True, layer=i) for i in range(cfg.num_layers)
+        )
         # Post-LN blocks already end on a norm.
         self.final_norm = None if cfg.apply_residual_connection_post_layernorm else make_norm(cfg)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
