@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from scalable_transformer.config.load import load_config
+from scalable_transformer.config.model_shapes import moe_layers
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.dryrun import dry_run as dry
 from scalable_transformer.models import moe
@@ -224,19 +225,44 @@ def test_moe_parameters_and_their_init_rules():
     assert model.layers[1].mlp.experts.w_down.std().item() == pytest.approx(out_std, rel=0.1)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.moe_capacity_factor=1.0"]], ids=["dropless", "capacity"])
+@pytest.mark.parametrize(
+    "extra",
+    [["train.precision=bf16"], ["train.precision=bf16", "model.moe_capacity_factor=1.0"], ["parallel.ep=2"]],
+    ids=["dropless", "capacity", "fp32-ep2"],
+)
 def test_an_moe_step_reads_nothing_on_the_host_between_logging_steps(extra):
-    # bf16: the fake-tensor (meta) grouped GEMM accepts bf16 only, as CUDA's kernel
-    overrides = ["model.seq_length=32", "model.vocab_size=512", "train.micro_batch_size=2"]
-    cfg = resolve(
-        load_config("tiny-moe", [*overrides, "parallel.zero_stage=3", "train.precision=bf16", *extra]), 8
-    )
+    # fp32: torch's fake grouped GEMM takes bf16 only; the dry run stands in for it (engine_stubs)
+    overrides = [
+        "model.seq_length=32",
+        "model.vocab_size=512",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=16",
+    ]
+    cfg = resolve(load_config("tiny-moe", [*overrides, "parallel.zero_stage=3", *extra]), 8)
     out = dry.dry_run(cfg, 8, "cpu").to_dict()
-    assert out["host_syncs_per_step"] == 0, out["host_syncs"]
-    logged = {s["where"].split(":")[0] for s in out["host_syncs"] if s["logging_step"]}
+    # expert parallelism reads each MoE layer's row counts once per micro-batch (parallel/expert.py)
+    ep = "scalable_transformer/parallel/expert.py"
+    ep_reads = (
+        len(moe_layers(cfg.model)) * cfg.train.gradient_accumulation_steps if cfg.parallel.ep > 1 else 0
+    )
+    assert out["host_syncs_per_step"] == ep_reads, out["host_syncs"]
+    logged = {s["where"].split(":")[0] for s in out["host_syncs"] if s["logging_step"]} - {ep}
     assert logged == {"scalable_transformer/train/measurement.py"}, out["host_syncs"]
 
 
 def test_load_imbalance_is_the_worst_layers_max_over_mean():
     assert load_imbalance([2, 2, 2, 2, 1, 1, 1, 5], 4) == pytest.approx(2.5)
     assert load_imbalance([0, 0, 0, 0], 4) == 1.0
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_experts_are_sharded_over_every_rank_when_they_are_fewer_than_the_ranks(ep):
+    # 8 experts over 16 ZeRO-3 ranks (ep 1), or 4 local experts over 8 edp ranks (ep 2): on dim 0 each
+    # rank would hold a whole expert (twice its share); FSDP2 shards them on dim 1 instead
+    overrides = ["model.seq_length=32", "model.vocab_size=512", "train.micro_batch_size=1"]
+    cfg = resolve(load_config("tiny-moe", [*overrides, "parallel.zero_stage=3", f"parallel.ep={ep}"]), 16)
+    out = dry.dry_run(cfg, 16, "cpu").to_dict()
+    held = out["ranks"][0]["memory_breakdown_bytes"]["parameters"]
+    with torch.device("meta"):
+        total = sum(p.numel() for p in GPTModel(cfg.model).parameters())
+    assert held == pytest.approx(4 * total / 16, rel=0.02)

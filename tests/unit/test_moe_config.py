@@ -41,6 +41,7 @@ def test_expert_parallel_size_is_part_of_the_layout_label():
         (["model.moe_capacity_factor=1.25"], 1, "model.num_experts is 0"),
         (["model.num_experts=4", "model.moe_first_k_dense=8"], 1, "no layer is an MoE layer"),
         (["model.type=bert", "model.num_experts=4"], 1, "GPT models only"),
+        (["model.num_experts=4", "parallel.tp=2"], 2, "no tensor-parallel plan yet"),
     ],
 )
 def test_moe_settings_that_cannot_build_are_refused_by_name(overrides, world, says):

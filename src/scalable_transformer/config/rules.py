@@ -512,6 +512,12 @@ def check_expert_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1, got {p.ep}")
+    if m.num_experts and p.tp > 1:
+        raise ConfigError(
+            f"model.num_experts = {m.num_experts} with parallel.tp = {p.tp}: mixture-of-experts layers have "
+            "no tensor-parallel plan yet (their experts would need splitting over tp); set parallel.tp = 1 "
+            "and split the experts with parallel.ep instead"
+        )
     if p.ep == 1:
         return
     if m.num_experts == 0:

@@ -8,14 +8,29 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.stage import PipelineStage
 from torch.nn.attention.bias import causal_lower_right
 
-from ..models import layers
+from ..models import layers, moe
 from ..parallel import expert
 from .torch_internals import InferenceMode, _disable_current_modes, ddp, schedules, unset_fake_temporarily
+
+
+class _ShapedGroupedMM(torch.autograd.Function):
+    """A grouped GEMM's shapes and saved tensors for fake operands (no values to compute)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_tk: Any, w_ekn: Any, offsets_e: Any) -> Any:  # type: ignore[override]
+        ctx.save_for_backward(x_tk, w_ekn)
+        return x_tk.new_empty(x_tk.shape[0], w_ekn.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_tn: Any) -> Any:  # type: ignore[override]
+        x_tk, w_ekn = ctx.saved_tensors
+        return torch.empty_like(x_tk), torch.empty_like(w_ekn), None
 
 
 def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
@@ -41,6 +56,9 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
       routing, every expert getting rows / num_experts of each rank's rows (the read and the
       all-to-all of the counts are still recorded). Zero, the trace's default answer, would send no
       row anywhere and leave the layer's output short of its input.
+    - the MoE experts' grouped GEMM (models/moe.py `_grouped_mm`): torch 2.13's fake kernel takes bf16
+      only, where the CPU kernel also runs fp32; fp32 operands get an autograd function with the same
+      output, the same saved tensors (x and the weights) and the same gradients' shapes.
     """
 
     mesh_init = DeviceMesh.__init__
@@ -85,7 +103,15 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
         finally:
             trace.read_value = None
 
+    grouped = moe._grouped_mm
+
+    def fp32_grouped_mm(x_tk: Any, w_ekn: Any, offsets_e: Any) -> Any:
+        if x_tk.dtype == torch.bfloat16:
+            return grouped(x_tk, w_ekn, offsets_e)
+        return _ShapedGroupedMM.apply(x_tk, w_ekn, offsets_e)
+
     stubs: list[tuple[Any, str, Any]] = [
+        (moe, "_grouped_mm", fp32_grouped_mm),
         (expert, "_exchange_counts", balanced_exchange),
         (layers, "causal_lower_right", real_lower_right),
         (DeviceMesh, "__init__", real_mesh_init),

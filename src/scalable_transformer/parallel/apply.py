@@ -42,7 +42,7 @@ from ..errors import ConfigError
 from .comm import CommRecorder, instrument_fsdp, timed_ddp_hook
 from .context import apply_context_parallel, context_parallel_for
 from .dims import ParallelDims
-from .expert import apply_expert_parallel, divide_expert_gradients, expert_modules
+from .expert import apply_expert_parallel, divide_expert_gradients, expert_modules, expert_shard_placement
 from .float8_training import check_float8_layout, convert_blocks_to_float8
 from .init import is_meta, materialize
 from .recompute import checkpoint_function
@@ -147,9 +147,13 @@ def apply_fsdp(
         "mp_policy": mixed,
     }
     recorder = CommRecorder()  # measured all-gathers / reduce-scatters (parallel/comm.py)
+    shard_ranks = dp_mesh.size(dp_mesh.ndim - 1)  # HSDP shards over its mesh's last dimension
+    kwargs["shard_placement_fn"] = expert_shard_placement(model, shard_ranks)
     if dims is not None and dims.ep > 1:
+        edp = dims.edp_mesh
+        edp_kwargs = {**kwargs, "mesh": edp, "shard_placement_fn": expert_shard_placement(model, edp.size())}
         for experts in expert_modules(model):
-            unit = fully_shard(experts, **{**kwargs, "mesh": dims.edp_mesh})
+            unit = fully_shard(experts, **edp_kwargs)
             divide_expert_gradients(unit, dims.grad_ranks, dims.edp_mesh.size())
             instrument_fsdp(unit, recorder)
     layers = blocks(model)

@@ -53,6 +53,23 @@ def expert_modules(model: nn.Module) -> list[GroupedExperts]:
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
+def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's `shard_placement_fn` for `model`'s expert weights over `shard_ranks` ranks: dim 1 (h or
+    f) where the experts this rank holds do not split evenly over them, else FSDP2's default dim 0.
+    On dim 0, 1 local expert over 8 shard ranks (Mixtral with ep 8 on 64 ranks) leaves one rank
+    holding the whole expert and seven holding padding of its size (torchtitan shards experts on
+    dim 1 for the same reason)."""
+    experts = {id(p) for m in expert_modules(model) for p in m.parameters(recurse=False)}
+
+    def place(param: nn.Parameter) -> Shard | None:
+        if id(param) not in experts:
+            return None
+        rows = (param.to_local() if isinstance(param, DTensor) else param).shape[0]
+        return Shard(1) if rows % shard_ranks else None
+
+    return place
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> list[GroupedExperts]:
     """Shard every GroupedExperts of `model` over the 1-D `ep_mesh` and move tokens to their experts
     around its forward (module doc). Works on the meta device (before materialization) and on real
