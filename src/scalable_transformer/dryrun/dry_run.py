@@ -756,7 +756,14 @@ def verify(prediction: Any, cfg: Config, cluster: Any) -> Any:
     # context, allocator slack), which no tensor holds
     # a search predicts the first and last pipeline ranks only; the dry run simulates every one
     stages = prediction.stages
-    if len(stages) < prediction.layout.pp:
+    balanced = layout_cfg.model.num_experts > 0 and cluster.moe_imbalance != 1.0
+    if balanced:  # the dry run routes every expert the same rows: compared with the plan of that routing
+        stages = predict(candidate, dataclasses.replace(cluster, moe_imbalance=1.0)).stages
+        out["notes"].append(
+            "the dry run routes tokens evenly over the experts; it is compared with the plan at imbalance "
+            f"1.0, not the {cluster.moe_imbalance:g}x planned above (--moe-imbalance)"
+        )
+    elif len(stages) < prediction.layout.pp:
         stages = predict(candidate, cluster).stages
     predicted = {st.pp_rank: st.total - st.breakdown.get("reserve", 0) for st in stages}
     for entry in out["ranks"]:
