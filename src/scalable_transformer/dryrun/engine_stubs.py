@@ -33,6 +33,20 @@ class _ShapedGroupedMM(torch.autograd.Function):
         return torch.empty_like(x_tk), torch.empty_like(w_ekn), None
 
 
+_GROUPED_MM = moe._grouped_mm
+
+
+def _fp32_grouped_mm(x_tk: Any, w_ekn: Any, offsets_e: Any) -> Any:
+    if x_tk.dtype == torch.bfloat16:
+        return _GROUPED_MM(x_tk, w_ekn, offsets_e)
+    return _ShapedGroupedMM.apply(x_tk, w_ekn, offsets_e)
+
+
+def _real_lower_right(*size: int) -> Any:
+    with _disable_current_modes():
+        return causal_lower_right(*size)
+
+
 def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
     """What the engine does on the host that a fake tensor cannot answer, replaced for the dry run:
 
@@ -56,9 +70,8 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
       routing, every expert getting rows / num_experts of each rank's rows (the read and the
       all-to-all of the counts are still recorded). Zero, the trace's default answer, would send no
       row anywhere and leave the layer's output short of its input.
-    - the MoE experts' grouped GEMM (models/moe.py `_grouped_mm`): torch 2.13's fake kernel takes bf16
-      only, where the CPU kernel also runs fp32; fp32 operands get an autograd function with the same
-      output, the same saved tensors (x and the weights) and the same gradients' shapes.
+    - the experts' grouped GEMM (models/moe.py `_grouped_mm`): torch 2.13's fake kernel takes bf16 only;
+      fp32 gets a function with its output, saved tensors and gradients' shapes (`_ShapedGroupedMM`).
     """
 
     mesh_init = DeviceMesh.__init__
@@ -81,10 +94,6 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
         finally:
             trace.read_value = None
 
-    def real_lower_right(*size: int) -> Any:
-        with _disable_current_modes():
-            return causal_lower_right(*size)
-
     exchange = expert._exchange_counts
 
     def balanced_exchange(counts_E: Any, rows: int, group: Any, ep: int) -> Any:
@@ -103,17 +112,10 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
         finally:
             trace.read_value = None
 
-    grouped = moe._grouped_mm
-
-    def fp32_grouped_mm(x_tk: Any, w_ekn: Any, offsets_e: Any) -> Any:
-        if x_tk.dtype == torch.bfloat16:
-            return grouped(x_tk, w_ekn, offsets_e)
-        return _ShapedGroupedMM.apply(x_tk, w_ekn, offsets_e)
-
     stubs: list[tuple[Any, str, Any]] = [
-        (moe, "_grouped_mm", fp32_grouped_mm),
+        (moe, "_grouped_mm", _fp32_grouped_mm),
         (expert, "_exchange_counts", balanced_exchange),
-        (layers, "causal_lower_right", real_lower_right),
+        (layers, "causal_lower_right", _real_lower_right),
         (DeviceMesh, "__init__", real_mesh_init),
         (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
         (dist.Reducer, "_rebuild_buckets", lambda self: False),

@@ -35,6 +35,7 @@ from torch import nn
 
 from scalable_transformer.config.model_shapes import moe_layers
 from scalable_transformer.config.schema import ModelConfig
+from scalable_transformer.models.context_parallel import ContextParallel
 
 # torch's grouped GEMM reads each matrix's rows with a 16-byte aligned stride (checked on torch 2.13:
 # "strides should be multiple of 16 bytes" otherwise); below that alignment the experts run one by one.
@@ -162,6 +163,7 @@ class MoELayer(nn.Module):
         self.shared_expert = shared_expert
         self.backward_scale = 1.0  # the aux losses' gradient: set each step by MoEStep.begin
         self.stats = RouterStats()
+        self.context_parallel: ContextParallel | None = None  # set by parallel/context.py
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         x_th = x_bsh.reshape(-1, x_bsh.shape[-1])
@@ -245,8 +247,13 @@ class MoELayer(nn.Module):
         aux = z = zero
         if self.aux_coeff:
             probs_te = scores_te if self.score == "softmax" else scores_te / scores_te.sum(-1, keepdim=True)
-            share_e = tokens_e.float() / (logits_te.shape[0] * self.topk)
-            aux = self.aux_coeff * self.num_experts * (share_e * probs_te.mean(0)).sum()
+            routed_e, probs_e, t = tokens_e.float(), probs_te.sum(0), logits_te.shape[0]
+            cp = self.context_parallel
+            if cp is not None:  # the statistics of whole sequences, whose chunks the cp ranks share
+                routed_e = cp.gather(routed_e.unsqueeze(0), 0).sum(0)
+                probs_e, t = cp.gather(probs_e.unsqueeze(0), 0).sum(0), t * cp.size
+            share_e = routed_e / (t * self.topk)
+            aux = self.aux_coeff * self.num_experts * (share_e * probs_e / t).sum()
         if self.z_coeff:
             z = self.z_coeff * torch.logsumexp(logits_te, dim=-1).square().mean()
         return aux, z

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..models.context_parallel import ContextParallel, split_sequence
 from ..models.layers import CoreAttention
+from ..models.moe import MoELayer
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -80,6 +81,9 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> None:
         raise ValueError(f"{type(model).__name__} has no attention (CoreAttention) to gather keys for")
     for core in cores:
         core.context_parallel = cp
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):  # its load-balancing loss counts whole sequences
+            layer.context_parallel = cp
 
 
 def split_batch(
