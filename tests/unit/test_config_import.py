@@ -308,6 +308,28 @@ def test_megatron_llama_command_line():
     assert values["model.tie_word_embeddings"] is False
 
 
+def test_megatron_moe_command_line():
+    """Megatron-Core's MoE arguments (its Mixtral recipe's): experts, routing, losses and ep carried;
+    kernel and dispatcher switches listed as the same math."""
+    imported = import_configs(
+        ImportSources(
+            megatron_args="pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --swiglu "
+            "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "
+            "--moe-router-pre-softmax --expert-model-parallel-size 8 --moe-grouped-gemm "
+            "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss "
+            "--position-embedding-type rope --no-position-embedding"
+        )
+    )
+    values = {path: v for path, (v, _) in imported.values.items()}
+    assert values["model.num_experts"] == 8 and values["model.moe_router_topk"] == 2
+    assert values["model.moe_aux_loss_coeff"] == 0.01 and values["model.moe_z_loss_coeff"] == 0.001
+    assert values["model.moe_norm_topk_prob"] is False  # softmax before top-k: scores kept as they are
+    assert values["parallel.ep"] == 8
+    ignored = " ".join(str(i) for i in imported.ignored)
+    assert "--moe-grouped-gemm" in ignored and "--moe-token-dispatcher-type" in ignored
+    assert "--no-position-embedding" in ignored  # nothing to turn off under rotary positions
+
+
 def test_import_reads_a_hugging_face_llama_config(tmp_path, capsys):
     hf = tmp_path / "llama"
     hf.mkdir()

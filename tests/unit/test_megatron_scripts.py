@@ -193,7 +193,10 @@ SHAPE = (
             r"--hidden-size needs \$\(python -c",
         ),
         (f"python pretrain_t5.py {SHAPE}\n", r"run\.sh:2: the entry point 'pretrain_t5\.py'"),
-        (f"python pretrain_gpt.py {SHAPE} --num-experts 8\n", r"--num-experts 8: mixture-of-experts"),
+        (
+            f"python pretrain_gpt.py {SHAPE} --num-experts 8 --moe-router-load-balancing-type sinkhorn\n",
+            r"--moe-router-load-balancing-type 'sinkhorn': balances the experts' load another way",
+        ),
         (
             f"python pretrain_gpt.py {SHAPE} --frobnicate 3\n",
             r"Megatron argument --frobnicate is not known here",

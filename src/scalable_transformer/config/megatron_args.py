@@ -171,7 +171,7 @@ _FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "tensorwise"}
 _DATA_LOADING = "is a data-loading switch of Megatron's loader (the same samples)"
 _HOUSEKEEPING = "is memory housekeeping of Megatron's loop"
 _TOKENIZER = "names the original run's tokenizer: set data.tokenizer"
-_MOE = "mixture-of-experts models are not supported: every layer here has one dense MLP"
+_MOE_KERNEL = "selects a kernel for the experts (a grouped GEMM here): the same math"
 _RAMP = (
     "ramps the global batch size up over the first samples, which is not supported: the imported run "
     "trains at --global-batch-size from its first step"
@@ -288,6 +288,24 @@ def _num_query_groups(value: Any, args: dict[str, Any]) -> dict[str, Any]:
     return {WHY: "Megatron reads it only with --group-query-attention (plain multi-head attention here)"}
 
 
+def _no_position_embedding(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's --no-position-embedding drops the learned position table: nothing to drop under
+    rotary positions (Megatron's own Mixtral and Llama scripts pass both); alone, a model without
+    positions, which is not built here."""
+    if not value or _rotary(args):
+        return {WHY: "rotary positions have no learned position table to turn off"}
+    raise ConfigError(
+        "--no-position-embedding without --position-embedding-type rope: a model with no position "
+        "information is not built here (rotary, learned, sinusoidal or ALiBi positions)"
+    )
+
+
+def _moe_pre_softmax(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's softmax before top-k keeps the top-k scores as they are; its default (softmax after
+    top-k) is a softmax over the chosen logits, i.e. the top-k scores renormalised."""
+    return {"model": {"moe_norm_topk_prob": not value}}
+
+
 def _sequence_parallel(value: Any, args: dict[str, Any]) -> dict[str, Any]:
     """Megatron turns sequence parallelism off at tensor-model-parallel-size 1 (arguments.py)."""
     if args.get("tensor_model_parallel_size", 1) > 1:
@@ -389,9 +407,28 @@ MEGATRON_ARGS: dict[str, Rule] = {
         "weights (as here) the same Adam updates"
     ),
     "no_query_key_layer_scaling": _ignore("turns query-key layer scaling off: off here (softmax in fp32)"),
-    "num_experts": _refuse(_MOE),
-    "moe_router_topk": _refuse(_MOE),
-    "expert_model_parallel_size": _refuse(_MOE, accept=(1,)),
+    # mixture of experts: --num-experts, --moe-router-topk, --expert-model-parallel-size,
+    # --moe-ffn-hidden-size, --moe-aux-loss-coeff, ... are schema aliases (model.num_experts, ...)
+    "no_position_embedding": _handle(_no_position_embedding),
+    "moe_router_pre_softmax": _handle(_moe_pre_softmax),
+    "moe_router_load_balancing_type": _refuse(
+        "balances the experts' load another way: the load-balancing loss here is Switch/GShard's (aux_loss)",
+        accept=("aux_loss",),
+    ),
+    "moe_token_drop_policy": _refuse(
+        "drops by position in the micro-batch: under a capacity factor each expert here keeps its "
+        "highest-scored assignments (probs)",
+        accept=("probs",),
+    ),
+    "moe_grouped_gemm": _ignore(_MOE_KERNEL),
+    "moe_permute_fusion": _ignore(_MOE_KERNEL),
+    "moe_token_dispatcher_type": _ignore(
+        "picks how tokens reach their experts (all-to-all here under parallel.ep): the same tokens and math"
+    ),
+    "moe_pad_expert_input_to_capacity": _ignore(
+        "pads each expert's input to its capacity: done here whenever a capacity factor is set"
+    ),
+    "moe_router_dtype": _ignore("sets the router's dtype: the router computes in fp32 here"),
     # layout
     "sequence_parallel": _handle(_sequence_parallel),
     "use_distributed_optimizer": _handle(_distributed_optimizer),
