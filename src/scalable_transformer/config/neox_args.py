@@ -129,7 +129,9 @@ NEOX_ARGS: dict[str, Rule] = {
     ),
     # NeoXArgsMoE
     "moe_num_experts": _r(
-        "mixture-of-experts models are not supported: every layer here has one dense MLP", 1
+        "GPT-NeoX's mixture-of-experts configs do not import yet (its MoE layers are placed, routed and "
+        "capacity-limited by its own rules): set model.num_experts and the model.moe_* keys by hand",
+        1,
     ),
     **dict.fromkeys(
         ("moe_expert_interval", "moe_top_k", "moe_router_type", "moe_lbl_in_fp32", "moe_jitter_eps"), _i(_MOE)
