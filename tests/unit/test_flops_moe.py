@@ -36,14 +36,7 @@ from scalable_transformer.metrics.flops import CONVENTIONS, ModelShape, flops_pe
 # vocabulary 32000, untied. OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924): 16 layers x 2048, 16 heads, 64
 # experts of 1024, top-8, vocabulary 50304, untied; its q/k norms (2 x 2048 per layer, 65536 in all:
 # 0.001% of N) are not a model option here.
-MIXTRAL = [
-    "model.num_experts=8",
-    "model.moe_router_topk=2",
-    "model.vocab_size=32000",
-    "model.rope_scaling=false",
-    "model.seq_length=4096",
-    "model.max_position_embeddings=4096",
-]
+MIXTRAL = ("mixtral-8x7b", [])  # the shipped preset
 OLMOE = [
     "model.num_layers=16",
     "model.hidden_size=2048",
@@ -76,8 +69,10 @@ SMALL = [
 ]
 
 
-def _model(overrides: list[str]) -> ModelConfig:
-    return resolve(load_config("llama-8b", overrides)).model
+def _model(overrides: list[str] | tuple[str, list[str]]) -> ModelConfig:
+    """A Llama-8B variant given by overrides, or (preset, overrides)."""
+    preset, rest = overrides if isinstance(overrides, tuple) else ("llama-8b", overrides)
+    return resolve(load_config(preset, rest)).model
 
 
 def test_small_moe_parameters_by_hand():

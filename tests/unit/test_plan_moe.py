@@ -26,19 +26,12 @@ from scalable_transformer.plan.memory_model import (
 from scalable_transformer.plan.search import candidate_layouts, expert_parallel_sizes, prepare, search_layouts
 from scalable_transformer.plan.speed import _rates, step_time
 
-MIXTRAL = [
-    "model.num_experts=8",
-    "model.moe_router_topk=2",
-    "model.vocab_size=32000",
-    "model.rope_scaling=false",
-    "model.seq_length=4096",
-    "model.max_position_embeddings=4096",
-    "train.micro_batch_size=1",
-]
+# the shipped preset, at the batch these figures were first planned at
+MIXTRAL = ["train.global_batch_size=512"]
 
 
 def _mixtral(world: int, *overrides: str):
-    return prepare(load_config("llama-8b", [*MIXTRAL, *overrides]), world)
+    return prepare(load_config("mixtral-8x7b", [*MIXTRAL, *overrides]), world)
 
 
 def test_expert_memory_falls_with_ep_as_counted_by_hand():
@@ -95,12 +88,12 @@ def test_moe_activations_are_the_routed_tokens_times_the_imbalance():
     # f gate output and f product
     per_row = e * (3 * h + 4 * f)
     assert more - one == 2 * tokens * per_row
-    # against the dense MLP it replaces (what the dense layer's count holds for it: 3f per token at
-    # this branch's base, 4f since main's 2b963c6), plus the router's fp32 copy of its bf16 input
+    # against the dense MLP it replaces (what the dense layer's count holds for it: 4f per token of the
+    # dense size, the preset's derived ffn_hidden_size), plus the router's fp32 copy of its bf16 input
     # (tokens x h) and two fp32 tokens x E tensors (logits, scores)
     no_mlp = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_hidden_size=0))
     dense = config_layer_bytes(cfg, "none", am) - config_layer_bytes(no_mlp, "none", am)
-    assert dense in (tokens * e * 3 * f, tokens * e * 4 * f)
+    assert dense == tokens * e * 4 * cfg.model.ffn_hidden_size
     router = 4 * tokens * h + 2 * 4 * tokens * 8
     assert one == 2 * tokens * per_row + router - dense
     # full recompute keeps the layer input only, MoE or not
@@ -195,7 +188,7 @@ def test_search_picks_expert_parallelism_for_mixtral_on_64_h100():
     holds gathered from forward to backward: 46.7B in bf16 do not fit beside the rest, 1/8 of the
     experts do) and overall: the best layout that fits has ep > 1."""
     cluster = table_cluster("h100-sxm", 8, 8)
-    results = search_layouts(load_config("llama-8b", [*MIXTRAL, "train.global_batch_size=64"]), cluster)
+    results = search_layouts(load_config("mixtral-8x7b", [*MIXTRAL, "train.global_batch_size=64"]), cluster)
     best = next(r for r in results if r.fits)
     assert best.layout.ep > 1, best.layout.label()
     plain = [
@@ -210,7 +203,7 @@ def test_search_picks_expert_parallelism_for_mixtral_on_64_h100():
 def _cli_plan(capsys, *extra: str) -> dict:
     args = [
         "plan",
-        "llama-8b",
+        "mixtral-8x7b",
         *MIXTRAL,
         "parallel.ep=8",
         "parallel.zero_stage=3",
@@ -231,7 +224,7 @@ def test_cli_takes_the_imbalance_and_prints_ep(capsys):
         main(
             [
                 "plan",
-                "llama-8b",
+                "mixtral-8x7b",
                 *MIXTRAL,
                 "--world-size",
                 "8",
@@ -249,7 +242,7 @@ def test_cli_takes_the_imbalance_and_prints_ep(capsys):
 def test_human_output_says_the_imbalance_it_planned_at(capsys):
     args = [
         "plan",
-        "llama-8b",
+        "mixtral-8x7b",
         *MIXTRAL,
         "parallel.ep=8",
         "parallel.zero_stage=3",
