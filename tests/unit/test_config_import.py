@@ -330,6 +330,21 @@ def test_megatron_moe_command_line():
     assert "--no-position-embedding" in ignored  # nothing to turn off under rotary positions
 
 
+@pytest.mark.parametrize(("topk", "score"), [(1, "sigmoid"), (2, "softmax")])
+def test_megatron_sinkhorn_router_scores_as_megatron_does(topk, score):
+    """Megatron's sinkhorn router weights by sigmoid scores at top-1 and softmax scores above, never
+    renormalised, whatever --moe-router-pre-softmax says."""
+    imported = import_configs(
+        ImportSources(
+            megatron_args="pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+            f"--num-experts 8 --moe-router-topk {topk} --moe-router-load-balancing-type sinkhorn"
+        )
+    )
+    values = {path: v for path, (v, _) in imported.values.items()}
+    assert values["model.moe_router_load_balancing"] == "sinkhorn"
+    assert (values["model.moe_router_score"], values["model.moe_norm_topk_prob"]) == (score, False)
+
+
 def test_import_reads_a_hugging_face_llama_config(tmp_path, capsys):
     hf = tmp_path / "llama"
     hf.mkdir()

@@ -194,8 +194,8 @@ SHAPE = (
         ),
         (f"python pretrain_t5.py {SHAPE}\n", r"run\.sh:2: the entry point 'pretrain_t5\.py'"),
         (
-            f"python pretrain_gpt.py {SHAPE} --num-experts 8 --moe-router-load-balancing-type sinkhorn\n",
-            r"--moe-router-load-balancing-type 'sinkhorn': balances the experts' load another way",
+            f"python pretrain_gpt.py {SHAPE} --num-experts 8 --moe-router-load-balancing-type seq_aux_loss\n",
+            r"'model.moe_router_load_balancing' = 'seq_aux_loss' is not valid; choose one of: aux_loss",
         ),
         (
             f"python pretrain_gpt.py {SHAPE} --frobnicate 3\n",

@@ -103,6 +103,9 @@ def _reference(layer: MoELayer, x_th: torch.Tensor, capacity: int | None = None)
     logits = x_th @ layer.router.weight.T
     scores = logits.softmax(-1) if layer.score == "softmax" else logits.sigmoid()
     weights, experts = scores.topk(layer.topk, dim=-1)
+    if layer.balancing == "sinkhorn" and layer.training:
+        experts = _neox_sinkhorn(logits.detach()).topk(layer.topk, dim=-1).indices
+        weights = scores.gather(-1, experts)
     if layer.norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     kept = torch.ones_like(experts, dtype=torch.bool)
@@ -121,9 +124,42 @@ def _reference(layer: MoELayer, x_th: torch.Tensor, capacity: int | None = None)
     return torch.stack(rows), int((~kept).sum())
 
 
+def _neox_sinkhorn(cost, tol=0.0001, max_iter=3):
+    """GPT-NeoX's SinkhornRouter.sinkhorn (megatron/model/router.py at ea7aefd8), loop and early break
+    as written there: the oracle of models/moe.py sinkhorn_balanced."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), dtype=cost.dtype)
+    d1 = 1 / (cost.size(1) * torch.sum(cost, 0))
+    eps, d1_old = 0.00000001, d1
+    for _ in range(max_iter):
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+        if error < tol:
+            break
+    return d1 * cost * d0.unsqueeze(1)
+
+
+@pytest.mark.parametrize("scale", [1e-5, 0.01, 1.0, 4.0])  # converged after 1, 2, 3 rounds or not at all
+def test_sinkhorn_is_neoxs_loop_with_its_early_stop_and_no_host_read(scale):
+    torch.manual_seed(0)
+    logits = torch.randn(64, 8) * scale + torch.linspace(0, 3 * scale, 8)
+    torch.testing.assert_close(moe.sinkhorn_balanced(logits), _neox_sinkhorn(logits), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["model.moe_router_score=sigmoid", "model.moe_norm_topk_prob=false", "model.moe_router_topk=3"]],
+    [
+        [],
+        ["model.moe_router_score=sigmoid", "model.moe_norm_topk_prob=false", "model.moe_router_topk=3"],
+        [
+            "model.moe_router_load_balancing=sinkhorn",
+            "model.moe_router_topk=1",
+            "model.moe_router_score=sigmoid",
+        ],
+        ["model.moe_router_load_balancing=sinkhorn", "model.moe_norm_topk_prob=false"],
+    ],
 )
 def test_dropless_layer_equals_a_loop_over_tokens_forward_and_backward(overrides):
     cfg = _moe_cfg("model.moe_aux_loss_coeff=0", "model.moe_z_loss_coeff=0", *overrides)
@@ -158,6 +194,21 @@ def test_capacity_keeps_each_experts_highest_scored_assignments_and_counts_the_r
     # 0.5: room for half the assignments; 4.0: each expert has room for all 16 tokens (16 x 2 / 8 x 4)
     assert dropped >= 16 if factor == 0.5 else dropped == 0 if factor == 4.0 else True
     assert int(layer.stats.tokens_e.sum()) == 16 * cfg.moe_router_topk  # routed, before the drop
+
+
+def test_sinkhorn_spreads_a_biased_routers_load_in_training_only():
+    cfg = _moe_cfg("model.moe_router_load_balancing=sinkhorn", "model.moe_router_topk=1")
+    layer = _layer(cfg)
+    with torch.no_grad():
+        layer.router.weight[0] += 1.0  # expert 0 scores highest for most tokens
+    x_th = torch.randn(256, cfg.hidden_size)
+    counts = {}
+    for training in (True, False):
+        layer.train(training)
+        experts = layer.route(x_th)[3]
+        counts[training] = torch.bincount(experts.flatten(), minlength=cfg.num_experts)
+    assert counts[False].max() > 2 * counts[True].max()  # plain top-1 piles onto expert 0; Sinkhorn spreads
+    assert layer.aux_coeff == 0  # sinkhorn balances by choice, with no loss (moe_aux_loss_coeff unused)
 
 
 def test_aux_and_z_losses_reach_backward_with_the_steps_scale_and_leave_the_output_alone():
@@ -227,8 +278,13 @@ def test_moe_parameters_and_their_init_rules():
 
 @pytest.mark.parametrize(
     "extra",
-    [["train.precision=bf16"], ["train.precision=bf16", "model.moe_capacity_factor=1.0"], ["parallel.ep=2"]],
-    ids=["dropless", "capacity", "fp32-ep2"],
+    [
+        ["train.precision=bf16"],
+        ["train.precision=bf16", "model.moe_capacity_factor=1.0"],
+        ["train.precision=bf16", "model.moe_router_load_balancing=sinkhorn"],
+        ["parallel.ep=2"],
+    ],
+    ids=["dropless", "capacity", "sinkhorn", "fp32-ep2"],
 )
 def test_an_moe_step_reads_nothing_on_the_host_between_logging_steps(extra):
     # fp32: torch's fake grouped GEMM takes bf16 only; the dry run stands in for it (engine_stubs)

@@ -42,6 +42,11 @@ def test_expert_parallel_size_is_part_of_the_layout_label():
         (["model.num_experts=4", "model.moe_first_k_dense=8"], 1, "no layer is an MoE layer"),
         (["model.type=bert", "model.num_experts=4"], 1, "GPT models only"),
         (["model.num_experts=4", "parallel.tp=2"], 2, "no tensor-parallel plan yet"),
+        (
+            ["model.num_experts=4", "model.moe_router_load_balancing=sinkhorn", "parallel.cp=2"],
+            2,
+            "Sinkhorn balances the experts over the tokens a rank routes",
+        ),
     ],
 )
 def test_moe_settings_that_cannot_build_are_refused_by_name(overrides, world, says):

@@ -42,7 +42,7 @@ IMPORTED: dict[str, tuple[tuple[str, ...], int | None]] = {
     **{f: (("local_setup.yml",), None) for f in (
         "125M.yml", "125M-json.yml", "1-3B.yml", "1-3B-transformer-engine.yml", "13B.yml", "175B.yml",
         "19M.yml", "2-7B.yml", "350M.yml", "49M.yml", "6-7B.yml", "760M.yml", "800M.yml", "bf16_125M.yml",
-        "slurm_125M.yml", "autotuning_configs/tune_1-3B.json")},
+        "slurm_125M.yml", "autotuning_configs/tune_1-3B.json", "125M-dmoe.yml")},
     **{f"pythia/{f}": (("docker/pythia-paths.yml",), None) for f in (
         "70M.yml", "160M.yml", "410M.yml", "1B.yml", "1-4B.yml", "2-8B.yml", "6-9B.yml", "12B.yml")},
     "pythia/14M.yml": ((), None),
@@ -65,7 +65,6 @@ REFUSED: dict[str, str] = {
     "rwkv/170M.yml": "'attention_config' names 'rwkv'",
     "gmlp_small.yml": "'attention_config' names 'gmlp'",
     "sparse.yml": "'attention_config' names 'local'",
-    "125M-dmoe.yml": "'moe_num_experts' = 8",
     "bnb_125M.yml": "'use_bnb_optimizer' = True",
     # intermediate_size 14336 with mlp_multiple_of 1: NeoX's gated MLP is 9558 wide into a 4778 input
     "mistral/7B.yml": "its first projection is 9558 wide and its second reads 4778",
@@ -123,9 +122,15 @@ def _neox_params(raw: dict, vocab: int) -> int:
     width, width_in = 2 * m * -(-width // (2 * m)), m * -(-width_in // m)
     norm = h if raw.get("norm", "layernorm") == "rmsnorm" else 2 * h
     qkv_out = h + 2 * kv * (h // heads)
-    layer = (h * qkv_out + attn_bias * qkv_out) + (h * h + attn_bias * h)
-    layer += (h * width + mlp_bias * width) + (width_in * h + mlp_bias * h) + 2 * norm
-    total = v * h + layers * layer + norm
+    attention = (h * qkv_out + attn_bias * qkv_out) + (h * h + attn_bias * h) + 2 * norm
+    dense = (h * width + mlp_bias * width) + (width_in * h + mlp_bias * h)
+    experts, interval = raw.get("moe_num_experts", 1), raw.get("moe_expert_interval", 1)
+    # ParallelDroplessMoE: SinkhornRouter / TopKTokenChoiceRouter's Linear(h, E, bias=False) and
+    # ParallelGroupedMLP's w1, w2 (E x ff rows of h each, ff = intermediate_size or 4 h rounded up to 256)
+    ff = raw.get("intermediate_size") or 256 * -(-4 * h // 256)
+    moe = h * experts + experts * 2 * ff * h
+    mlps = [moe if experts > 1 and i % interval == 0 else dense for i in range(layers)]
+    total = v * h + layers * attention + sum(mlps) + norm
     if raw.get("pos_emb", "learned") == "learned":
         total += raw["max_position_embeddings"] * h
     if raw.get("no_weight_tying", False):
@@ -175,6 +180,9 @@ def test_neox_config_imports_as_the_gpt_neox_builds(neox, model, tmp_path):
         assert total_params(cfg.model) == PUBLISHED[model]
     assert cfg.model.parallel_residual == bool(raw.get("gpt_j_residual", False))
     assert cfg.model.rotary_percent == (raw.get("rotary_pct", 1.0) if raw.get("pos_emb") == "rotary" else 1.0)
+    assert cfg.model.num_experts == (
+        raw.get("moe_num_experts", 1) if raw.get("moe_num_experts", 1) > 1 else 0
+    )
 
 
 @pytest.mark.parametrize("model", sorted(REFUSED))
@@ -270,3 +278,47 @@ def test_every_key_of_an_imported_file_is_accounted_for(neox, model):
             assert value in rule.accept, key
     if model == "pythia/1B.yml":  # fp16.type bfloat16: bf16, its loss-scale keys listed as scaling nothing
         assert {"fp16.type", "fp16.loss_scale_window"} <= {w.key for w in imported.ignored}
+
+
+def test_the_dmoe_config_is_neoxs_dropless_sinkhorn_moe(neox, tmp_path):
+    """configs/125M-dmoe.yml: 8 experts in every layer (moe_expert_interval 1), NeoX's defaults top-1 and
+    the sinkhorn router (megatron/neox_arguments/neox_args.py NeoXArgsMoE): Sinkhorn-balanced choice,
+    sigmoid scores for top-1, no load-balancing loss, ungated gelu experts of 4 h = 3072."""
+    imported, values = _import([neox / "125M-dmoe.yml", neox / "local_setup.yml"], None)
+    out = tmp_path / "dmoe.yaml"
+    out.write_text(render_yaml(imported), encoding="utf-8")
+    m = resolve(load_config(str(out)), world_size=1).model
+    assert (m.num_experts, m.moe_router_topk, m.moe_layer_freq, m.moe_ffn_hidden_size) == (8, 1, 1, 3072)
+    assert (m.moe_router_load_balancing, m.moe_router_score, m.moe_norm_topk_prob) == (
+        "sinkhorn",
+        "sigmoid",
+        False,
+    )
+    assert m.moe_aux_loss_coeff == 0 and m.activation == "gelu"
+    # every other layer, top-2 by the topk router: softmax scores, plain top-k
+    extra = tmp_path / "moe.yml"
+    extra.write_text("moe_expert_interval: 2\nmoe_top_k: 2\nmoe_router_type: topk\n", encoding="utf-8")
+    _, values = _import([neox / "125M-dmoe.yml", extra], LLAMA_VOCAB)
+    assert (values["model.moe_layer_freq"], values["model.moe_router_topk"]) == (2, 2)
+    assert (values["model.moe_router_load_balancing"], values["model.moe_router_score"]) == (
+        "none",
+        "softmax",
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "says"),
+    [
+        ("moe_jitter_eps: 0.01\n", "'moe_jitter_eps' = 0.01: multiplies the router's input by uniform noise"),
+        ("activation: swiglu\n", "'activation' = 'swiglu' with moe_num_experts = 8"),
+    ],
+)
+def test_dmoe_settings_not_built_are_refused_by_name(neox, tmp_path, lines, says):
+    base = _raw([neox / "125M-dmoe.yml"])
+    base.pop("activation", None)
+    extra = tmp_path / "extra.yml"
+    extra.write_text(lines, encoding="utf-8")
+    model = tmp_path / "model.yml"
+    model.write_text(yaml.safe_dump(base), encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        _import([model, extra], LLAMA_VOCAB)

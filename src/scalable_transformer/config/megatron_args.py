@@ -302,8 +302,23 @@ def _no_position_embedding(value: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 def _moe_pre_softmax(value: Any, args: dict[str, Any]) -> dict[str, Any]:
     """Megatron's softmax before top-k keeps the top-k scores as they are; its default (softmax after
-    top-k) is a softmax over the chosen logits, i.e. the top-k scores renormalised."""
+    top-k) is a softmax over the chosen logits, i.e. the top-k scores renormalised. Its sinkhorn router
+    reads neither (_moe_load_balancing)."""
+    if args.get("moe_router_load_balancing_type") == "sinkhorn":
+        return {
+            WHY: "Megatron's sinkhorn router weights by its own scores (--moe-router-load-balancing-type)"
+        }
     return {"model": {"moe_norm_topk_prob": not value}}
+
+
+def _moe_load_balancing(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's sinkhorn router (transformer/moe/router.py sinkhorn_load_balancing) weights the chosen
+    experts by sigmoid scores for top-1 and softmax scores otherwise, not renormalised."""
+    model: dict[str, Any] = {"moe_router_load_balancing": value}
+    if value == "sinkhorn":
+        topk = int(args.get("moe_router_topk", 2))
+        model.update(moe_router_score="sigmoid" if topk == 1 else "softmax", moe_norm_topk_prob=False)
+    return {"model": model}
 
 
 def _sequence_parallel(value: Any, args: dict[str, Any]) -> dict[str, Any]:
@@ -411,10 +426,7 @@ MEGATRON_ARGS: dict[str, Rule] = {
     # --moe-ffn-hidden-size, --moe-aux-loss-coeff, ... are schema aliases (model.num_experts, ...)
     "no_position_embedding": _handle(_no_position_embedding),
     "moe_router_pre_softmax": _handle(_moe_pre_softmax),
-    "moe_router_load_balancing_type": _refuse(
-        "balances the experts' load another way: the load-balancing loss here is Switch/GShard's (aux_loss)",
-        accept=("aux_loss",),
-    ),
+    "moe_router_load_balancing_type": _handle(_moe_load_balancing),
     "moe_token_drop_policy": _refuse(
         "drops by position in the micro-batch: under a capacity factor each expert here keeps its "
         "highest-scored assignments (probs)",

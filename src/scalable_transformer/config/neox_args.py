@@ -59,7 +59,6 @@ _RL = "is a post-training (DPO/KTO/RM/REINFORCE) setting; train_impl decides, an
 _MUP = "applies only with use_mup (refused)"
 _MAMBA = "applies to Mamba layers only (attention_config 'mamba' is refused)"
 _RWKV = "applies to RWKV layers only (attention_config 'rwkv' is refused)"
-_MOE = "applies only with moe_num_experts > 1 (refused)"
 _TE = "chooses Transformer Engine's implementation of the same layer (its FP8 is not built: train.precision)"
 _DS = "DeepSpeed's section, read as DeepSpeed reads it (docs/CONFIG.md, the DeepSpeed table)"
 _SCALE = "is the Megatron loss-scaling argument; NeoX scales by DeepSpeed's fp16 block (read there)"
@@ -128,13 +127,17 @@ NEOX_ARGS: dict[str, Rule] = {
         _i(_LOGGING),
     ),
     # NeoXArgsMoE
-    "moe_num_experts": _r(
-        "GPT-NeoX's mixture-of-experts configs do not import yet (its MoE layers are placed, routed and "
-        "capacity-limited by its own rules): set model.num_experts and the model.moe_* keys by hand",
-        1,
+    "moe_num_experts": _c("model.num_experts (> 1: NeoX's dropless MoE, megatron/model/moe.py)"),
+    "moe_expert_interval": _c("model.moe_layer_freq (layer i from 0 is MoE when i % interval == 0)"),
+    "moe_top_k": _c("model.moe_router_topk"),
+    "moe_router_type": _c(
+        "model.moe_router_load_balancing (sinkhorn: sinkhorn; topk: none) and model.moe_router_score "
+        "(sinkhorn: sigmoid for top-1, else softmax; topk: softmax)"
     ),
-    **dict.fromkeys(
-        ("moe_expert_interval", "moe_top_k", "moe_router_type", "moe_lbl_in_fp32", "moe_jitter_eps"), _i(_MOE)
+    "moe_lbl_in_fp32": _i("casts a load-balancing loss NeoX's dMoE does not compute; routing here is fp32"),
+    "moe_jitter_eps": _r(
+        "multiplies the router's input by uniform noise in training (topk router), which is not built "
+        "here: leave moe_jitter_eps unset"
     ),
     # NeoXArgsModel
     "precision": _c("train.precision (fp16, bfloat16: bf16, fp32)"),
@@ -714,6 +717,7 @@ def _model(config: dict[str, Any], source: str, out: NeoxImport, vocab_size: int
     _norm(config, source, v, out.ignored)
     _positions(config, source, out)
     _activation_and_mlp(config, source, out)
+    _moe(config, source, out)
     _biases(config, v)
     v["model.vocab_size"] = _vocabulary(config, source, vocab_size, out)
     tp = max(1, int(config.get("model_parallel_size") or 1))
@@ -824,6 +828,48 @@ def _activation_and_mlp(config: dict[str, Any], source: str, out: NeoxImport) ->
         f"model.ffn_hidden_size: {inner}: NeoX's MLP width (ParallelMLP) from intermediate_size "
         f"{config.get('intermediate_size')}, expansion_factor {config.get('expansion_factor')}, "
         f"mlp_multiple_of {multiple}, activation {activation}"
+    )
+
+
+def _moe(config: dict[str, Any], source: str, out: NeoxImport) -> None:
+    """NeoX's dropless MoE (megatron/model/moe.py, moe_mlp.py, router.py): every layer i with
+    i % moe_expert_interval == 0 routes each token to moe_top_k of moe_num_experts ungated expert MLPs
+    without biases, each intermediate_size wide (or 4 h rounded up to a multiple of 256), weighted by
+    the router's scores; no load-balancing loss, no capacity (megablocks' dropless kernels)."""
+    experts = int(config.get("moe_num_experts") or 1)
+    if experts <= 1:
+        return
+    v = out.values
+    activation = str(config.get("activation", "gelu"))
+    if activation in _GATED or activation in _GATED_REFUSED:
+        raise ConfigError(
+            f"{source}: 'activation' = {activation!r} with moe_num_experts = {experts}: NeoX's grouped "
+            "experts (megatron/model/moe_mlp.py) size their first projection for an ungated activation "
+            "and would feed half of it to a gated one; only gelu experts import"
+        )
+    h, topk = config["hidden_size"], int(config.get("moe_top_k", 1))
+    width = config.get("intermediate_size") or 256 * -(-4 * h // 256)
+    router = str(config.get("moe_router_type", "sinkhorn"))
+    if router not in ("sinkhorn", "topk"):
+        raise ConfigError(f"{source}: 'moe_router_type' = {router!r}: NeoX takes sinkhorn or topk")
+    sinkhorn = router == "sinkhorn"
+    v.update(
+        {
+            "model.num_experts": experts,
+            "model.moe_router_topk": topk,
+            "model.moe_layer_freq": int(config.get("moe_expert_interval", 1)),
+            "model.moe_ffn_hidden_size": int(width),
+            "model.moe_router_load_balancing": "sinkhorn" if sinkhorn else "none",
+            "model.moe_router_score": "sigmoid" if sinkhorn and topk == 1 else "softmax",
+            "model.moe_norm_topk_prob": False,
+            "model.moe_aux_loss_coeff": 0.0,
+        }
+    )
+    out.notes.append(
+        f"model.moe_*: NeoX's dropless MoE: {experts} experts of width {width} "
+        f"(intermediate_size {config.get('intermediate_size')}, else 4 h rounded up to 256), top-{topk}, "
+        f"router {router} ({'Sinkhorn-balanced choice, scores ' if sinkhorn else 'plain top-k of '}"
+        f"{v['model.moe_router_score']}, not renormalised), no load-balancing loss, no capacity"
     )
 
 

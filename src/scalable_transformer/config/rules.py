@@ -518,6 +518,13 @@ def check_expert_parallel(cfg: Config) -> None:
             "no tensor-parallel plan yet (their experts would need splitting over tp); set parallel.tp = 1 "
             "and split the experts with parallel.ep instead"
         )
+    if m.num_experts and m.moe_router_load_balancing == "sinkhorn" and p.cp > 1:
+        raise ConfigError(
+            f"model.moe_router_load_balancing = 'sinkhorn' with parallel.cp = {p.cp}: Sinkhorn balances "
+            "the experts over the tokens a rank routes, and a cp rank holds only chunks of each sequence, "
+            "so the routing would change with cp; use parallel.cp = 1 or moe_router_load_balancing "
+            "'aux_loss' or 'none'"
+        )
     if p.ep == 1:
         return
     if m.num_experts == 0:

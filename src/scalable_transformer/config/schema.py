@@ -250,6 +250,17 @@ class ModelConfig:
         choices=("softmax", "sigmoid"),
         aliases=("moe-router-score-function", "scoring_func"),
     )
+    moe_router_load_balancing: str = opt(
+        "aux_loss",
+        "MoE: how the router keeps the experts' load even. aux_loss: the load-balancing loss "
+        "(moe_aux_loss_coeff); sinkhorn: in training each token's experts are the top-k of the "
+        "Sinkhorn-balanced logits, weighted by their moe_router_score scores, no loss (GPT-NeoX's dMoE and "
+        "Megatron's sinkhorn router, which score sigmoid for top-1 and softmax otherwise, not "
+        "renormalised: their imports set that); none: plain top-k, no loss (NeoX's topk router). "
+        "Megatron --moe-router-load-balancing-type.",
+        choices=("aux_loss", "sinkhorn", "none"),
+        aliases=("moe-router-load-balancing-type",),
+    )
     moe_norm_topk_prob: bool = opt(
         True,
         "MoE: rescale each token's top-k scores to sum to 1 (Mixtral and Megatron's default: softmax "

@@ -139,6 +139,29 @@ class RouterStats:
         self.dropped, self.tokens_e = self.dropped + dropped, self.tokens_e + tokens_e
 
 
+def sinkhorn_balanced(logits_te: torch.Tensor, iterations: int = 3, tol: float = 1e-4) -> torch.Tensor:
+    """exp(logits) rescaled by rows and columns towards equal row sums (one per token) and equal column
+    sums (the same load per expert): Sinkhorn-Knopp as GPT-NeoX's dMoE and Megatron's sinkhorn router
+    run it (choosing each token's experts by top-k of this matrix in training): at most `iterations`
+    rounds, the last one taken once the column factors moved less than `tol` on average, eps 1e-8.
+    Their early `break` reads the error on the host; here a finished loop keeps its factors by
+    torch.where on the device, so the result is theirs with no host read."""
+    cost_te = torch.exp(logits_te.float())
+    t, e = cost_te.shape
+    eps = 1e-8
+    col_e = 1 / (e * cost_te.sum(0))
+    row_t = cost_te.new_ones(t)
+    done = torch.zeros((), dtype=torch.bool, device=cost_te.device)
+    for _ in range(iterations):
+        new_row_t = (1 / t) / ((cost_te * col_e).sum(1) + eps)
+        new_col_e = (1 / e) / ((new_row_t.unsqueeze(1) * cost_te).sum(0) + eps)
+        row_t = torch.where(done, row_t, new_row_t)
+        moved = (new_col_e - col_e).abs().mean()
+        col_e = torch.where(done, col_e, new_col_e)
+        done = done | (moved < tol)
+    return cost_te * col_e * row_t.unsqueeze(1)
+
+
 class MoELayer(nn.Module):
     """A token-choice mixture of experts in a block's MLP place: `router` (h -> E logits, fp32),
     scores (softmax or sigmoid), top-k experts per token (renormalised under moe_norm_topk_prob),
@@ -156,7 +179,10 @@ class MoELayer(nn.Module):
         self.layer = layer  # the block's index in the whole model
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
         self.score, self.norm_topk = cfg.moe_router_score, cfg.moe_norm_topk_prob
-        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.balancing = cfg.moe_router_load_balancing
+        balanced_by_loss = self.balancing == "aux_loss"
+        self.aux_coeff = cfg.moe_aux_loss_coeff if balanced_by_loss else 0.0
+        self.z_coeff = cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg)
@@ -189,7 +215,12 @@ class MoELayer(nn.Module):
         with torch.autocast(x_th.device.type, enabled=False):
             logits_te = F.linear(x_th.float(), self.router.weight.float())
         scores_te = logits_te.softmax(-1) if self.score == "softmax" else logits_te.sigmoid()
-        weights_tk, experts_tk = scores_te.topk(self.topk, dim=-1)
+        if self.balancing == "sinkhorn" and self.training:
+            with torch.no_grad():
+                experts_tk = sinkhorn_balanced(logits_te).topk(self.topk, dim=-1).indices
+            weights_tk = scores_te.gather(-1, experts_tk)
+        else:
+            weights_tk, experts_tk = scores_te.topk(self.topk, dim=-1)
         if self.norm_topk:
             weights_tk = weights_tk / weights_tk.sum(-1, keepdim=True)
         return logits_te, scores_te, weights_tk, experts_tk
