@@ -95,6 +95,40 @@ def test_inflight_microbatches_follow_the_schedules() -> None:
     assert inflight_microbatches("interleaved-1f1b", 2, 2, 8, 0) == pytest.approx(5 / 2)
 
 
+def _torch_schedule_peak(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
+    """The most chunks whose activations `rank` holds at once in torch's own action list for the schedule
+    (torch.distributed.pipelining.schedules): a forward adds one, the pass that lets its graph go (the
+    full backward; zero-bubble's weight pass, as its input pass keeps the graph) removes one."""
+    from torch.distributed.pipelining import schedules as ts  # torch in the oracle only: plan/ is torch-free
+
+    kind = {"interleaved-1f1b": ts.ScheduleInterleaved1F1B, "zero-bubble": ts.ScheduleInterleavedZeroBubble}
+    sched = object.__new__(kind[schedule])  # the action list needs no process group or stage
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches, sched.rank = v, pp, m, rank
+    sched.number_of_rounds = max(1, m // pp)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    frees = (
+        ts._ComputationType.BACKWARD_WEIGHT
+        if schedule == "zero-bubble"
+        else ts._ComputationType.FULL_BACKWARD
+    )
+    live = peak = 0
+    for action in sched._calculate_single_rank_operations(rank):
+        if action is not None:
+            kind_ = action.computation_type
+            live += (kind_ == ts._ComputationType.FORWARD) - (kind_ == frees)
+            peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+@pytest.mark.parametrize(("pp", "v"), [(2, 2), (4, 2), (4, 3), (8, 2), (8, 4)])
+def test_interleaved_inflight_chunks_are_torchs_own_schedules(schedule, pp, v):
+    for m in (pp, 2 * pp, 3 * pp):
+        for rank in range(pp):
+            chunks = inflight_microbatches(schedule, pp, v, m, rank) * v
+            assert chunks == _torch_schedule_peak(schedule, pp, v, m, rank), (m, rank)
+
+
 @pytest.mark.parametrize(
     "base, overrides",
     [

@@ -352,8 +352,12 @@ def inflight_microbatches(
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of the rank's
     whole layers (an interleaved chunk is 1/v of them), as torch.distributed.pipelining runs the
     schedule: GPipe and looped-BFS all m (all forwards first); 1F1B min(m, pp - rank);
-    interleaved 1F1B and zero-bubble ((pp - 1 - rank) x 2 + (v - 1) x pp + 1 warm-up chunks, as
+    interleaved 1F1B ((pp - 1 - rank) x 2 + (v - 1) x pp + 1 warm-up chunks, as
     ScheduleInterleaved1F1B computes warmup_ops) / v; zbv 2 chunks per micro-batch, like 1F1B.
+    Zero-bubble (ScheduleInterleavedZeroBubble) splits each backward into an input pass and a weight
+    pass, and the input pass keeps the chunk's autograd graph (its saved activations) for the weight
+    pass: a chunk's activations live from its forward to its weight pass, and that schedule has up to
+    v x (micro-batches per round) of them, m // max(1, m // pp) per round, on every rank alike.
     `later`: at the second micro-batch's backward instead of the first (GPipe: one fewer)."""
     if pp == 1:
         return 1.0
@@ -364,6 +368,8 @@ def inflight_microbatches(
         return float(min(m, pp - pp_rank))
     if schedule == "zbv":
         return float(min(m, pp - pp_rank))
+    if schedule == "zero-bubble":
+        return float(m // max(1, m // pp))
     chunks = min(m * virtual, (pp - 1 - pp_rank) * 2 + (virtual - 1) * pp + 1)
     return chunks / virtual
 
