@@ -429,3 +429,30 @@ def test_the_optimizer_step_on_local_shards_allocates_and_communicates_as_on_dte
     on_dtensors, on_shards = json.loads(proc.stdout.strip().splitlines()[-1])
     assert on_shards == on_dtensors
     assert on_dtensors[1].get("optimizer_state", 0) > 0
+
+
+def test_zero_bubble_stages_hold_what_the_planner_says():
+    """Zero-bubble keeps each chunk's graph from its forward to its weight pass and the weight ops'
+    output gradients from its input pass to its weight pass (the last stage: the head's, vocabulary
+    wide): the planner's stage memory (plan/memory_model.py inflight_microbatches, weight_pass_bytes)
+    against the engine's live bytes on fake CUDA ranks."""
+    from scalable_transformer.plan.memory_model import stage_memory
+
+    overrides = [
+        *TINY,
+        "model.num_layers=4",
+        "model.hidden_size=128",
+        "model.seq_length=256",
+        "model.vocab_size=4096",
+        "parallel.pp=2",
+        "parallel.virtual_pipeline_stages=2",
+        "parallel.pipeline_schedule=zero-bubble",
+        "train.gradient_accumulation_steps=4",
+        "train.global_batch_size=8",
+        "train.precision=bf16",
+    ]
+    cfg = resolve(load_config("tiny-gpt", overrides), 2)
+    result = dry.dry_run(cfg, 2, "cuda")
+    for r in result.ranks:
+        planned = stage_memory(cfg, r.stage, "h100-sxm", 0).total
+        assert planned == pytest.approx(r.peak_memory_bytes, rel=0.1), (r.stage, r.memory_breakdown_bytes)

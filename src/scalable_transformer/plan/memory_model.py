@@ -595,8 +595,36 @@ def _backward_peak(
             moment["recompute_workspace"] = int(recompute)
         else:
             moment["logits_and_loss"] = int(loss_buffers)
+        pending = weight_pass_bytes(cfg, sp_, pp_rank)
+        if pending:
+            moment["weight_pass_gradients"] = int(pending)
         variants.append(moment)
     return max(variants, key=lambda d: sum(d.values()))
+
+
+def weight_pass_bytes(cfg: Config, sp_: StageParams, pp_rank: int) -> float:
+    """Zero-bubble's gradients waiting for their weight pass: torch's ScheduleInterleavedZeroBubble runs
+    a chunk's input pass (the gradient of its input) and, later, its weight pass, which needs the
+    gradient of every weight op's output; those wait on the device in between. At a rank's peak
+    pp_rank + 1 chunks wait (torch's action lists, checked in tests/unit/test_plan.py), on the last
+    rank all of them chunks of the model's last stage, which also hold the head's output gradient
+    [b, s, v/t]. Per layer: the gradients of the qkv and MLP-up outputs (sharded over tp), of the
+    attention and MLP-down outputs ([b, s, h], sequence-sharded under SP) in the compute dtype, and of
+    the two norms' outputs in fp32 (measured on the dry run: gpt-125m, pp 4 x v 3, 36-46 MiB per layer
+    against 39 here)."""
+    mc, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.pp == 1 or p.pipeline_schedule != "zero-bubble":
+        return 0.0
+    e = DTYPE_BYTES[t.precision]
+    tokens = t.micro_batch_size * local_seq(cfg)
+    h, v = mc.hidden_size, p.virtual_pipeline_stages
+    assert mc.ffn_hidden_size is not None
+    up = mc.ffn_hidden_size * (2 if gated_mlp(mc) else 1)
+    sharded_h = h / (p.tp if p.sequence_parallel else 1)
+    per_layer = tokens * ((qkv_width(mc) + up) / p.tp * e + 2 * sharded_h * e + 2 * sharded_h * 4)
+    chunks = min(pp_rank + 1, (t.gradient_accumulation_steps or 1) * v)
+    head = tokens * vocab(mc) / p.tp * e if sp_.last else 0.0
+    return chunks * (per_layer * sp_.layers / v + head)
 
 
 def kept_input_fraction(cfg: Config, device_kind: str) -> float:
