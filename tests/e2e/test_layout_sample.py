@@ -47,7 +47,7 @@ def test_a_sampled_small_layout_validates_plans_dry_runs_and_trains(index: int, 
     layout = sample_layouts("small", 1, SEED, start=index)[0]
     print(layout.text())
     cfg = resolve(load_config(layout.base, [*layout.overrides, *RUN]), layout.world_size)
-    assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == layout.world_size
+    assert cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.tp * cfg.parallel.pp == layout.world_size
 
     plan = _stx([*layout.plan_argv(RUN), "--no-probe", "--dry-run", "--json"], layout, tmp_path)
     row = json.loads(plan.stdout)["layouts"][0]

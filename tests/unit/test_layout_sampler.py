@@ -53,7 +53,7 @@ def test_every_sampled_layout_resolves_at_its_world_size(scale: str, small: list
     for layout in small if scale == "small" else large:
         cfg = resolve(load_config(layout.base, list(layout.overrides)), layout.world_size)
         p = cfg.parallel
-        assert p.dp * p.tp * p.pp == layout.world_size
+        assert p.dp * p.cp * p.tp * p.pp == layout.world_size
         assert layout.axes["dp"] == p.dp
         for override in layout.overrides:  # each override reached the config as drawn
             key, value = override.split("=", 1)
@@ -87,9 +87,36 @@ def test_every_axis_value_appears_over_a_batch(small: list, large: list) -> None
         assert len({s.axes["dp"] for s in layouts}) >= 3
         assert len(_values(layouts, "train.gradient_accumulation_steps")) >= 3
         assert _values(layouts, "train.micro_batch_size") == {"1", "2", "4"}
+    for layouts in (small, large):  # the newer axes (_extend), drawn beside the first ones
+        assert _values(layouts, "parallel.cp") == {"2"}
+        assert _values(layouts, "model.num_experts") == {"4", "8"}
+        assert _values(layouts, "model.reset_attention_mask") == {"True"}
+    assert _values(small, "parallel.ep") and _values(large, "train.fp8") == {"tensorwise", "rowwise"}
+    assert len(_values(large, "parallel.dp_shard")) >= 2  # small layouts rarely have dp >= 4 to split
     assert _values(small, "train.precision") == set(PRECISIONS)
     assert len(_values(small, "model.num_query_groups")) >= 3  # GQA, MQA (1) and plain heads
     assert len(_values(small, "model.hidden_size")) == 4 and len(_values(small, "model.seq_length")) == 4
+
+
+def test_the_newer_axes_leave_a_seeds_earlier_draws_as_they_were() -> None:
+    """The layouts recorded before cp, HSDP, MoE, document masking and FP8 were drawn (seed 41's in
+    benchmarks/results/layout_oracles-*.md) keep every axis they had: the new ones come beside them."""
+    small = draw_valid_layout("small", 41, 10)
+    recorded = [
+        "model.num_layers=4",
+        "model.hidden_size=128",
+        "model.num_attention_heads=8",
+        "model.seq_length=64",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.zero_stage=1",
+        "parallel.activation_checkpointing=selective",
+        "train.micro_batch_size=1",
+        "train.gradient_accumulation_steps=3",
+        "train.precision=fp32",
+    ]
+    assert (small.base, small.world_size) == ("tiny-gpt", 3)
+    assert list(small.overrides[: len(recorded)]) == recorded
 
 
 def test_refused_draws_are_counted_and_redrawn(small: list) -> None:

@@ -322,3 +322,17 @@ def test_experts_are_sharded_over_every_rank_when_they_are_fewer_than_the_ranks(
     with torch.device("meta"):
         total = sum(p.numel() for p in GPTModel(cfg.model).parameters())
     assert held == pytest.approx(4 * total / 16, rel=0.02)
+
+
+def test_the_loop_of_one_gemm_per_expert_dry_runs_with_one_read_per_layer_and_micro_batch():
+    """fp16 experts run one GEMM per expert (F.grouped_mm takes fp32 and bf16), which reads each
+    expert's rows on the host to split the input: the dry run answers the read as balanced routing
+    (it used to answer zero rows and fail the split) and counts it."""
+    overrides = ["model.seq_length=32", "model.vocab_size=512", "train.micro_batch_size=2"]
+    overrides += ["train.global_batch_size=4", "train.precision=fp16", "parallel.pp=2"]
+    cfg = resolve(load_config("tiny-moe", overrides), 2)
+    out = dry.dry_run(cfg, 2, "cpu").to_dict()
+    reads = [s for s in out["host_syncs"] if s["where"].startswith("scalable_transformer/models/moe.py")]
+    plain = sum(s["count"] for s in reads if not s["logging_step"])
+    # rank 0's: pipeline stage 0 holds half the MoE layers
+    assert plain == len(moe_layers(cfg.model)) // 2 * cfg.train.gradient_accumulation_steps

@@ -70,6 +70,8 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
       routing, every expert getting rows / num_experts of each rank's rows (the read and the
       all-to-all of the counts are still recorded). Zero, the trace's default answer, would send no
       row anywhere and leave the layer's output short of its input.
+    - so does the loop of one GEMM per expert (models/moe.py `_expert_rows`: fp16, or widths the grouped
+      GEMM refuses), which reads each expert's rows to split its input.
     - the experts' grouped GEMM (models/moe.py `_grouped_mm`): torch 2.13's fake kernel takes bf16 only;
       fp32 gets a function with its output, saved tensors and gradients' shapes (`_ShapedGroupedMM`).
     """
@@ -94,27 +96,8 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
         finally:
             trace.read_value = None
 
-    exchange = expert._exchange_counts
-
-    def balanced_exchange(counts_E: Any, rows: int, group: Any, ep: int) -> Any:
-        trace = holder.get("trace")
-        if trace is None:
-            return exchange(counts_E, rows, group, ep)
-        experts = counts_E.numel()
-        if rows % experts:
-            raise ValueError(
-                f"expert parallelism in a dry run assumes balanced routing: the {rows} rows of a rank "
-                f"must split evenly over the {experts} experts"
-            )
-        trace.read_value = rows // experts
-        try:
-            return exchange(counts_E, rows, group, ep)
-        finally:
-            trace.read_value = None
-
     stubs: list[tuple[Any, str, Any]] = [
-        (moe, "_grouped_mm", _fp32_grouped_mm),
-        (expert, "_exchange_counts", balanced_exchange),
+        *_moe_stubs(holder),
         (layers, "causal_lower_right", _real_lower_right),
         (DeviceMesh, "__init__", real_mesh_init),
         (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
@@ -124,6 +107,49 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
     if device_type == "cuda":
         stubs.append((dist.Logger, "set_runtime_stats_and_log", lambda self: None))
     return stubs
+
+
+def _moe_stubs(holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
+    """The mixture-of-experts stubs of `engine_stubs` (its docstring says why each is there)."""
+    exchange = expert._exchange_counts
+
+    def balanced_exchange(counts_E: Any, rows: int, group: Any, ep: int) -> Any:
+        trace = holder.get("trace")
+        if trace is None:
+            return exchange(counts_E, rows, group, ep)
+        trace.read_value = _balanced_share(rows, counts_E.numel())
+        try:
+            return exchange(counts_E, rows, group, ep)
+        finally:
+            trace.read_value = None
+
+    expert_rows = moe._expert_rows
+
+    def balanced_rows(counts_e: Any, rows: int) -> Any:
+        trace = holder.get("trace")
+        if trace is None:
+            return expert_rows(counts_e, rows)
+        trace.read_value = _balanced_share(rows, counts_e.numel())
+        try:
+            return expert_rows(counts_e, rows)
+        finally:
+            trace.read_value = None
+
+    return [
+        (moe, "_grouped_mm", _fp32_grouped_mm),
+        (moe, "_expert_rows", balanced_rows),
+        (expert, "_exchange_counts", balanced_exchange),
+    ]
+
+
+def _balanced_share(rows: int, experts: int) -> int:
+    """Each expert's rows under balanced routing, the dry run's answer to a read of the counts."""
+    if rows % experts:
+        raise ValueError(
+            f"a dry run of a mixture of experts assumes balanced routing: the {rows} rows of a rank "
+            f"must split evenly over the {experts} experts"
+        )
+    return rows // experts
 
 
 @contextlib.contextmanager

@@ -81,7 +81,8 @@ def sample_layouts(scale: str, count: int, seed: int, start: int = 0) -> list[Sa
 
 
 def draw_valid_layout(scale: str, seed: int, index: int) -> SampledLayout:
-    """Draw layout `index` of `seed`, redrawing what `resolve` refuses (counted in `rejections`)."""
+    """Draw layout `index` of `seed`, redrawing what `resolve` refuses (counted in `rejections`), then
+    its newer axes (`_extend`)."""
     rng = random.Random(f"{scale}:{seed}:{index}")
     draw: Callable[[random.Random], tuple[str, str, int, str, dict[str, object]]]
     draw = _draw_small if scale == "small" else _draw_large
@@ -94,8 +95,74 @@ def draw_valid_layout(scale: str, seed: int, index: int) -> SampledLayout:
         except ConfigError as e:
             last = str(e)
             continue
+        axes, rejections = _extend(f"{scale}:{seed}:{index}", scale, family, base, world, axes, rejections)
+        overrides = tuple(_overrides(axes))
         return SampledLayout(seed, index, scale, family, base, world, device, overrides, axes, rejections)
     raise ConfigError(f"no valid {scale} layout in {MAX_DRAWS} draws (seed {seed}, index {index}): {last}")
+
+
+EXTENSION_DRAWS = 40  # draws of the newer axes before the layout is kept without them
+
+
+def _extend(
+    key: str, scale: str, family: str, base: str, world: int, axes: dict[str, object], rejections: int
+) -> tuple[dict[str, object], int]:
+    """The axes added after the first layouts were recorded (context parallelism, hybrid sharding,
+    mixture of experts with expert parallelism, document masking, FP8), drawn from a stream of their
+    own so that a seed's earlier axes stay as they were drawn: the layouts recorded before these axes
+    existed are drawn again unchanged, with the new axes beside them. A draw the config refuses is
+    redrawn (counted); after EXTENSION_DRAWS refusals the layout keeps none of them."""
+    rng = random.Random(f"{key}:extension")
+    for _ in range(EXTENSION_DRAWS):
+        extra = _extension_axes(rng, scale, family, axes)
+        if not extra:
+            return axes, rejections
+        merged = {**axes, **extra}
+        try:
+            resolve(load_config(base, _overrides(merged)), world)
+        except ConfigError:
+            rejections += 1
+            continue
+        return merged, rejections
+    return axes, rejections
+
+
+def _extension_axes(
+    rng: random.Random, scale: str, family: str, axes: dict[str, object]
+) -> dict[str, object]:
+    """One draw of the newer axes (empty: none this time). cp takes its ranks from dp (the world size
+    stays), so a large layout's global batch follows the smaller dp."""
+    dp, zero = int(axes["dp"]), int(axes["parallel.zero_stage"])  # type: ignore[call-overload]
+    extra: dict[str, object] = {}
+    if dp % 2 == 0 and rng.random() < 0.25:
+        extra["parallel.cp"] = 2
+        dp //= 2
+        extra["dp"] = dp
+        if scale == "large":
+            micro, accum = axes["train.micro_batch_size"], axes["train.gradient_accumulation_steps"]
+            extra["train.global_batch_size"] = int(micro) * int(accum) * dp  # type: ignore[call-overload]
+    shards = [d for d in range(2, dp) if dp % d == 0]
+    if zero >= 2 and shards and rng.random() < 0.5:
+        extra["parallel.dp_shard"] = rng.choice(shards)
+    if family != "bert" and rng.random() < 0.25:
+        experts = rng.choice((4, 8))
+        extra["model.num_experts"] = experts
+        extra["model.moe_router_topk"] = rng.choice((1, 2))
+        extra["model.moe_layer_freq"] = rng.choice((1, 1, 2))
+        if scale == "small":
+            extra["model.moe_ffn_hidden_size"] = rng.choice((64, 128, 256))
+        extra["model.moe_capacity_factor"] = 1.25 if rng.random() < 0.2 else None
+        cp = int(extra.get("parallel.cp", 1))  # type: ignore[call-overload]
+        eps = [e for e in (1, 2, 4, 8) if experts % e == 0 and (dp * cp) % e == 0]
+        ep = rng.choice(eps[1:]) if len(eps) > 1 and rng.random() < 0.7 else 1
+        extra["parallel.ep"] = ep if ep > 1 else None
+    if family != "bert" and rng.random() < 0.2:
+        extra["model.reset_position_ids"] = True
+        extra["model.reset_attention_mask"] = True
+        extra["data.eod_mask_loss"] = rng.random() < 0.5 or None
+    if scale == "large" and axes["train.precision"] == "bf16" and rng.random() < 0.3:
+        extra["train.fp8"] = rng.choice(("tensorwise", "rowwise"))
+    return extra
 
 
 def _overrides(axes: dict[str, object]) -> list[str]:
