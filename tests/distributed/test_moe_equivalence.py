@@ -63,10 +63,24 @@ CASES = {
     # (parallel/expert.py, parallel/tensor.py); under SP the sequence is gathered before the router
     "tp2-dropless": ["parallel.tp=2"],
     "tp2-sp-dropless": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "tp2-sp-capacity": ["parallel.tp=2", "parallel.sequence_parallel=true", *ROUTINGS["capacity"]],
+    "tp2-sp-recompute-capacity": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing=full",  # the seams' collectives run again in backward
+        *ROUTINGS["capacity"],
+    ],
 }
-# 4 ranks: the experts' weights over the (ep, tp) mesh, the all-to-all among ranks of one tp index
+# 4 ranks: the experts' weights over the (ep, tp) mesh, the all-to-all among ranks of one tp index;
+# tp with pipeline stages (SP across stage boundaries) and with context parallelism (the aux loss
+# reads whole sequences gathered over cp, every tp rank the same)
 FOUR = {
+    "pp2xtp2-sp-dropless": [
+        "parallel.pp=2",
+        "parallel.pipeline_schedule=1f1b",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ],
+    "cp2xtp2-dropless": ["parallel.cp=2", "parallel.tp=2"],
     "ep2xtp2-zero0-dropless": ["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=0"],
     "ep2xtp2-sp-zero3-capacity": [
         "parallel.ep=2",
@@ -129,7 +143,8 @@ def test_moe_layouts_match_single_process(tmp_path):
 
 def test_moe_under_expert_and_tensor_parallelism_matches_single_process(tmp_path):
     """ep2 x tp2 (dp 2 = ep 2, so edp 1), with ZeRO-0 and dropless routing, and with sequence
-    parallelism, ZeRO-3 and a capacity factor: the same dropped assignments as the one process."""
+    parallelism, ZeRO-3 and a capacity factor (the same dropped assignments as the one process);
+    pp2 x tp2 and cp2 x tp2."""
     want = _single_process(tmp_path)
     results = run_distributed(_layouts, 4, str(tmp_path), FOUR, tmp_dir=tmp_path, timeout=900)
     assert results[0] is not None
