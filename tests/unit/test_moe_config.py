@@ -49,6 +49,21 @@ def test_mixture_of_experts_resolves_under_tensor_parallelism(overrides):
     assert (cfg.parallel.tp, cfg.parallel.dp) == (2, 2)
 
 
+def test_an_all_moe_model_splits_over_tp_whatever_its_unused_dense_mlp_size():
+    """Mixtral's derived dense ffn_hidden_size (10922) builds no layer, so it does not limit tp; the
+    experts' 14336 does. A model with dense layers keeps the dense rule."""
+    cfg = resolve(load_config("mixtral-8x7b", ["parallel.tp=8"]), world_size=8)
+    assert cfg.model.ffn_hidden_size % 8 and cfg.model.moe_ffn_hidden_size % 8 == 0
+    dense_too = [
+        "model.num_experts=4",
+        "model.moe_layer_freq=2",
+        "model.ffn_hidden_size=330",
+        "parallel.tp=4",
+    ]
+    with pytest.raises(ConfigError, match=re.escape("model.ffn_hidden_size (330) is not divisible")):
+        resolve(load_config("tiny-moe", dense_too), world_size=4)
+
+
 @pytest.mark.parametrize(
     ("overrides", "world", "says"),
     [

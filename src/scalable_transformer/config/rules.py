@@ -637,7 +637,8 @@ def _check_tensor_parallel(cfg: Config) -> None:
             f"or a share of one replicated group (tp a multiple of the groups); "
             f"model.num_attention_heads is {m.num_attention_heads}"
         )
-    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
+    # a model whose every layer is a mixture of experts (Mixtral, OLMoE) has no dense MLP to split
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp and _has_dense_mlp(m):
         raise ConfigError(
             f"model.ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by parallel.tp ({p.tp})"
         )
@@ -648,6 +649,14 @@ def _check_tensor_parallel(cfg: Config) -> None:
             f"parallel.sequence_parallel: model.seq_length ({m.seq_length}) is not divisible by "
             f"parallel.tp ({p.tp})"
         )
+
+
+def _has_dense_mlp(m: ModelConfig) -> bool:
+    """Whether some layer has the dense MLP (config.model_shapes.is_moe_layer's pattern, which imports
+    this module)."""
+    return m.num_experts == 0 or any(
+        i < m.moe_first_k_dense or i % m.moe_layer_freq for i in range(m.num_layers)
+    )
 
 
 def _check_moe_tensor_parallel(m: ModelConfig, tp: int) -> None:
