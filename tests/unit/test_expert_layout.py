@@ -78,11 +78,35 @@ def test_the_plan_splits_rows_by_destination_rank():
     assert plan.local_rows == [3, 4, 1, 0]
 
 
+def test_under_tensor_parallelism_ep_groups_join_ranks_of_one_tp_index():
+    """ep 2 x tp 2 on 8 ranks (dp 4; global rank = 2 dp + tp): each ep group holds the ranks of one tp
+    index and neighbouring dp ranks, the experts' weights live on the (ep, tp) mesh of the (edp, ep,
+    tp) expert mesh, and edp joins the same ep rank and tp index in the other ep groups."""
+    world = 8
+    cfg = resolve(load_config("tiny-gpt", [*MOE, "parallel.ep=2", "parallel.tp=2"]), world)
+    expected = {  # rank: (ep group, edp group, (ep, tp) weight mesh)
+        0: ([0, 2], [0, 4], [[0, 1], [2, 3]]),
+        3: ([1, 3], [3, 7], [[0, 1], [2, 3]]),
+        5: ([5, 7], [1, 5], [[4, 5], [6, 7]]),
+    }
+    for rank, (ep_group, edp_group, weights) in expected.items():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            dims = ParallelDims.build(cfg, "cpu")
+            assert dims.expert_mesh.mesh_dim_names == ("edp", "ep", "tp")
+            assert dims.ep_mesh.mesh.tolist() == ep_group
+            assert dims.edp_mesh.mesh.tolist() == edp_group
+            assert dims.expert_weight_mesh.mesh_dim_names == ("ep", "tp")
+            assert dims.expert_weight_mesh.mesh.tolist() == weights
+            assert dims.ep_rank == ep_group.index(rank)
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     "overrides, says",
     [
         (["parallel.ep=2", "parallel.zero_stage=1"], "ZeroRedundancyOptimizer"),
-        (["parallel.ep=2", "parallel.tp=2"], "no tensor-parallel plan yet"),
     ],
 )
 def test_layouts_expert_parallelism_does_not_build_with_are_refused(overrides, says):
@@ -98,6 +122,7 @@ def test_layouts_expert_parallelism_does_not_build_with_are_refused(overrides, s
         ["parallel.zero_stage=3", "parallel.dp_shard=2"],
         ["parallel.zero_stage=3", "parallel.cp=2"],
         [*PP2, "model.num_layers=2"],
+        ["parallel.tp=2"],  # ep 2 of dp 2: the experts' weights on the (ep, tp) mesh
     ],
 )
 def test_layouts_expert_parallelism_builds_with_resolve(overrides):

@@ -512,12 +512,6 @@ def check_expert_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1, got {p.ep}")
-    if m.num_experts and p.tp > 1:
-        raise ConfigError(
-            f"model.num_experts = {m.num_experts} with parallel.tp = {p.tp}: mixture-of-experts layers have "
-            "no tensor-parallel plan yet (their experts would need splitting over tp); set parallel.tp = 1 "
-            "and split the experts with parallel.ep instead"
-        )
     if m.num_experts and m.moe_router_load_balancing == "sinkhorn" and p.cp > 1:
         raise ConfigError(
             f"model.moe_router_load_balancing = 'sinkhorn' with parallel.cp = {p.cp}: Sinkhorn balances "
@@ -552,19 +546,13 @@ def check_expert_parallel(cfg: Config) -> None:
 def _check_expert_parallel_composes(cfg: Config) -> None:
     """What parallel.ep > 1 is built with (parallel/expert.py, parallel/apply.py): ZeRO-0 (FSDP2's
     replicate), ZeRO-2/3 (FSDP2, experts sharded over the edp ranks; under hybrid sharding over all of
-    them), context and pipeline parallelism. Refused: ZeRO-1 and tensor parallelism."""
+    them), tensor (experts' weights over (ep, tp)), context and pipeline parallelism. Refused: ZeRO-1."""
     p = cfg.parallel
     if p.zero_stage == 1:
         raise ConfigError(
             f"parallel.ep = {p.ep} with parallel.zero_stage = 1: the expert weights are sharded tensors "
             "(DTensor) that torch's ZeroRedundancyOptimizer and DistributedDataParallel cannot hold; "
             "use parallel.zero_stage = 0, 2 or 3"
-        )
-    if p.tp > 1:
-        raise ConfigError(
-            f"parallel.ep = {p.ep} with parallel.tp = {p.tp}: expert parallelism is not built with tensor "
-            "parallelism yet (the routed layer has no tensor-parallel plan to dispatch from); set "
-            "parallel.tp = 1 or parallel.ep = 1"
         )
 
 
@@ -656,16 +644,41 @@ def _check_tensor_parallel(cfg: Config) -> None:
             f"or a share of one replicated group (tp a multiple of the groups); "
             f"model.num_attention_heads is {m.num_attention_heads}"
         )
-    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
+    # a model whose every layer is a mixture of experts (Mixtral, OLMoE) has no dense MLP to split
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp and _has_dense_mlp(m):
         raise ConfigError(
             f"model.ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by parallel.tp ({p.tp})"
         )
+    _check_moe_tensor_parallel(m, p.tp)
     check_vocabulary(m, p.tp)
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel: model.seq_length ({m.seq_length}) is not divisible by "
             f"parallel.tp ({p.tp})"
         )
+
+
+def _has_dense_mlp(m: ModelConfig) -> bool:
+    """Whether some layer has the dense MLP (config.model_shapes.is_moe_layer's pattern, which imports
+    this module)."""
+    return m.num_experts == 0 or any(
+        i < m.moe_first_k_dense or i % m.moe_layer_freq for i in range(m.num_layers)
+    )
+
+
+def _check_moe_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """Tensor parallelism splits every routed expert's inner size, and the shared expert's, like a
+    dense MLP's (parallel/expert.py, parallel/tensor.py)."""
+    if not m.num_experts:
+        return
+    for key in ("moe_ffn_hidden_size", "moe_shared_expert_size"):
+        size = getattr(m, key)
+        if size and size % tp:
+            valid = [str(d) for d in range(1, size + 1) if size % d == 0 and m.num_attention_heads % d == 0]
+            raise ConfigError(
+                f"model.{key} ({size}) is not divisible by parallel.tp ({tp}): tensor parallelism splits "
+                f"every expert's inner size over the tp ranks; valid tp: {', '.join(valid)}"
+            )
 
 
 def check_vocabulary(m: ModelConfig, tp: int) -> None:

@@ -209,7 +209,8 @@ def _group_names(dims: Any) -> dict[str, str]:
             for dim in ("dp_replicate", "dp_shard_cp"):
                 names.setdefault(str(dims.hsdp_cp_mesh[dim].get_group().group_name), dim)
         if dims.expert_mesh is not None:  # expert parallelism: tokens over ep, expert gradients over edp
-            for dim in ("ep", "edp"):
+            # (and under tp the expert mesh's own tp group: the same ranks as tp, the experts' norm)
+            for dim in dims.expert_mesh.mesh_dim_names:
                 names.setdefault(str(dims.expert_mesh[dim].get_group().group_name), dim)
     return names
 

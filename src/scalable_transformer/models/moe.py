@@ -21,11 +21,17 @@ tokens to their experts around `GroupedExperts.forward`):
 where x_th holds the tokens of expert 0, then of expert 1, ..., counts_e[i] rows each (an integer
 tensor on x's device with one entry per expert this module holds), and y_th is each row's expert
 output in the same order.
+
+Tensor parallelism (parallel/tensor.py sets `MoELayer.tensor_parallel`): every tp rank routes the same
+tokens (the whole sequence, gathered under sequence parallelism) and runs its 1 / tp slice of every
+expert's inner dimension, so routing, aux losses and dropped assignments are the same on every tp
+rank; the routed output is a partial sum that `TensorParallelMoE.leave` reduces.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +174,24 @@ def sinkhorn_balanced(logits_te: torch.Tensor, iterations: int = 3, tol: float =
     return cost_te * col_e * row_t.unsqueeze(1)
 
 
+@dataclass
+class TensorParallelMoE:
+    """An MoE layer's tensor-parallel seams over `size` ranks (built by parallel/tensor.py, so models/
+    stays free of process groups). `enter`: the layer's input as this rank's plain whole tensor
+    [b, s, h], whose gradient is taken as a partial sum over the tp ranks; `router_input`: the view
+    the router reads (identity; its gradient, the same on every tp rank, divided by `size` so that the
+    partial sum counts it once); `combine_weights`: the top-k weights (identity; their gradient, a
+    partial sum because each rank holds part of every expert's output, summed over the tp ranks, so
+    the router's gradient is whole and equal on every rank); `leave`: the routed output's partial
+    sums reduced into the residual stream's layout (replicated, or the local sequence shard)."""
+
+    size: int
+    enter: Callable[[torch.Tensor], torch.Tensor]
+    router_input: Callable[[torch.Tensor], torch.Tensor]
+    combine_weights: Callable[[torch.Tensor], torch.Tensor]
+    leave: Callable[[torch.Tensor], torch.Tensor]
+
+
 class MoELayer(nn.Module):
     """A token-choice mixture of experts in a block's MLP place: `router` (h -> E logits, fp32),
     scores (softmax or sigmoid), top-k experts per token (renormalised under moe_norm_topk_prob),
@@ -196,10 +220,17 @@ class MoELayer(nn.Module):
         self.backward_scale = 1.0  # the aux losses' gradient: set each step by MoEStep.begin
         self.stats = RouterStats()
         self.context_parallel: ContextParallel | None = None  # set by parallel/context.py
+        self.tensor_parallel: TensorParallelMoE | None = None  # set by parallel/tensor.py
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
-        x_th = x_bsh.reshape(-1, x_bsh.shape[-1])
-        logits_te, scores_te, weights_tk, experts_tk = self.route(x_th)
+        tp = self.tensor_parallel
+        x_full = x_bsh if tp is None else tp.enter(x_bsh)
+        x_th = x_full.reshape(-1, x_full.shape[-1])
+        logits_te, scores_te, weights_tk, experts_tk = self.route(
+            x_th if tp is None else tp.router_input(x_th)
+        )
+        if tp is not None:
+            weights_tk = tp.combine_weights(weights_tk)
         device = x_th.device.type  # the experts compute in autocast's dtype, if on
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_th.dtype
         if self.capacity_factor is None:
@@ -212,7 +243,7 @@ class MoELayer(nn.Module):
             y_th = _AuxLossScaler.apply(y_th, aux + z, self.backward_scale)
         if self.training and not _recomputing():
             self.stats.add(aux.detach(), z.detach(), dropped, tokens_e)
-        y_bsh = y_th.view(x_bsh.shape)
+        y_bsh = y_th.view(x_full.shape) if tp is None else tp.leave(y_th.view(x_full.shape))
         return y_bsh if self.shared_expert is None else y_bsh + self.shared_expert(x_bsh)
 
     def route(self, x_th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

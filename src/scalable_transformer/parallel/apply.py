@@ -17,7 +17,9 @@ trainer multiplies the loss by that many ranks so the step's gradient is the glo
 mean. Context parallelism itself (parallel/context.py) is set on the model first.
 
 Expert parallelism (parallel.ep > 1, a model with GroupedExperts) shards the routed experts over the
-ep ranks (parallel/expert.py) after tensor parallelism and before activation checkpointing; the data-
+ep ranks (parallel/expert.py) after tensor parallelism and before activation checkpointing (with tp > 1
+each expert's inner size is split over tp there too, the weights on the (ep, tp) mesh, or on the tp
+mesh alone without ep); the data-
 parallel wrapper then treats each experts module as its own unit over the edp ranks (those holding
 the same experts), divided by dp x cp: FSDP2 `fully_shard` on the edp mesh for ZeRO-2/3 (torchtitan's
 dp_shard_mod_ep), FSDP2-based `replicate` on it for ZeRO-0 (DDP cannot carry the DTensor weights, so
@@ -238,8 +240,9 @@ def parallelize(
         shard_saved = p.activation_checkpointing != "full"
         apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel, shard_saved)
         apply_dropout_streams(model, mesh["tp"].get_local_rank(), p.sequence_parallel, device)
-    if dims is not None and mesh is not None and dims.ep > 1:
-        apply_expert_parallel(model, dims.ep_mesh)
+    if dims is not None and mesh is not None and dims.expert_weight_mesh is not None:
+        # experts over ep and / or their inner dimension over tp (parallel/expert.py)
+        apply_expert_parallel(model, dims.expert_weight_mesh)
 
     tp_group = mesh["tp"].get_group() if mesh is not None and p.tp > 1 else None
     stash = checkpoint_function(tp_group, p.distribute_saved_activations, p.cpu_checkpointing)

@@ -27,7 +27,9 @@ wants) and the global rank order stays Megatron's: tp, cp, dp, pp, with ep insid
 (Megatron's expert order tp-ep-dp-pp, torchtitan's ep inside dp_shard x cp). "ep" holds different
 experts and exchanges tokens by all-to-all; "edp" (expert data parallel: dp x cp / ep ranks) holds
 the same experts and reduces their gradients (torchtitan's efsdp / dp_shard_mod_ep). `expert_mesh`
-is the 2-D (edp, ep) mesh they come from; everything that is not an expert still uses `grad_mesh`.
+is the 2-D (edp, ep) mesh they come from (under tensor parallelism the 3-D (edp, ep, tp), whose (ep,
+tp) the experts' weights are sharded over and whose ep groups join ranks of one tp index); everything
+that is not an expert still uses `grad_mesh`.
 
 The validity rules of a layout (divisibility, world size, schedule needs) are torch-free and live in
 `config.rules`, where `resolve` applies them before any process group exists.
@@ -118,7 +120,7 @@ class ParallelDims:
         # torch only here: plan/ and the layout rules use ParallelDims's arithmetic without torch
         import torch.distributed as dist
 
-        from .torch_compat import unflatten_mesh
+        from .torch_compat import flatten_mesh, unflatten_mesh
 
         if not dist.is_initialized():
             return cls.from_config(cfg)
@@ -132,7 +134,12 @@ class ParallelDims:
         if dims.ep == 1:
             return dims
         edp = dims.grad_ranks // dims.ep
-        expert = unflatten_mesh(dims.grad_mesh, (edp, dims.ep), ("edp", "ep"))
+        if dims.tp == 1:
+            expert = unflatten_mesh(dims.grad_mesh, (edp, dims.ep), ("edp", "ep"))
+        else:  # (edp, ep, tp) over dp x cp x tp, tp fastest: the experts' weights live on (ep, tp)
+            names = tuple(n for n in dims.mesh.mesh_dim_names if n != "pp")
+            flat = flatten_mesh(dims.mesh[names], "expert_dp_cp_tp")
+            expert = unflatten_mesh(flat, (edp, dims.ep, dims.tp), ("edp", "ep", "tp"))
         return dataclasses.replace(dims, expert_mesh=expert)
 
     def _with_meshes(self, mesh: Any) -> ParallelDims:
@@ -268,6 +275,17 @@ class ParallelDims:
         """The 1-D mesh of the ranks that split the experts between them (ep > 1 only)."""
         assert self.expert_mesh is not None, "parallel.ep = 1: no expert-parallel mesh"
         return self.expert_mesh["ep"]
+
+    @property
+    def expert_weight_mesh(self) -> Any:
+        """The mesh the routed experts' weights are sharded over (parallel/expert.py): ("ep", "tp"),
+        ("ep",) or ("tp",); None when neither splits them."""
+        if self.ep > 1 and self.tp > 1:
+            assert self.expert_mesh is not None
+            return self.expert_mesh["ep", "tp"]
+        if self.ep > 1:
+            return self.ep_mesh
+        return self.sub_mesh("tp") if self.mesh is not None and self.tp > 1 else None
 
     @property
     def edp_mesh(self) -> Any:

@@ -9,6 +9,12 @@ reshards them between layouts (an ep2 checkpoint loads into one process and back
 cuts each rank's slice out of the name-seeded full value (every layout starts from the same weights),
 the gradient norm sums their squares over ep (`parallel/grads.py`) and FSDP2 / replicate stack
 their data-parallel placement on top (torchtitan's layout: experts sharded over ep and over edp).
+Under tensor parallelism each expert is split like a dense MLP (`TP_SHARD_DIMS`: w_up Shard(2),
+w_down Shard(1)) and the weights are DTensors over the (ep, tp) mesh, or the tp mesh alone without
+expert parallelism (Megatron-core's default expert tensor parallel size, tp). Every tp rank routes the
+same tokens (parallel/tensor.py, models/moe.py `TensorParallelMoE`), so with ep the all-to-all runs
+among the ranks of one tp index (ep is carved out of dp x cp), each sending its whole token set, and
+its output rows are partial sums over tp that the MoE layer reduces after the combine.
 
 Forward (the MoE layer calls `experts(x_th, counts_E)` with its own tokens for all E experts, as
 without expert parallelism; the bound forward below wraps the module's own):
@@ -46,6 +52,9 @@ from ..models.moe import GroupedExperts
 from .torch_compat import all_to_all_autograd
 
 EXPERT_WEIGHTS = ("w_up", "w_down")
+# the dimension tensor parallelism splits: w_up [e, h, up] by columns (gate/value pairs interleave, so
+# a contiguous slice keeps them together), w_down [e, f, h] by rows; each rank's output is a partial sum
+TP_SHARD_DIMS = {"w_up": 2, "w_down": 1}
 
 
 def expert_modules(model: nn.Module) -> list[GroupedExperts]:
@@ -70,26 +79,39 @@ def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.P
     return place
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> list[GroupedExperts]:
-    """Shard every GroupedExperts of `model` over the 1-D `ep_mesh` and move tokens to their experts
-    around its forward (module doc). Works on the meta device (before materialization) and on real
-    weights (every rank must then hold the same full weights: each keeps its slice). Returns the
-    modules changed; the model is unchanged when it has none."""
-    ep = ep_mesh.size()
+def apply_expert_parallel(model: nn.Module, mesh: Any) -> list[GroupedExperts]:
+    """Shard every GroupedExperts of `model` over `mesh`, whose dimensions are named "ep" and/or "tp":
+    experts over "ep" (`Shard(0)`, tokens moved to them around the forward: module doc), each
+    expert's inner dimension over "tp" (`TP_SHARD_DIMS`: w_up's columns, w_down's rows, as a dense
+    MLP's up and down). Works on the meta device (before materialization) and on real weights (every
+    rank must then hold the same full weights: each keeps its slice). Returns the modules changed;
+    the model is unchanged when it has none."""
+    names = tuple(mesh.mesh_dim_names)
+    ep = mesh.size(names.index("ep")) if "ep" in names else 1
+    tp = mesh.size(names.index("tp")) if "tp" in names else 1
     modules = expert_modules(model)
     for module in modules:
-        experts = module.w_up.shape[0]
+        experts, inner = module.w_down.shape[0], module.w_down.shape[1]
         if experts % ep:
             raise ValueError(f"{experts} experts cannot be split evenly over {ep} expert-parallel ranks")
+        if inner % tp:
+            raise ValueError(
+                f"the experts' inner size {inner} cannot be split evenly over {tp} tensor-parallel ranks"
+            )
         for name in EXPERT_WEIGHTS:
             full = getattr(module, name)
+            placements = [Shard(0) if dim == "ep" else Shard(TP_SHARD_DIMS[name]) for dim in names]
             # no source rank: each rank slices its own shard, no communication (on meta: shapes only)
-            shard = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            shard = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
         compute = type(module).forward  # the experts' own math, run on the local shards
-        bound = types.MethodType(_expert_parallel_forward(compute, ep_mesh.get_group(), ep), module)
+        if ep > 1:
+            ep_mesh = mesh if mesh.ndim == 1 else mesh["ep"]
+            forward = _expert_parallel_forward(compute, ep_mesh.get_group(), ep)
+        else:
+            forward = _local_forward(compute)
         # this instance's forward wraps its class's (FSDP2 later swaps the class, not the instance's)
-        module.forward = bound  # type: ignore[method-assign]
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     return modules
 
 
@@ -122,6 +144,18 @@ def _expert_parallel_forward(
                 y_th = _without_rows(module, local_th)
         y_back_th = _reorder(y_th, plan.local_rows, plan.local_experts, ep)
         return all_to_all_autograd(y_back_th, plan.send_splits, plan.recv_splits, group)
+
+    return forward
+
+
+def _local_forward(
+    compute: Callable[..., torch.Tensor],
+) -> Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Without expert parallelism (tensor parallelism only): every rank's rows, its weight shards."""
+
+    def forward(module: GroupedExperts, x_th: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        with _local_weights(module):
+            return compute(module, x_th, counts_E)
 
     return forward
 

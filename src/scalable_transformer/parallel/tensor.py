@@ -21,6 +21,17 @@ sequence_parallel:
   layers.<i>.mlp             SP only: PrepareModuleInput x Shard(1) -> Replicate (all-gather).
   layers.<i>.mlp.up          ColwiseParallel (geglu gate/value columns interleave, so pairs stay together).
   layers.<i>.mlp.down        RowwiseParallel like attention.proj.
+  layers.<i>.mlp (MoE)       a mixture-of-experts block's MoELayer instead of the two above: its input a
+                             Replicate DTensor (gathered under SP by the entry above; without SP
+                             PrepareModuleInput Replicate -> Replicate); its shared expert, if any,
+                             .up / .down as mlp.up / mlp.down; the router replicated (plain); the
+                             routed experts split over tp by parallel/expert.py (w_up Shard(2), w_down
+                             Shard(1): each rank 1/t of every expert, like a dense MLP). Every rank
+                             routes all the tokens (so routing, aux losses and dropped assignments are
+                             the same on every rank); the routed output's partial sums are all-reduced
+                             (SP: reduce-scattered) by `moe_tensor_parallel`'s seams, which also sum
+                             the top-k weights' gradients over tp, so the router's gradient is whole
+                             and equal on every rank. The shared expert reduces its own output.
   final_norm                 SP only: SequenceParallel, then PrepareModuleOutput Shard(1) -> Replicate.
   layers.<last>              SP only, post-LN models (no final_norm) on the model's last stage:
                              PrepareModuleOutput Shard(1) -> Replicate.
@@ -55,8 +66,10 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -74,6 +87,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..models import PLAIN_LOSS_OPS, LossOps, spec_for
 from ..models.layers import Attention, CoreAttention
+from ..models.moe import MoELayer, TensorParallelMoE
 from ..models.spec import TensorParallelNames
 from .float8_training import float8_tp_style
 from .torch_compat import is_wrapper_tensor
@@ -207,9 +221,8 @@ def tensor_parallel_plan(
         plan += [
             (f"{prefix}.attention.qkv", qkv_style),
             (f"{prefix}.attention.proj", RowwiseParallel(output_layouts=stream)),
-            (f"{prefix}.mlp.up", ColwiseParallel()),
-            (f"{prefix}.mlp.down", RowwiseParallel(output_layouts=stream)),
         ]
+        plan += _mlp_plan(block, prefix, sp, stream)
     if names is None:
         return plan
     if sp and _has(module, names.final_norm):
@@ -232,6 +245,35 @@ def tensor_parallel_plan(
     )
     if _has(module, names.logits):
         plan.append((names.logits, to_logits))
+    return plan
+
+
+def _mlp_plan(
+    block: nn.Module, prefix: str, sp: bool, stream: Shard | Replicate
+) -> list[tuple[str, ParallelStyle]]:
+    """A block's MLP: the dense one column- then row-parallel; a mixture of experts (MoELayer) gets its
+    input as a Replicate DTensor (gathered under SP by the entry above; without SP a local wrap) and
+    its shared expert, if any, the dense MLP's plan. The routed experts are sharded by
+    parallel/expert.py and run through `TensorParallelMoE` (`moe_tensor_parallel`)."""
+    mlp = block.get_submodule("mlp")
+    if not isinstance(mlp, MoELayer):
+        return [
+            (f"{prefix}.mlp.up", ColwiseParallel()),
+            (f"{prefix}.mlp.down", RowwiseParallel(output_layouts=stream)),
+        ]
+    plan: list[tuple[str, ParallelStyle]] = []
+    if not sp:
+        plan.append(
+            (
+                f"{prefix}.mlp",
+                PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate()),
+            )
+        )
+    if mlp.shared_expert is not None:
+        plan += [
+            (f"{prefix}.mlp.shared_expert.up", ColwiseParallel()),
+            (f"{prefix}.mlp.shared_expert.down", RowwiseParallel(output_layouts=stream)),
+        ]
     return plan
 
 
@@ -267,7 +309,14 @@ def _check_divisible(module: nn.Module, tp: int) -> None:
                 f"tensor parallel over {tp} ranks: layers.{name} has {groups} key/value groups; tp must "
                 "divide them or be a multiple of them"
             )
-        sizes.append((f"layers.{name}.mlp.down input features", _rows_cols(block, "mlp.down")[1]))
+        mlp = block.get_submodule("mlp")
+        if isinstance(mlp, MoELayer):
+            sizes.append((f"layers.{name}.mlp.experts inner size", mlp.experts.w_down.shape[1]))
+            if mlp.shared_expert is not None:
+                down = _rows_cols(block, "mlp.shared_expert.down")[1]
+                sizes.append((f"layers.{name}.mlp.shared_expert.down input features", down))
+        else:
+            sizes.append((f"layers.{name}.mlp.down input features", _rows_cols(block, "mlp.down")[1]))
     names = _names(module)
     for name in () if names is None else (names.word_embedding, *names.untied_outputs):
         if _has(module, name):
@@ -370,6 +419,10 @@ def apply_tensor_parallel(
         for _, block in _blocks(module):
             saved.attach(block.get_submodule("attention"))
             saved.attach(block.get_submodule("mlp"))
+    for _, block in _blocks(module):
+        mlp = block.get_submodule("mlp")
+        if isinstance(mlp, MoELayer):
+            mlp.tensor_parallel = moe_tensor_parallel(tp_mesh, sequence_parallel)
     for name, style in plan:
         if isinstance(style, ReplicatedGroups):  # each rank now sees one group of n / t query heads
             attention = module.get_submodule(name.removesuffix(".qkv"))
@@ -393,6 +446,100 @@ def apply_tensor_parallel(
                 bias_name,
                 nn.Parameter(distribute_tensor(bias.detach(), tp_mesh, [Shard(0)]), bias.requires_grad),
             )
+
+
+# ---------------------------------------------------------------- mixture of experts
+# Every tp rank routes the same tokens and holds 1 / t of every expert (models/moe.py
+# `TensorParallelMoE`); these are its seams, Megatron's f / g operators written out.
+
+
+def moe_tensor_parallel(tp_mesh: DeviceMesh, sequence_parallel: bool) -> TensorParallelMoE:
+    """The seams of an MoE layer over `tp_mesh`: its input arrives as a Replicate DTensor (the plan's
+    `mlp` entry), is used as the local whole tensor with a partial-sum gradient (so the routed
+    experts', the router's and the shared expert's input gradients are reduced together, once: an
+    all-reduce, or a reduce-scatter under SP, in the entry's backward), and the routed output's
+    partial sums are all-reduced, or reduce-scattered onto the local sequence shard under SP."""
+    group, t = tp_mesh.get_group(), tp_mesh.size()
+
+    def enter(x_bsh: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x_bsh, DTensor):
+            raise TypeError("a tensor-parallel MoE layer takes its input as a DTensor (the plan's mlp entry)")
+        return x_bsh.to_local(grad_placements=[Partial()])
+
+    def leave(y_bsh: torch.Tensor) -> torch.Tensor:
+        if sequence_parallel:
+            return _ReduceScatterSequence.apply(y_bsh, group, t)
+        return _SumOverGroup.apply(y_bsh, group)
+
+    return TensorParallelMoE(
+        size=t,
+        enter=enter,
+        router_input=lambda x: _ScaleGrad.apply(x, 1.0 / t),
+        combine_weights=lambda w: _SumGradOverGroup.apply(w, group),
+        leave=leave,
+    )
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; the gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity; the gradient summed over `group` (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over `group`; the gradient passes unchanged (reduce_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """[b, s, h] summed over `group`, rank r keeping sequence chunk r [b, s / t, h] (SP's Shard(1));
+    the backward all-gathers the chunks' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x_bsh: torch.Tensor, group: Any, t: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.t = group, t
+        x_sbh = x_bsh.transpose(0, 1).contiguous()
+        out = x_sbh.new_empty(x_sbh.shape[0] // t, *x_sbh.shape[1:])
+        dist.reduce_scatter_single(out, x_sbh, group=group)
+        return out.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad_bsh: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        g_sbh = grad_bsh.transpose(0, 1).contiguous()
+        full = g_sbh.new_empty(g_sbh.shape[0] * ctx.t, *g_sbh.shape[1:])
+        dist.all_gather_single(full, g_sbh, group=ctx.group)
+        return full.transpose(0, 1), None, None
 
 
 def loss_parallel_context(tp: int) -> AbstractContextManager[None]:
