@@ -381,6 +381,14 @@ TRAINED = {
     ],
     "MistralForCausalLM": [*LLAMA_BLOCK, "model.num_query_groups=2", "model.sliding_window=8"],
     "Qwen2ForCausalLM": [*LLAMA_BLOCK, "model.add_qkv_bias=true", "model.sliding_window=8"],
+    # a head size of its own (24, not 64 / 4) and per-head q/k norms, trained, then exported
+    "Qwen3ForCausalLM": [
+        *LLAMA_BLOCK, "model.num_query_groups=2", "model.kv_channels=24", "model.qk_norm=head",
+    ],
+    "OlmoeForCausalLM": [
+        *LLAMA_BLOCK, "model.qk_norm=full", "model.num_experts=4", "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=32", "model.moe_norm_topk_prob=false", "model.tie_word_embeddings=false",
+    ],
 }  # fmt: skip
 
 

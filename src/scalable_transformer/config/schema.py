@@ -809,7 +809,8 @@ class CheckpointConfig:
     init_from_hf: str | None = opt(
         None,
         "Start from the weights of a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM / "
-        "MistralForCausalLM / Qwen2ForCausalLM / GPTNeoXForCausalLM / BertForPreTraining / "
+        "MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MixtralForCausalLM / OlmoeForCausalLM / "
+        "Qwen3MoeForCausalLM / GPTNeoXForCausalLM / BertForPreTraining / "
         "MegatronBertForPreTraining directory "
         "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
         "settings.",
