@@ -327,6 +327,14 @@ ARCH_MODELS = {
         "model.reset_attention_mask=true",
         "data.eod_mask_loss=true",
     ],
+    # Qwen3's attention: a head size of its own (24, not 128 / 4) and per-head q/k norms, whose
+    # replicated weights get Partial gradients under tp (the trainer reduces them with SP's)
+    "qwen3-head-size-qk-norm": [
+        *LLAMA,
+        "model.num_query_groups=2",
+        "model.kv_channels=24",
+        "model.qk_norm=head",
+    ],
     "alibi-mlp-bias-only": [
         "model.type=gpt",
         "model.position_embedding_type=alibi",
