@@ -346,12 +346,13 @@ ARCH_TWO = {name: TWO[name] for name in ("tp2", "pp2-1f1b", "dp2-zero3-recompute
     "tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]
 }
 # context parallelism through the masks it rebuilds from global positions: packed documents (positions
-# and attention restarting at document ends), Mistral's sliding window, ALiBi's distance bias
+# and attention restarting at document ends), Mistral's sliding window, ALiBi's distance bias; and
+# Qwen3's per-head q/k norms and head size on each rank's chunks
 ARCH_CP_TWO = {
     "cp2": CP_TWO["cp2"],
     "cp2-recompute-selective": [*CP_TWO["cp2"], "parallel.activation_checkpointing=selective"],
 }
-ARCH_CP_MODELS = ("packed-documents", "qwen2-window-8", "alibi-mlp-bias-only")
+ARCH_CP_MODELS = ("packed-documents", "qwen2-window-8", "alibi-mlp-bias-only", "qwen3-head-size-qk-norm")
 
 
 @pytest.fixture(scope="module")
