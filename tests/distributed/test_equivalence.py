@@ -327,6 +327,14 @@ ARCH_MODELS = {
         "model.reset_attention_mask=true",
         "data.eod_mask_loss=true",
     ],
+    # Qwen3's attention: a head size of its own (24, not 128 / 4) and per-head q/k norms, whose
+    # replicated weights get Partial gradients under tp (the trainer reduces them with SP's)
+    "qwen3-head-size-qk-norm": [
+        *LLAMA,
+        "model.num_query_groups=2",
+        "model.kv_channels=24",
+        "model.qk_norm=head",
+    ],
     "alibi-mlp-bias-only": [
         "model.type=gpt",
         "model.position_embedding_type=alibi",
@@ -338,12 +346,13 @@ ARCH_TWO = {name: TWO[name] for name in ("tp2", "pp2-1f1b", "dp2-zero3-recompute
     "tp2-sp-recompute-selective": [*TWO["tp2-sp"], "parallel.activation_checkpointing=selective"]
 }
 # context parallelism through the masks it rebuilds from global positions: packed documents (positions
-# and attention restarting at document ends), Mistral's sliding window, ALiBi's distance bias
+# and attention restarting at document ends), Mistral's sliding window, ALiBi's distance bias; and
+# Qwen3's per-head q/k norms and head size on each rank's chunks
 ARCH_CP_TWO = {
     "cp2": CP_TWO["cp2"],
     "cp2-recompute-selective": [*CP_TWO["cp2"], "parallel.activation_checkpointing=selective"],
 }
-ARCH_CP_MODELS = ("packed-documents", "qwen2-window-8", "alibi-mlp-bias-only")
+ARCH_CP_MODELS = ("packed-documents", "qwen2-window-8", "alibi-mlp-bias-only", "qwen3-head-size-qk-norm")
 
 
 @pytest.fixture(scope="module")

@@ -281,6 +281,17 @@ def test_gpt_llama_shape_tp2(tmp_path, groups, sequence_parallel):
     check_equivalent(tmp_path, tiny("gpt", num_query_groups=groups, **LLAMA), sequence_parallel)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [2, 1], ids=["gqa-2-groups-sp", "mqa"])
+def test_gpt_qk_norm_per_head_with_own_head_size_tp2(tmp_path, groups):
+    # Qwen3's attention: a head size of its own (model.kv_channels 24, not 64 / 4) and an RMSNorm over
+    # each head's q and k whose replicated [24] weights get each rank's heads' Partial gradient; with
+    # one group (MQA) the ranks share the key head, and k_norm's gradient is still their sum
+    cfg = tiny("gpt", num_query_groups=groups, kv_channels=24, qk_norm="head", **LLAMA)
+    check_equivalent(tmp_path, cfg, sequence_parallel=groups == 2)
+
+
 def _partial_grads_worker(rank: int, world_size: int, cfg: ModelConfig) -> dict:
     """After a sequence-parallel backward: the norms' gradients are Partial; reduce_partial_grads
     makes them Replicate with the values DTensor's own reduction gives, in one all-reduce."""

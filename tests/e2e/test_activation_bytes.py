@@ -90,3 +90,23 @@ def test_llama_layer_bytes_match_the_formula(name):
     assert measured == pytest.approx(want, rel=0.05), (
         f"{name}: {measured / 2**20:.1f} vs {want / 2**20:.1f} MiB"
     )
+
+
+QWEN3_CASES = {  # Qwen3-30B-A3B's attention: 32 heads of 128 on a 2048 hidden, per-head q/k norms
+    "head size 128 on 2048, q/k norms per head, TP": (8, ["model.qk_norm=head", "parallel.tp=8"]),
+    "q/k norms over all heads (OLMoE), no TP": (1, ["model.qk_norm=full"]),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN3_CASES))
+def test_head_size_and_qk_norm_layer_bytes_match_the_formula(name):
+    """model.kv_channels widens q, k, v and the attention output to n d; the q/k norms keep q and k in
+    fp32 (input, normalised output, one more on the flash path) and one more copy of q."""
+    world, overrides = QWEN3_CASES[name]
+    shape = ["model.hidden_size=2048", "model.num_attention_heads=32", "model.kv_channels=128"]
+    cfg = resolve(load_config("llama-8b", [*SHAPE, *shape, *overrides]), world)
+    measured = saved_bytes_per_layer(cfg, world, "cuda")
+    want = config_layer_bytes(cfg, cfg.parallel.activation_checkpointing, activation_model(cfg, "cuda"))
+    assert measured == pytest.approx(want, rel=0.05), (
+        f"{name}: {measured / 2**20:.1f} vs {want / 2**20:.1f} MiB"
+    )

@@ -260,11 +260,7 @@ def test_qwen2_with_a_window_on_some_layers_is_refused_naming_it(tmp_path):
 NO_EQUIVALENT = {
     "olmo2": (
         lambda: transformers.Olmo2Config(**COMMON, intermediate_size=96),
-        r"'olmo2'.*post_feed.*q_norm, k_norm",
-    ),
-    "olmoe": (
-        lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4),
-        r"'olmoe'.*q_norm, k_norm",
+        r"'olmo2'.*post_feed",
     ),
     "bloom": (
         lambda: transformers.BloomConfig(vocab_size=500, hidden_size=64, n_layer=2),
@@ -385,6 +381,14 @@ TRAINED = {
     ],
     "MistralForCausalLM": [*LLAMA_BLOCK, "model.num_query_groups=2", "model.sliding_window=8"],
     "Qwen2ForCausalLM": [*LLAMA_BLOCK, "model.add_qkv_bias=true", "model.sliding_window=8"],
+    # a head size of its own (24, not 64 / 4) and per-head q/k norms, trained, then exported
+    "Qwen3ForCausalLM": [
+        *LLAMA_BLOCK, "model.num_query_groups=2", "model.kv_channels=24", "model.qk_norm=head",
+    ],
+    "OlmoeForCausalLM": [
+        *LLAMA_BLOCK, "model.qk_norm=full", "model.num_experts=4", "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=32", "model.moe_norm_topk_prob=false", "model.tie_word_embeddings=false",
+    ],
 }  # fmt: skip
 
 

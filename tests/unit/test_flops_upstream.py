@@ -34,13 +34,16 @@ from torch import nn
 
 from scalable_transformer.config.load import load_config
 from scalable_transformer.config.model_shapes import (
+    attention_width,
     embedding_tables_numel,
     norm_numel,
+    qk_norm_numel,
     qkv_width,
     query_groups,
     total_params,
     vocab,
 )
+from scalable_transformer.config.rules import head_dim
 from scalable_transformer.config.schema import LoggingConfig, ModelConfig
 from scalable_transformer.config.validate import resolve
 from scalable_transformer.metrics.flops import CONVENTIONS, ModelShape, flops_per_iteration
@@ -95,6 +98,9 @@ SOURCES: dict[str, tuple[str, str, list[tuple[str, list[str]]]]] = {
 }
 
 DECODER_SOURCES = ("megatron-deepspeed-2022", "megatron-lm-2024", "megatron-lm", "torchtitan", "llm-foundry")
+# MPT has no head size apart from d_model / n_heads: llm-foundry's text cannot be called on a model with
+# model.kv_channels (ours generalises its h to n d, metrics/flops.py)
+HEAD_SIZE_SOURCES = ("megatron-deepspeed-2022", "megatron-lm-2024", "megatron-lm", "torchtitan")
 BERT_SOURCES = (
     "megatron-deepspeed-2022",
     "megatron-lm-2024",
@@ -128,10 +134,27 @@ def _shapes() -> dict[str, ModelConfig]:
             rope_scaling=False,
         ),
         "bert-large-345m": _config("bert-345m"),
+        # Qwen3-4B's shape (HF Qwen/Qwen3-4B config.json): 32 heads of 128 on a 2560 hidden (q is 4096
+        # wide), 8 key/value groups, per-head q/k RMSNorms, tied embeddings
+        "qwen3-4b-head-size": _config(
+            "llama-8b",
+            "model.num_layers=36",
+            "model.hidden_size=2560",
+            "model.kv_channels=128",
+            "model.num_query_groups=8",
+            "model.qk_norm=head",
+            "model.ffn_hidden_size=9728",
+            "model.vocab_size=151936",
+            "model.tie_word_embeddings=true",
+            "model.rope_scaling=false",
+            "model.seq_length=4096",
+        ),
     }
 
 
 def _sources_for(name: str) -> tuple[str, ...]:
+    if name.endswith("head-size"):
+        return HEAD_SIZE_SOURCES
     return BERT_SOURCES if name.startswith("bert") else DECODER_SOURCES
 
 
@@ -180,7 +203,7 @@ def megatron_args(m: ModelConfig, samples: int) -> argparse.Namespace:
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=heads,
-        kv_channels=m.hidden_size // heads,
+        kv_channels=head_dim(m),
         group_query_attention=groups != heads,
         num_query_groups=groups if groups != heads else None,
         swiglu=m.activation == "swiglu",
@@ -212,10 +235,10 @@ class _Block(nn.Module):
         super().__init__()
         h, f, bias = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size, m.add_bias_linear
         self.qkv = nn.Linear(h, qkv_width(m), bias=bias)
-        self.proj = nn.Linear(h, h, bias=bias)
+        self.proj = nn.Linear(attention_width(m), h, bias=bias)
         self.up = nn.Linear(h, 2 * f if m.activation in ("swiglu", "geglu") else f, bias=bias)
         self.down = nn.Linear(f, h, bias=bias)
-        self.norms = nn.Parameter(torch.empty(2 * norm_numel(m)))
+        self.norms = nn.Parameter(torch.empty(2 * norm_numel(m) + qk_norm_numel(m)))
 
 
 class SourceLayoutModel(nn.Module):
@@ -270,7 +293,7 @@ def call_source(convention: str, name: str, samples: int) -> float:
     with torch.device("meta"):
         model = SourceLayoutModel(m)
     if convention == "torchtitan":
-        head_dims = 2 * (m.hidden_size // m.num_attention_heads)  # as its Llama/Qwen model args pass it
+        head_dims = 2 * head_dim(m)  # as its Llama/Qwen model args pass it
         nparams, per_token = ns["get_dense_model_nparams_and_flops"](
             model, m.num_layers, m.num_attention_heads, head_dims, m.seq_length, m.tie_word_embeddings
         )
@@ -306,7 +329,14 @@ def test_reference_figures_are_what_the_sources_return():
     assert json.loads(REFERENCE.read_text())["figures"] == source_figures()
 
 
-SHAPE_NAMES = ("gpt2-124m", "gpt2-124m-untied", "llama-3-8b", "mistral-7b-window", "bert-large-345m")
+SHAPE_NAMES = (
+    "gpt2-124m",
+    "gpt2-124m-untied",
+    "llama-3-8b",
+    "mistral-7b-window",
+    "bert-large-345m",
+    "qwen3-4b-head-size",
+)
 
 
 @pytest.mark.parametrize(("name", "convention"), [(n, c) for n in SHAPE_NAMES for c in _sources_for(n)])
@@ -320,7 +350,7 @@ def test_convention_equals_its_source(name, convention):
 @pytest.mark.parametrize("convention", ["megatron-deepspeed-2022", "megatron-lm-2024", "megatron-lm"])
 def test_convention_equals_its_source_called_now(convention):
     """Straight against the function (needs the snapshot): one GPT-2 and one Llama-3-8B step."""
-    for name in ("gpt2-124m", "llama-3-8b"):
+    for name in ("gpt2-124m", "llama-3-8b", "qwen3-4b-head-size"):
         ours = flops_per_iteration(ModelShape.from_config(_shapes()[name]), SAMPLES, convention)
         assert ours.model_flops == pytest.approx(call_source(convention, name, SAMPLES), rel=1e-12)
 

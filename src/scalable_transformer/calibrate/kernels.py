@@ -21,7 +21,7 @@ from ..config.model_shapes import (
     gated_mlp,
     qkv_width,
 )
-from ..config.rules import padded_vocab_size
+from ..config.rules import head_dim, padded_vocab_size
 from ..config.schema import Config
 from ..config.validate import resolve
 from ..models.spec import IGNORE_INDEX, cross_entropy_sum
@@ -44,7 +44,7 @@ def model_dims(cfg: Config) -> dict[str, int]:
         "qkv": qkv_width(m),
         "v": padded_vocab_size(vocab, m.make_vocab_size_divisible_by),
         "heads": m.num_attention_heads,
-        "d": m.hidden_size // m.num_attention_heads,
+        "d": head_dim(m),
     }
 
 
@@ -59,7 +59,7 @@ def gemm_shapes(cfg: Config, quick: bool = False) -> list[tuple[int, int, int]]:
     for tp in (1, 2):
         forward += [
             (rows, d["qkv"] // tp, d["h"]),  # column-parallel: output columns split
-            (rows, d["h"], d["h"] // tp),  # row-parallel: inner dimension split
+            (rows, d["h"], d["heads"] * d["d"] // tp),  # row-parallel: inner dimension (n d) split
             (rows, d["up"] // tp, d["h"]),
             (rows, d["h"], d["f"] // tp),
             (rows, d["v"] // tp, d["h"]),

@@ -1,5 +1,6 @@
 """Initialise our model from a local Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, GPTNeoXForCausalLM, BertForPreTraining,
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
+Qwen3MoeForCausalLM, GPTNeoXForCausalLM, BertForPreTraining,
 MegatronBertForPreTraining: `checkpoint.init_from_hf`), the reverse of `stx export --format hf`; and
 `stx config from-hf`.
 
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..config.model_shapes import is_moe_layer
 from ..config.schema import ModelConfig
 from ..errors import CheckpointError
 from ..models import build_model
@@ -35,10 +37,8 @@ _SHIFT = float(2**40)
 # Hugging Face families whose architecture has no equivalent here yet, with the settings that make it so.
 _NO_EQUIVALENT = {
     "olmo2": "OLMo-2 normalizes the attention and MLP outputs inside the residual (post_attention_layernorm "
-    "and post_feedforward_layernorm after each sublayer, none before) and normalizes q and k over all "
-    "heads (q_norm, k_norm); blocks here normalize their inputs and have no q/k norm",
-    "olmoe": "OLMoE normalizes q and k over all heads (q_norm, k_norm: RMSNorm over the whole q and k "
-    "projections); attention here has no q/k norm (its mixture of experts: the olmoe-1b-7b preset)",
+    "and post_feedforward_layernorm after each sublayer, none before); blocks here normalize their inputs "
+    "(its q/k norms over all heads are model.qk_norm = full)",
     # ALiBi models: the engine's ALiBi (model.position_embedding_type: alibi) is BLOOM's and GPT-NeoX's,
     # but neither family's block is one of ours
     "bloom": "BLOOM normalizes the word embeddings before the first block (word_embeddings_layernorm); "
@@ -111,21 +111,31 @@ def _check_shape(cfg: ModelConfig, hf_dir: Path) -> None:
 @dataclass(frozen=True)
 class _Source:
     """Where a Hugging Face tensor's elements go: `ours` (our key) at local flat indices `index`
-    (shape of the HF tensor) for layer 0 / the proxy's vocabulary; `layered`: the keys name layer 0 and
-    the map holds for every layer; `vocab_row`: the map is row-periodic in the vocabulary (row r of
-    the HF tensor goes to row r of ours), so it extends to any vocabulary size."""
+    (shape of the HF tensor) for the proxy's layer `layer` / its vocabulary; `layer`: the keys name that
+    layer of the proxy and the map holds for every layer of its kind (dense or MoE), None: no layer;
+    `vocab_row`: the map is row-periodic in the vocabulary (row r of the HF tensor goes to row r of
+    ours), so it extends to any vocabulary size."""
 
     ours: str
     index: torch.Tensor
-    layered: bool
+    layer: int | None
     vocab_row: int  # elements per vocabulary row of ours (0: not a vocabulary key)
 
 
 def _proxy_config(cfg: ModelConfig) -> ModelConfig:
-    """cfg with one layer and the smallest padded vocabulary: the element maps of the export mapping
-    are the same for every layer and row-periodic over the vocabulary, so this proxy (one block and the
-    non-vocabulary tensors: bounded by the widest parameter, not the model) gives them all."""
-    return dataclasses.replace(cfg, num_layers=1, vocab_size=cfg.make_vocab_size_divisible_by)
+    """cfg with the fewest layers holding one of each kind it has (one layer, or up to its first MoE layer
+    and its first dense one when it mixes them) and the smallest padded vocabulary: the element maps of
+    the export mapping are the same for every layer of a kind and row-periodic over the vocabulary, so
+    this proxy (a few blocks and the non-vocabulary tensors: bounded by the widest parameter, not the
+    model) gives them all."""
+    kinds = [is_moe_layer(cfg, i) for i in range(cfg.num_layers)]
+    layers = max(kinds.index(kind) for kind in set(kinds)) + 1
+    return dataclasses.replace(cfg, num_layers=layers, vocab_size=cfg.make_vocab_size_divisible_by)
+
+
+def _representative(cfg: ModelConfig, i: int) -> int:
+    """The first layer of layer i's kind (dense or MoE): the proxy layer whose map layer i follows."""
+    return next(j for j in range(cfg.num_layers) if is_moe_layer(cfg, j) == is_moe_layer(cfg, i))
 
 
 def _sources(cfg: ModelConfig) -> dict[str, _Source]:
@@ -178,13 +188,16 @@ def _sources(cfg: ModelConfig) -> dict[str, _Source]:
                 index - rows * vocab_row, index[:1].expand_as(index)
             ):
                 raise CheckpointError(f"{hf_key} is not row-for-row our {ours}: cannot stream its vocabulary")
-        sources[hf_key] = _Source(ours, index - start, ours.startswith("layers.0."), vocab_row)
+        layer = int(ours.split(".")[1]) if ours.startswith("layers.") else None
+        if layer is not None and _representative(proxy, layer) != layer:
+            continue  # the first layer of its kind maps the others
+        sources[hf_key] = _Source(ours, index - start, layer, vocab_row)
     return sources
 
 
-def _layer_key(key: str, i: int, layer_part: str) -> str:
-    """`key` of layer 0 renamed to layer i: the first `.0.` after `layer_part` (e.g. `.h`, `.layer`)."""
-    head, sep, tail = key.partition(f"{layer_part}.0.")
+def _layer_key(key: str, i: int, layer_part: str, j: int = 0) -> str:
+    """`key` of layer j renamed to layer i: the first `.j.` after `layer_part` (e.g. `.h`, `.layer`)."""
+    head, sep, tail = key.partition(f"{layer_part}.{j}.")
     return f"{head}{layer_part}.{i}.{tail}" if sep else key
 
 
@@ -282,10 +295,13 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path
     layer_part = _layer_part(sources)
     by_ours: dict[str, list[tuple[str, _Source]]] = {}
     for hf_key, source in sources.items():
-        for i in range(cfg.num_layers) if source.layered else [None]:
-            ours = source.ours if i is None else source.ours.replace("layers.0.", f"layers.{i}.", 1)
-            hf_name = hf_key if i is None else _layer_key(hf_key, i, layer_part)
-            by_ours.setdefault(ours, []).append((hf_name, source))
+        j = source.layer
+        if j is None:
+            by_ours.setdefault(source.ours, []).append((hf_key, source))
+            continue
+        for i in (i for i in range(cfg.num_layers) if _representative(cfg, i) == j):
+            ours = source.ours.replace(f"layers.{j}.", f"layers.{i}.", 1)
+            by_ours.setdefault(ours, []).append((_layer_key(hf_key, i, layer_part, j), source))
     import transformers  # optional dependency (the bench extra); _hf_config said so if missing
 
     prefix = getattr(transformers, _hf_classes()[hf_cfg.model_type]).base_model_prefix + "."
@@ -328,8 +344,8 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, hf_dir: str | Path
 def _layer_part(sources: dict[str, _Source]) -> str:
     """The HF key part that precedes the layer index (`transformer.h` -> `.h`), from a layer-0 key."""
     for hf_key, source in sources.items():
-        if source.layered:
-            head, sep, _ = hf_key.partition(".0.")
+        if source.layer is not None:
+            head, sep, _ = hf_key.partition(f".{source.layer}.")
             if sep:
                 return "." + head.rsplit(".", 1)[-1] if "." in head else head
     return ".0"

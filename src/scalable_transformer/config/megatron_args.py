@@ -268,13 +268,19 @@ def _fp8_recipe(value: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kv_channels(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The head size: carried as model.kv_channels, left unset when it is Megatron's default
+    (--hidden-size / --num-attention-heads), so the imported config reads as one written here."""
     hidden, heads = args.get("hidden_size"), args.get("num_attention_heads")
-    if not (isinstance(hidden, int) and isinstance(heads, int)) or value * heads != hidden:
-        raise ConfigError(
-            f"--kv-channels {value}: the head dimension here is --hidden-size / --num-attention-heads "
-            f"({hidden} / {heads}); a different one has no equivalent"
-        )
-    return {WHY: "equals --hidden-size / --num-attention-heads, the head dimension here"}
+    if isinstance(hidden, int) and isinstance(heads, int) and value * heads == hidden:
+        return {
+            WHY: "equals --hidden-size / --num-attention-heads, the default head size (model.kv_channels)"
+        }
+    return {"kv_channels": value}
+
+
+def _qk_layernorm(value: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's --qk-layernorm: one norm of the model's kind over each head's features, q and k."""
+    return {"qk_norm": "head"} if value else {}
 
 
 def _group_query_attention(value: Any, args: dict[str, Any]) -> dict[str, Any]:
@@ -408,6 +414,7 @@ def _deepspeed_config(value: Any, args: dict[str, Any]) -> dict[str, Any]:
 MEGATRON_ARGS: dict[str, Rule] = {
     # model shape: Megatron's current names
     "kv_channels": _handle(_kv_channels),
+    "qk_layernorm": _handle(_qk_layernorm),
     "rotary_percent": _handle(_rotary_percent),
     "window_size": _handle(_window_size),
     "make_vocab_size_divisible_by": _handle(_vocab_multiple),

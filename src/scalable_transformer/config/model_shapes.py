@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .rules import padded_vocab_size, stage_ids, stage_layer_counts
+from .rules import head_dim, padded_vocab_size, stage_ids, stage_layer_counts
 from .schema import ModelConfig
 
 
@@ -90,7 +90,24 @@ def query_groups(m: ModelConfig) -> int:
 
 def qkv_width(m: ModelConfig) -> int:
     """Output features of the fused qkv projection: n query heads and g key and value heads, (n + 2 g) d."""
-    return (m.num_attention_heads + 2 * query_groups(m)) * (m.hidden_size // m.num_attention_heads)
+    return (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m)
+
+
+def attention_width(m: ModelConfig) -> int:
+    """n d: the query projection's output features, which the output projection reads (h unless
+    model.kv_channels sets another head size)."""
+    return m.num_attention_heads * head_dim(m)
+
+
+def qk_norm_numel(m: ModelConfig) -> int:
+    """Parameters of one layer's query and key norms (model.qk_norm, replicated over tp): none; head, two
+    norms of d features; full, one of n d and one of g d. LayerNorm has weight and bias, RMSNorm a weight."""
+    per = 1 if m.norm == "rmsnorm" else 2
+    if m.qk_norm == "head":
+        return per * 2 * head_dim(m)
+    if m.qk_norm == "full":
+        return per * (m.num_attention_heads + query_groups(m)) * head_dim(m)
+    return 0
 
 
 def qkv_bias(m: ModelConfig) -> bool:
@@ -184,7 +201,7 @@ class BlockParams:
     attention   the fused qkv projection and the output projection (weights and biases)
     mlp         the up projection (value, and gate when gated) and the down projection; in an MoE
                 layer the router and the shared expert instead
-    norms       the two norms (replicated)
+    norms       the two norms and the query/key norms of model.qk_norm (replicated)
     experts     an MoE layer's routed experts (all num_experts; 0 in a dense layer)
     """
 
@@ -213,18 +230,19 @@ def block_params(m: ModelConfig, tp: int = 1, moe: bool = False) -> BlockParams:
     mlp = 1 if mlp_bias(m) else 0
     qkv_numel = h * qkv + (qkv if qkv_bias(m) else 0)
     qkv_local = qkv_numel if query_groups(m) % tp else qkv_numel // tp
-    attention = qkv_local + h * h // tp + bias * h
+    attention = qkv_local + attention_width(m) * h // tp + bias * h
+    norms = 2 * norm_numel(m) + qk_norm_numel(m)
     if moe:
         return BlockParams(
             attention=attention,
             mlp=router_numel(m) + shared_expert_numel(m, tp),
-            norms=2 * norm_numel(m),
+            norms=norms,
             experts=m.num_experts * expert_numel(m) // expert_tp(tp),
         )
     return BlockParams(
         attention=attention,
         mlp=(h * up + mlp * up) // tp + f * h // tp + mlp * h,
-        norms=2 * norm_numel(m),
+        norms=norms,
     )
 
 
@@ -336,7 +354,7 @@ def stage_params(
         m.max_position_embeddings, m.position_embedding_type, m.num_tokentypes, m.norm, m.activation,
         m.apply_residual_connection_post_layernorm, m.tie_word_embeddings, m.bert_binary_head,
         m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_size, m.moe_layer_freq,
-        m.moe_first_k_dense, tp, pp, pp_rank, virtual, schedule, pipeline_layers,
+        m.moe_first_k_dense, m.kv_channels, m.qk_norm, tp, pp, pp_rank, virtual, schedule, pipeline_layers,
     )  # fmt: skip
     hit = _CACHE.get(key)
     if hit is None:
@@ -402,7 +420,8 @@ class ModelShape:
     a router (h -> num_experts), moe_topk routed experts per token (each an MLP of moe_ffn_hidden_size,
     gated as the dense MLP) and a shared expert of shared_expert_size (0: none); active_params is the
     N one token runs through (`active_params`; None: num_params, a dense model), what the conventions
-    counting 6 N per token count for an MoE model.
+    counting 6 N per token count for an MoE model. attention_width is n x d, the query heads' features
+    (None: hidden_size); model.kv_channels makes it differ from h, and the attention terms read it.
     """
 
     num_layers: int
@@ -422,6 +441,7 @@ class ModelShape:
     moe_ffn_hidden_size: int | None = None
     shared_expert_size: int = 0
     active_params: int | None = None
+    attention_width: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_heads_ratio <= 1:
@@ -441,6 +461,12 @@ class ModelShape:
         ):
             raise ValueError(
                 f"ModelShape.sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
+        if self.attention_width is not None and (
+            not isinstance(self.attention_width, int) or self.attention_width < 1
+        ):
+            raise ValueError(
+                f"ModelShape.attention_width must be a positive int or None, got {self.attention_width!r}"
             )
         if not isinstance(self.embedding_params, int) or self.embedding_params < 0:
             raise ValueError(
@@ -465,6 +491,11 @@ class ModelShape:
     def expert_ffn(self) -> int:
         """The routed experts' MLP inner size (units: features): moe_ffn_hidden_size, else F."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
+
+    @property
+    def attn(self) -> int:
+        """The query heads' features n d (units: features): attention_width, else hidden_size."""
+        return self.attention_width if self.attention_width is not None else self.hidden_size
 
     @property
     def ffn(self) -> int:
@@ -506,6 +537,7 @@ class ModelShape:
             moe_ffn_hidden_size=moe_ffn(m) if m.num_experts else None,
             shared_expert_size=m.moe_shared_expert_size if m.num_experts else 0,
             active_params=active_params(m) + n - total_params(m) if m.num_experts else None,
+            attention_width=attention_width(m) if attention_width(m) != m.hidden_size else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -523,6 +555,8 @@ class ModelShape:
             "embedding_params": self.embedding_params,
             "tied_embeddings": self.tied_embeddings,
         }
+        if self.attention_width is not None:
+            d["attention_width"] = self.attention_width
         if self.moe_layers:
             d |= {
                 "moe_layers": self.moe_layers,

@@ -160,7 +160,10 @@ NEOX_ARGS: dict[str, Rule] = {
     ),
     "layernorm_fusion": _i(_FUSION),
     "rmsnorm_fusion": _i(_FUSION),
-    "use_qk_layernorm": _r("norms on queries and keys are not built here"),
+    "use_qk_layernorm": _r(
+        "NeoX's q/k norm is one norm over [heads per tensor-parallel rank, head dim] shared by q and k (what "
+        "it normalises depends on the tp size); model.qk_norm's head and full norms give q and k their own"
+    ),
     "layernorm_epsilon": _c("model.layernorm_epsilon (norm layernorm)"),
     "rms_norm_epsilon": _c("model.layernorm_epsilon (norm rmsnorm)"),
     "scalenorm_epsilon": _i("applies to norm scalenorm only (refused)"),

@@ -22,20 +22,25 @@ V_SHAPED_SCHEDULES = ("zbv",)
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
+def head_dim(m: ModelConfig) -> int:
+    """d: the attention head size, model.kv_channels or else hidden_size / num_attention_heads."""
+    return m.kv_channels if m.kv_channels is not None else m.hidden_size // m.num_attention_heads
+
+
 def _check_architecture(m: ModelConfig) -> None:
     """The settings of GPT-J/NeoX, Mistral and BLOOM-style models (partial rotary, parallel residual,
     sliding window, ALiBi) where they need each other."""
-    head_dim = m.hidden_size // m.num_attention_heads
+    d = head_dim(m)
     if m.rotary_percent != 1.0 and m.position_embedding_type != "rotary":
         raise ConfigError(
             f"model.rotary_percent ({m.rotary_percent}) is the rotated share of each head under rotary "
             f"positions; model.position_embedding_type is {m.position_embedding_type}: set it to rotary "
             "or rotary_percent to 1"
         )
-    rotated = int(head_dim * m.rotary_percent)
+    rotated = int(d * m.rotary_percent)
     if m.position_embedding_type == "rotary" and (rotated % 2 or rotated == 0):
         raise ConfigError(
-            f"rotary position embeddings rotate channel pairs: int(head dim {head_dim} x "
+            f"rotary position embeddings rotate channel pairs: int(head dim {d} x "
             f"model.rotary_percent {m.rotary_percent}) = {rotated} must be even and positive"
         )
     if m.parallel_residual and m.apply_residual_connection_post_layernorm:
@@ -58,10 +63,11 @@ def _check_architecture(m: ModelConfig) -> None:
 def check_model(m: ModelConfig) -> None:
     """The model's sizes agree with each other (derived sizes filled). The one place these rules live:
     models/ builds only from resolved configs."""
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size ({m.hidden_size}) must be divisible by "
-            f"model.num_attention_heads ({m.num_attention_heads})"
+            f"model.num_attention_heads ({m.num_attention_heads}), or model.kv_channels must set the head "
+            "size"
         )
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % groups:
@@ -591,9 +597,8 @@ def check_fp8(cfg: Config) -> None:
             f"train.fp8 = {t.fp8} needs train.precision = bf16 (the embeddings, norms, attention and the "
             f"output layer compute in bf16 around the float8 GEMMs); it is {t.precision!r}"
         )
-    head_dim = m.hidden_size // m.num_attention_heads
     groups = m.num_query_groups or m.num_attention_heads
-    qkv = (m.num_attention_heads + 2 * groups) * head_dim
+    qkv = (m.num_attention_heads + 2 * groups) * head_dim(m)
     qkv_tp = qkv if groups % p.tp else qkv // p.tp  # replicated when tp > groups
     up = (2 if m.activation in ("geglu", "swiglu") else 1) * (m.ffn_hidden_size or 4 * m.hidden_size)
     sizes = [
@@ -603,8 +608,8 @@ def check_fp8(cfg: Config) -> None:
             qkv_tp,
         ),
         (
-            f"the attention output's input features per tp rank (model.hidden_size / {p.tp})",
-            m.hidden_size // p.tp,
+            f"the attention output's input features per tp rank (heads x head_dim / {p.tp})",
+            m.num_attention_heads * head_dim(m) // p.tp,
         ),
         (f"mlp.up's output features per tp rank ({up} / {p.tp}, from model.ffn_hidden_size)", up // p.tp),
         (f"model.ffn_hidden_size / parallel.tp ({p.tp})", (m.ffn_hidden_size or 4 * m.hidden_size) // p.tp),
@@ -635,6 +640,12 @@ def _check_tensor_parallel(cfg: Config) -> None:
     if m.num_attention_heads % p.tp:
         raise ConfigError(
             f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by parallel.tp ({p.tp})"
+        )
+    if m.qk_norm == "full":
+        raise ConfigError(
+            f"model.qk_norm = full normalises over all heads' features, which parallel.tp = {p.tp} splits "
+            "across ranks (a cross-rank reduction not built here): valid with tp > 1 are model.qk_norm = "
+            "none or head, or set parallel.tp = 1"
         )
     groups = m.num_query_groups or m.num_attention_heads
     if groups % p.tp and p.tp % groups:

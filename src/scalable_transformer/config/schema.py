@@ -63,7 +63,7 @@ class ModelConfig:
     hidden_size: int = opt(128, "Transformer hidden size.", aliases=("hidden-size",), gt=0)
     num_attention_heads: int = opt(
         2,
-        "Number of attention heads; must divide hidden_size.",
+        "Number of attention heads; must divide hidden_size unless kv_channels sets the head size.",
         aliases=("num-attention-heads",),
         gt=0,
     )
@@ -74,6 +74,24 @@ class ModelConfig:
         "num_attention_heads (plain multi-head attention). Must divide num_attention_heads.",
         aliases=("num-query-groups", "num_key_value_heads", "num-kv-heads"),
         gt=0,
+    )
+    kv_channels: int | None = opt(
+        None,
+        "Attention head size d when it is not hidden_size / num_attention_heads: the q/k/v projections "
+        "give num_attention_heads x d (keys and values num_query_groups x d) features and the output "
+        "projection reads num_attention_heads x d (Qwen3-30B-A3B: hidden 2048, 32 heads, d 128). "
+        "Default hidden_size / num_attention_heads (Megatron --kv-channels, HF head_dim).",
+        aliases=("kv-channels", "head_dim"),
+        gt=0,
+    )
+    qk_norm: str = opt(
+        "none",
+        "Normalise queries and keys after their projection, before rotary positions, with model.norm's "
+        "kind: head = one norm over each head's d features, its weight [d] shared by the heads (Megatron "
+        "--qk-layernorm, Qwen3, HF q_norm/k_norm of head_dim); full = one norm over all of q's "
+        "num_attention_heads x d features and one over k's num_query_groups x d (OLMoE, OLMo-2; not "
+        "under parallel.tp > 1).",
+        choices=("none", "head", "full"),
     )
     ffn_hidden_size: int | None = opt(
         None,
@@ -802,7 +820,8 @@ class CheckpointConfig:
     init_from_hf: str | None = opt(
         None,
         "Start from the weights of a local Hugging Face GPT2LMHeadModel / LlamaForCausalLM / "
-        "MistralForCausalLM / Qwen2ForCausalLM / GPTNeoXForCausalLM / BertForPreTraining / "
+        "MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MixtralForCausalLM / OlmoeForCausalLM / "
+        "Qwen3MoeForCausalLM / GPTNeoXForCausalLM / BertForPreTraining / "
         "MegatronBertForPreTraining directory "
         "(iteration 0, fresh optimizer); model.* must match it: `stx config from-hf DIR` prints the "
         "settings.",

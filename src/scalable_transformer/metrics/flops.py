@@ -87,6 +87,13 @@ mosaic -- the formula of MosaicML's published MosaicGPT throughput table (llm-fo
   Experts: N is the active N (`config.model_shapes.active_params`: the top-k experts, the shared
   expert, the router and every parameter outside the experts), the usual 6N for MoE models.
 
+Head size (model.kv_channels: n x d != h): every convention with an attention term reads the query
+heads' features n d where its source writes h, as Megatron-LM does through kv_channels (p = n d / h
+multiplies its attention terms, core included), torchtitan through head_dims = 2 d and PaLM through
+H x Q; llm-foundry and mosaic (MPT has no separate head size) are generalised the same way here.
+megatron-deepspeed-2022 reads no head size (as it reads no F): it counts h. The q/k norms of
+model.qk_norm are elementwise: no term (their weights are in N).
+
 Architecture fields without a FLOPs term in any convention: ALiBi (an elementwise bias added to the
 scores, no matmul), partial rotary and rotary itself (elementwise), the parallel residual (the same
 matmuls in another order). q/k/v biases are parameters: the conventions counting 6*N see them through
@@ -166,11 +173,12 @@ def _mlp_width(shape: ModelShape, every_layer_moe: bool = False) -> float:
 def _megatron(shape: ModelShape) -> tuple[float, float]:
     s, n_l, h, v = shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
     up = 2 if shape.gated_mlp else 1
+    p = shape.attn / h  # Megatron-LM's query_projection_to_hidden_size_ratio: 1 unless kv_channels
     # = 1 for a plain MLP with F = 4h and one K/V head per head; MoE layers: the active experts'
     # width, and the router's h x E GEMM (6 h E per token, E / (12 h) in these units)
     router = shape.moe_layers * shape.num_experts / (12 * h) / n_l
-    dense = (1 + shape.kv_heads_ratio) / 6 + _mlp_width(shape) * (1 + up) / (12 * h) + router
-    core = shape.attended_keys / (6 * h)
+    dense = (1 + shape.kv_heads_ratio) / 6 * p + _mlp_width(shape) * (1 + up) / (12 * h) + router
+    core = shape.attended_keys / (6 * h) * p
     scale = 24 * 3 * s * n_l * h * h
     return scale * (dense + core + v / (16 * n_l * h)), scale * core
 
@@ -179,29 +187,30 @@ def _megatron_lm(shape: ModelShape, causal_half: bool) -> tuple[float, float]:
     s, n_l, h, v = shape.seq_length, shape.num_layers, shape.hidden_size, shape.vocab_size
     gated = 3 / 2 if shape.gated_mlp else 1
     core = s / h / (2 if causal_half else 1)
+    p = shape.attn / h  # query_projection_to_hidden_size_ratio = kv_channels x n / h
     scale = 12 * s * n_l * h * h
     # the 2024 text counts every layer of a model with experts as an MoE layer (no layer pattern)
     mlp = _mlp_width(shape, every_layer_moe=not causal_half)
-    model = scale * ((1 + shape.kv_heads_ratio + core) + mlp / h * gated + v / (2 * n_l * h))
-    return model, scale * core
+    model = scale * ((1 + shape.kv_heads_ratio + core) * p + mlp / h * gated + v / (2 * n_l * h))
+    return model, scale * core * p
 
 
 def _torchtitan(shape: ModelShape) -> tuple[float, float]:
-    s, n_l, h = shape.seq_length, shape.num_layers, shape.hidden_size
+    s, n_l = shape.seq_length, shape.num_layers
     matmul_params = shape.active_n if shape.tied_embeddings else shape.active_n - shape.embedding_params
-    core = 12 * n_l * h * s * s
+    core = 12 * n_l * shape.attn * s * s  # 6 L n head_dims s per token, head_dims = 2 d
     return 6 * matmul_params * s + core, core
 
 
 def _llm_foundry(shape: ModelShape) -> tuple[float, float]:
     s = shape.seq_length
-    core = 3 * shape.num_layers * 2 * 2 * shape.hidden_size * s * s
+    core = 3 * shape.num_layers * 2 * 2 * shape.attn * s * s
     return 3 * 2 * shape.active_n * s + core, core
 
 
 def _six_n(shape: ModelShape) -> tuple[float, float]:
     s = shape.seq_length
-    core = 12 * shape.num_layers * shape.hidden_size * s * s
+    core = 12 * shape.num_layers * shape.attn * s * s  # PaLM's 12 L H Q T: heads x head size
     return 6 * shape.active_n * s + core, core
 
 
@@ -218,7 +227,7 @@ def _mosaic(shape: ModelShape, recompute: str) -> tuple[float, float]:
     """The table's own factors: 3*params + 2*attn, full 4*params + 3*attn, selective 3*params + 3*attn."""
     s = shape.seq_length
     params_per_seq = 2 * shape.active_n * s
-    attn_per_seq = shape.num_layers * 2 * shape.hidden_size * s * s
+    attn_per_seq = shape.num_layers * 2 * shape.attn * s * s
     model = 3 * params_per_seq + 2 * attn_per_seq
     if recompute == "full":
         return model, 4 * params_per_seq + 3 * attn_per_seq

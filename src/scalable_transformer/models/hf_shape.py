@@ -67,13 +67,24 @@ def block_form(
     rotary_percent: bool = False,
     mlp_bias: bool = False,
     moe: bool = False,
+    head_size: bool = False,
+    qk_norm: tuple[str, ...] = ("none",),
 ) -> list[Needs]:
     """The needs of the newer block settings, for an architecture that has (True) or lacks (False)
     the parallel residual, a sliding window, partial rotary, an MLP bias set apart from the other
     linear layers', mixture-of-experts MLPs (whose own settings the architecture checks: `moe`
     only lifts the dense-MLP need); qkv_bias: the q/k/v bias values it holds (None: only
-    add_bias_linear's, the same bias on every linear layer)."""
+    add_bias_linear's, the same bias on every linear layer); head_size: whether it has a head size of
+    its own (HF head_dim: model.kv_channels) or only hidden_size / num_attention_heads; qk_norm: the
+    model.qk_norm values it holds (its q_norm / k_norm: none, per head, over the whole projection)."""
     needs = []
+    own_size = cfg.kv_channels is not None and cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size
+    if own_size and not head_size:
+        needs.append(
+            Needs("kv_channels", (None,), f"{name}'s head size is hidden_size / num_attention_heads")
+        )
+    kinds = {"none": "no q/k norm", "head": "a q/k norm per head", "full": "a q/k norm over all heads"}
+    needs.append(Needs("qk_norm", qk_norm, f"{name} has {' or '.join(kinds[q] for q in qk_norm)}"))
     if not moe:
         needs.append(Needs("num_experts", (0,), f"{name} has a dense MLP in every layer"))
     if not mlp_bias and cfg.add_mlp_bias not in (None, cfg.add_bias_linear):

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from scalable_transformer.config.model_shapes import (
+    attention_width,
     gated_mlp,
     is_moe_layer,
     mlp_bias,
@@ -34,7 +35,7 @@ from scalable_transformer.config.model_shapes import (
     qkv_width,
     query_groups,
 )
-from scalable_transformer.config.rules import check_model
+from scalable_transformer.config.rules import check_model, head_dim
 from scalable_transformer.config.schema import ModelConfig, check_section
 from scalable_transformer.models.context_parallel import ContextParallel, context_parallel_mask
 from scalable_transformer.models.moe import GroupedExperts, MoELayer
@@ -42,6 +43,7 @@ from scalable_transformer.models.moe import GroupedExperts, MoELayer
 _CHOICES = {
     "activation": ("gelu", "openai-gelu", "geglu", "swiglu"),
     "norm": ("layernorm", "rmsnorm"),
+    "qk_norm": ("none", "head", "full"),
     "position_embedding_type": ("learned", "sinusoidal", "rotary", "alibi"),
 }
 
@@ -60,10 +62,12 @@ def check_model_config(cfg: ModelConfig) -> None:
     check_model(cfg)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, features: int | None = None) -> nn.Module:
+    """model.norm's kind over `features` (default hidden_size) with model.layernorm_epsilon."""
+    size = cfg.hidden_size if features is None else features
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        return nn.RMSNorm(size, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
 
 
 # Llama 3.1's rotary scaling constants (Megatron hard-codes the same; only the factor is an option).
@@ -202,7 +206,7 @@ def rotary_for(cfg: ModelConfig) -> RotaryEmbedding | None:
 def rotary_dim(cfg: ModelConfig) -> int:
     """Channels of each head that rotary positions rotate: int(head_dim * rotary_percent), the first
     ones (GPT-NeoX's rotary_ndims, HF GPTNeoX's and Megatron's rounding: truncated, not rounded)."""
-    return int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent)
+    return int(head_dim(cfg) * cfg.rotary_percent)
 
 
 def apply_rotary(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
@@ -331,17 +335,35 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
+    """Self-attention with n query heads of d features (model.kv_channels, default h / n) in g
+    key/value groups. model.qk_norm adds q_norm and k_norm, applied after the projection and before
+    rotary: `head` norms each head's d features (one [d] weight shared by the heads, q and k each),
+    `full` all of q's n d features and all of k's g d (one norm each over the whole projection)."""
+
     def __init__(self, cfg: ModelConfig, causal: bool) -> None:
         super().__init__()
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim(cfg)
         self.heads_per_group = cfg.num_attention_heads // query_groups(cfg)
         # Columns are laid out per key/value group as [q of its r heads | k_d | v_d] (Megatron; with
         # one head per group the per-head [q_d | k_d | v_d]), so a column-parallel split gives each
         # tensor-parallel rank whole groups with their own q, k and v.
         self.qkv = nn.Linear(cfg.hidden_size, qkv_width(cfg), bias=qkv_bias(cfg))
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            full = cfg.qk_norm == "full"
+            self.q_norm = make_norm(cfg, attention_width(cfg) if full else self.head_dim)
+            self.k_norm = make_norm(cfg, query_groups(cfg) * self.head_dim if full else self.head_dim)
         slopes = alibi_slopes(cfg.num_attention_heads) if cfg.position_embedding_type == "alibi" else None
         self.core = CoreAttention(cfg.attention_dropout, causal, cfg.sliding_window, slopes)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.proj = nn.Linear(attention_width(cfg), cfg.hidden_size, bias=cfg.add_bias_linear)
+
+    def _norm_qk(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.qk_norm == "head":
+            return self.q_norm(q_bnsd), self.k_norm(k_bgsd)
+        # full: one norm over every head's features of a position (tp = 1: config.rules refuses more)
+        q_bsx, k_bsx = q_bnsd.transpose(1, 2).flatten(2), k_bgsd.transpose(1, 2).flatten(2)
+        q_bnsd = self.q_norm(q_bsx).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        return q_bnsd, self.k_norm(k_bsx).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def forward(
         self,
@@ -355,11 +377,15 @@ class Attention(nn.Module):
         q_bsgx, k_bsgd, v_bsgd = qkv_bsgx.split([r * d, d, d], dim=-1)
         q_bnsd = q_bsgx.reshape(b, s, -1, d).transpose(1, 2)
         k_bgsd, v_bgsd = k_bsgd.transpose(1, 2), v_bsgd.transpose(1, 2)
+        if self.qk_norm != "none":
+            q_bnsd, k_bgsd = self._norm_qk(q_bnsd, k_bgsd)
         if rotary is not None:
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, *rotary), apply_rotary(k_bgsd, *rotary)
-            # rotated q and k are new tensors, so v is copied out of the fused projection's output too:
-            # attention keeps v for backward, and as a view it would keep that whole output alive (3 sbh
-            # bytes instead of sbh/2 under Llama's grouped-query attention, 6 instead of 2 without it)
+        if rotary is not None or self.qk_norm != "none":
+            # rotated or normed q and k are new tensors, so v is copied out of the fused projection's
+            # output too: attention keeps v for backward, and as a view it would keep that whole output
+            # alive (3 sbh bytes instead of sbh/2 under Llama's grouped-query attention, 6 instead of 2
+            # without it)
             v_bgsd = v_bsgd.contiguous().transpose(1, 2)
         out_bnsd = self.core(q_bnsd, k_bgsd, v_bgsd, mask_b11s)
         return self.proj(out_bnsd.transpose(1, 2).reshape(b, s, -1))

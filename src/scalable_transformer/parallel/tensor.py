@@ -16,6 +16,11 @@ sequence_parallel:
                              with its query heads; a group is one head without grouped-query attention).
                              t > groups (t a multiple of them; multi-query attention): ReplicatedGroups,
                              weight/bias Replicate, each rank keeps its query heads and their group.
+  layers.<i>.attention.q_norm / k_norm
+                             model.qk_norm = head only: SequenceParallel on the head dim (weights Replicate,
+                             run on the rank's local heads as Shard(1) of [b, n, s, d]): each rank's weight
+                             gradient is its heads' Partial sum, reduced with SP's norm gradients
+                             (parallel/grads.py reduce_partial_grads). full is refused under tp > 1.
   layers.<i>.attention.proj  RowwiseParallel: weight Shard(1); output Replicate (all-reduce), with SP
                              Shard(1) (reduce-scatter).
   layers.<i>.mlp             SP only: PrepareModuleInput x Shard(1) -> Replicate (all-gather).
@@ -220,6 +225,7 @@ def tensor_parallel_plan(
             ]
         plan += [
             (f"{prefix}.attention.qkv", qkv_style),
+            *_qk_norm_plan(f"{prefix}.attention", attention),
             (f"{prefix}.attention.proj", RowwiseParallel(output_layouts=stream)),
         ]
         plan += _mlp_plan(block, prefix, sp, stream)
@@ -275,6 +281,17 @@ def _mlp_plan(
             (f"{prefix}.mlp.shared_expert.down", RowwiseParallel(output_layouts=stream)),
         ]
     return plan
+
+
+def _qk_norm_plan(prefix: str, attention: Attention) -> list[tuple[str, ParallelStyle]]:
+    """model.qk_norm = head: q_norm and k_norm run on the rank's local heads, a Shard(1) of [b, n, s, d]
+    (their weights Replicate, their gradients Partial over tp); none without per-head norms."""
+    if attention.qk_norm != "head":
+        return []
+    return [
+        (f"{prefix}.{norm}", SequenceParallel(sequence_dim=1, use_local_output=True))
+        for norm in ("q_norm", "k_norm")
+    ]
 
 
 def _ends_model(module: nn.Module, last_block: str) -> bool:

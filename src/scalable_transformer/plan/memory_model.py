@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..config.model_shapes import (
     StageParams,
+    attention_width,
     causal_attention,
     causal_blocks_under_cp,
     expert_tp,
@@ -216,6 +217,8 @@ def layer_activation_bytes(
     kv_ratio: float = 1.0,
     parallel_residual: bool = False,
     key_seq: int | None = None,
+    attn_width: int | None = None,
+    qk_norm: str = "none",
 ) -> float:
     """Bytes one layer keeps for backward for one micro-batch (Korthikanti et al. 2022 section 4,
     generalised). With am = (2, 1, flash=False) this is the paper's exactly:
@@ -225,9 +228,16 @@ def layer_activation_bytes(
     parallel_residual (GPT-J/NeoX blocks): both norms read the block input, one saved tensor when it
     is the fp32 stream itself (measured by the dry run: 4 sbh bytes less per layer in fp32).
     key_seq (context parallelism): s is this rank's share of the sequence and key_seq the whole of it,
-    whose keys and values every layer gathers and keeps for backward; scores are s x key_seq."""
+    whose keys and values every layer gathers and keeps for backward; scores are s x key_seq.
+    attn_width (model.kv_channels): the query heads' features n d when not h; q, k, v and the attention
+    output scale with it. qk_norm (model.qk_norm, head or full): q and k are kept in the norms' dtype
+    ((1 + kv_ratio) s b n d / t each time) as the norm's input and normalised output, and once more on
+    the flash path, plus one copy of q in the activation dtype. Measured by the dry run (2 x 1024 tokens,
+    8 heads in 2 groups, bytes per q element): fake CUDA bf16 17.0 (head and full) against 17.0
+    predicted; CPU fp32 head 19.0 of 19.0, full 10.0; CPU bf16 head 12.0, full 10.0 of 17.0 (over)."""
     e, m = am.act_bytes, am.mask_bytes
     sbh = s * b * h
+    sba = s * b * (h if attn_width is None else attn_width)
     key_seq = s if key_seq is None else key_seq
     seq_shard = t if sp else 1
     up = 2 * f if gated else f
@@ -245,9 +255,11 @@ def layer_activation_bytes(
     math_copies = not am.flash and recompute != "selective" and am.math_bytes is not None
     qkv_e = am.math_bytes if math_copies and am.math_bytes else e
     # q, and k and v of every key (all of the sequence's under context parallelism)
-    qkv = sbh * qkv_e + 2 * kv_ratio * key_seq * b * h * qkv_e
+    qkv = sba * qkv_e + 2 * kv_ratio * key_seq * sba / s * qkv_e
+    if qk_norm != "none":
+        qkv += (1 + kv_ratio) * sba * (3 if am.flash else 2) * am.norm_input_bytes + sba * e
     mlp = up + 2 * f if gated else up + f
-    sharded = (qkv + sbh * e + e * sbh * mlp / h) / t
+    sharded = (qkv + sba * e + e * sbh * mlp / h) / t
     core = 0.0
     if recompute != "selective":
         # flash: the fp32 log-sum-exp per (sample, head, position); math path: softmax output,
@@ -278,6 +290,8 @@ def config_layer_bytes(cfg: Config, recompute: str, am: ActivationModel) -> floa
         query_groups(mc) / mc.num_attention_heads,
         mc.parallel_residual,
         key_seq=mc.seq_length,
+        attn_width=attention_width(mc),
+        qk_norm=mc.qk_norm,
     )
 
 

@@ -35,7 +35,7 @@ from ..config.model_shapes import (
     stage_params,
     vocab,
 )
-from ..config.rules import dp_shard_size
+from ..config.rules import dp_shard_size, head_dim
 from ..config.schema import Config
 from ..metrics.flops import flops_per_iteration
 from .cluster import Cluster
@@ -296,6 +296,7 @@ class _Shape:
     ep: int = 1
     imbalance: float = 1.0
     etp: int = 1
+    qk_norm: bool = False  # model.qk_norm head or full: norms over q's n d and k's g d features
 
     @property
     def routed_rows(self) -> float:
@@ -385,6 +386,8 @@ def _layer_bytes(sh: _Shape, moe: bool = False) -> float:
     seq_shard = sh.tp if sh.sp else 1
     per_pos = sh.h / seq_shard
     norms = 2 * (4 + sh.e) * per_pos
+    if sh.qk_norm:  # read q and k, write them normed, on the rank's heads
+        norms += (sh.n + sh.g) * sh.d / sh.tp * (4 + sh.e)
     act = (3 if sh.gated else 2) * sh.e * sh.f / sh.tp
     if moe:
         # an MoE layer: the activations of the routed rows and the shared expert; the softmax and
@@ -432,7 +435,7 @@ def _shape(
         f=mc.ffn_hidden_size,
         n=mc.num_attention_heads,
         g=query_groups(mc),
-        d=mc.hidden_size // mc.num_attention_heads,
+        d=head_dim(mc),
         v=vocab(mc),
         tp=p.tp,
         e=DTYPE_BYTES[cfg.train.precision],
@@ -453,6 +456,7 @@ def _shape(
         ep=p.ep,
         imbalance=moe_rank_imbalance(cfg, imbalance),
         etp=expert_tp(p.tp),
+        qk_norm=mc.qk_norm != "none",
     )
 
 

@@ -186,8 +186,9 @@ class Trainer:
             share = 1.0 / (len(micro_batches) * self.dims.grad_ranks)  # of the step's mean
             moe_metrics, expert_tokens = self.moe.end(share, self.device)
             metrics.update(moe_metrics)
-        if self.dims.tp > 1 and self.cfg.parallel.sequence_parallel:
-            # the norms' Partial gradients, summed over the tensor-parallel ranks in one all-reduce
+        if self.dims.tp > 1 and (self.cfg.parallel.sequence_parallel or self.cfg.model.qk_norm == "head"):
+            # the norms' Partial gradients (SP's, per-head q/k norms'), summed over the tensor-parallel
+            # ranks in one all-reduce
             with self.timers("layernorm-grads-all-reduce"):
                 reduce_partial_grads(self.params)
         with self.timers("optimizer"):

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from scalable_transformer.config.model_shapes import mlp_bias
-from scalable_transformer.config.rules import padded_vocab_size
+from scalable_transformer.config.model_shapes import is_moe_layer, mlp_bias, moe_ffn
+from scalable_transformer.config.rules import head_dim, padded_vocab_size
 from scalable_transformer.config.schema import ModelConfig
 from scalable_transformer.errors import CheckpointError
 from scalable_transformer.models.hf_shape import (
@@ -136,7 +136,7 @@ def _llama_block(name: str) -> list[Needs]:
 
 def llama_unsupported(cfg: ModelConfig) -> list[str]:
     """Why a model has no LlamaForCausalLM equivalent (empty: it has one)."""
-    return mismatches(cfg, [*_llama_block("Llama"), *block_form("Llama", cfg, mlp_bias=True)])
+    return mismatches(cfg, [*_llama_block("Llama"), *block_form("Llama", cfg, mlp_bias=True, head_size=True)])
 
 
 def mistral_unsupported(cfg: ModelConfig) -> list[str]:
@@ -146,7 +146,7 @@ def mistral_unsupported(cfg: ModelConfig) -> list[str]:
         *_llama_block("Mistral"),
         Needs("rope_scaling", (False,), "Mistral has no Llama 3.1 scaling"),
         Needs("add_bias_linear", (False,), "Mistral's linear layers have no biases"),
-        *block_form("Mistral", cfg, window=True),
+        *block_form("Mistral", cfg, window=True, head_size=True),
     ]
     return mismatches(cfg, needs)
 
@@ -202,7 +202,7 @@ def _llama_state_dict(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, tor
     """Our weights under Llama's names (Mistral's and Qwen2's are the same)."""
     h, n = cfg.hidden_size, cfg.num_attention_heads
     g = cfg.num_query_groups or n
-    d, r = h // n, n // g
+    d, r = head_dim(cfg), n // g
     ours = model.state_dict()
     sd: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": ours["embedding.word.weight"],
@@ -217,6 +217,9 @@ def _llama_state_dict(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, tor
             t + "post_attention_layernorm.weight": ours[o + "norm2.weight"],
             t + "self_attn.o_proj.weight": ours[o + "attention.proj.weight"],
         }
+        for norm in ("q_norm", "k_norm"):  # model.qk_norm (RMSNorm: a weight only)
+            if o + f"attention.{norm}.weight" in ours:
+                sd[t + f"self_attn.{norm}.weight"] = ours[o + f"attention.{norm}.weight"]
         if o + "mlp.down.weight" in ours:  # a dense MLP (an MoE layer's: _moe_state_dict)
             sd[t + "mlp.down_proj.weight"] = ours[o + "mlp.down.weight"]
         for kind, tail in [("weight", (h,)), ("bias", ())]:
@@ -249,9 +252,11 @@ def to_llama(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency (the bench extra)
 
     refuse(llama_unsupported(cfg), "LlamaForCausalLM")
-    d = cfg.hidden_size // cfg.num_attention_heads
     hf_cfg = LlamaConfig(
-        **_llama_config(cfg), head_dim=d, attention_bias=cfg.add_bias_linear, mlp_bias=mlp_bias(cfg)
+        **_llama_config(cfg),
+        head_dim=head_dim(cfg),
+        attention_bias=cfg.add_bias_linear,
+        mlp_bias=mlp_bias(cfg),
     )
     return _load_exported(LlamaForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Llama")
 
@@ -261,8 +266,7 @@ def to_mistral(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     from transformers import MistralConfig, MistralForCausalLM  # optional dependency (the bench extra)
 
     refuse(mistral_unsupported(cfg), "MistralForCausalLM")
-    d = cfg.hidden_size // cfg.num_attention_heads
-    hf_cfg = MistralConfig(**_llama_config(cfg), head_dim=d, sliding_window=cfg.sliding_window)
+    hf_cfg = MistralConfig(**_llama_config(cfg), head_dim=head_dim(cfg), sliding_window=cfg.sliding_window)
     return _load_exported(MistralForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Mistral")
 
 
@@ -303,9 +307,7 @@ def _llama_overrides(hf: Any, name: str, rope_types: tuple[str, ...]) -> tuple[l
             for k, v in fixed.items()
             if rope.get(k) != v
         ]
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if head_dim * hf.num_attention_heads != hf.hidden_size:
-        problems.append(f"head_dim = {head_dim} (must be hidden_size / num_attention_heads here)")
+    size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     theta = float(rope.get("rope_theta", 10000.0))
     if not theta.is_integer():
         problems.append(f"rope_parameters.rope_theta = {theta} (model.rotary_base is an integer)")
@@ -329,6 +331,8 @@ def _llama_overrides(hf: Any, name: str, rope_types: tuple[str, ...]) -> tuple[l
         "apply_residual_connection_post_layernorm": False,
         "tie_word_embeddings": bool(hf.tie_word_embeddings),
     }
+    if size * hf.num_attention_heads != hf.hidden_size:  # a head size of its own (Qwen3, Mistral Nemo)
+        settings["kv_channels"] = size
     return problems, settings
 
 
@@ -402,7 +406,7 @@ def mixtral_unsupported(cfg: ModelConfig) -> list[str]:
         *_llama_block("Mixtral"),
         Needs("rope_scaling", (False,), "Mixtral has no Llama 3.1 scaling"),
         Needs("add_bias_linear", (False,), "Mixtral's linear layers have no biases"),
-        *block_form("Mixtral", cfg, window=True, moe=True),
+        *block_form("Mixtral", cfg, window=True, moe=True, head_size=True),
         *_moe_needs("Mixtral", cfg, (True,)),
     ]
     return mismatches(cfg, needs)
@@ -432,7 +436,7 @@ def to_mixtral(model: torch.nn.Module, cfg: ModelConfig) -> Any:
     refuse(mixtral_unsupported(cfg), "MixtralForCausalLM")
     hf_cfg = MixtralConfig(
         **(_llama_config(cfg) | {"intermediate_size": cfg.moe_ffn_hidden_size}),
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        head_dim=head_dim(cfg),
         sliding_window=cfg.sliding_window,
         num_local_experts=cfg.num_experts,
         num_experts_per_tok=cfg.moe_router_topk,
@@ -461,6 +465,189 @@ def overrides_from_mixtral(hf: Any) -> dict[str, Any]:
         "moe_router_score": "softmax",
         "moe_norm_topk_prob": True,
         "moe_aux_loss_coeff": float(hf.router_aux_loss_coef),
+    }
+
+
+# ------------------------------------------------------------------------------------ OlmoeForCausalLM
+# OLMoE: Llama's block without biases, q_norm / k_norm RMSNorms over the whole q and k projections
+# (model.qk_norm = full; its q_norm is hidden_size wide, so the head size is hidden_size / heads) and a
+# mixture of experts in every layer: a softmax router whose top-k scores are renormalised only with
+# norm_topk_prob (OLMoE-1B-7B: not), experts stored as Mixtral's (`_moe_state_dict`).
+
+
+def olmoe_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no OlmoeForCausalLM equivalent (empty: it has one)."""
+    needs = [
+        *_llama_block("OLMoE"),
+        Needs("rope_scaling", (False,), "OLMoE has no Llama 3.1 scaling"),
+        Needs("add_bias_linear", (False,), "OLMoE here has no linear biases"),
+        *block_form("OLMoE", cfg, moe=True, qk_norm=("full",)),
+        *_moe_needs("OLMoE", cfg, (True, False)),
+    ]
+    return mismatches(cfg, needs)
+
+
+def to_olmoe(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers OlmoeForCausalLM holding `model`'s weights."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM  # optional dependency (the bench extra)
+
+    refuse(olmoe_unsupported(cfg), "OlmoeForCausalLM")
+    hf_cfg = OlmoeConfig(
+        **(_llama_config(cfg) | {"intermediate_size": cfg.moe_ffn_hidden_size}),
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk,
+        norm_topk_prob=cfg.moe_norm_topk_prob,
+        router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+        pad_token_id=None,  # the family's ids are not in our vocabulary
+    )
+    sd = _llama_state_dict(model, cfg) | _moe_state_dict(model, cfg)
+    return _load_exported(OlmoeForCausalLM(hf_cfg), sd, cfg, "OLMoE")
+
+
+def overrides_from_olmoe(hf: Any) -> dict[str, Any]:
+    """The model.* settings describing a Hugging Face OlmoeConfig (see `olmoe_unsupported`);
+    router_aux_loss_coef is carried as model.moe_aux_loss_coeff; clip_qkv (clamping q, k and v) and
+    attention biases are refused when set. OLMoE's z-loss is a training setting its config does not
+    hold (model.moe_z_loss_coeff stays as configured)."""
+    problems, settings = _llama_overrides(hf, "OLMoE", ("default",))
+    if getattr(hf, "clip_qkv", None) is not None:
+        problems.append(f"clip_qkv = {hf.clip_qkv} (q, k and v are not clamped here)")
+    if getattr(hf, "attention_bias", False):
+        problems.append("attention_bias = true (OLMoE here has no linear biases)")
+    if "kv_channels" in settings:
+        problems.append(f"head_dim = {settings['kv_channels']} (OLMoE's q_norm is hidden_size wide)")
+    _refuse_config(problems, "OLMoE")
+    return settings | {
+        "add_bias_linear": False,
+        "qk_norm": "full",
+        "num_experts": hf.num_experts,
+        "moe_router_topk": hf.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf.intermediate_size,
+        "moe_router_score": "softmax",
+        "moe_norm_topk_prob": bool(hf.norm_topk_prob),
+        "moe_aux_loss_coeff": float(hf.router_aux_loss_coef),
+    }
+
+
+# ------------------------------------------------------------------------- Qwen3(Moe)ForCausalLM
+# Qwen3: Llama's block without biases, a head size of its own (head_dim) and an RMSNorm over each head's
+# q and k (model.qk_norm = head: q_norm / k_norm of head_dim). Qwen3-MoE replaces the MLP of its sparse
+# layers by a mixture of experts (experts stored as Mixtral's); which layers are sparse it says with
+# decoder_sparse_step and mlp_only_layers, here with moe_layer_freq and moe_first_k_dense.
+
+
+def _qwen3_needs(name: str, cfg: ModelConfig, moe: bool) -> list[Needs]:
+    return [
+        *_llama_block(name),
+        Needs("rope_scaling", (False,), f"{name} here has no Llama 3.1 scaling"),
+        Needs("add_bias_linear", (False,), f"{name} here has no linear biases"),
+        *block_form(name, cfg, moe=moe, head_size=True, qk_norm=("head",)),
+    ]
+
+
+def qwen3_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no Qwen3ForCausalLM equivalent (empty: it has one)."""
+    return mismatches(cfg, _qwen3_needs("Qwen3", cfg, moe=False))
+
+
+def qwen3_moe_unsupported(cfg: ModelConfig) -> list[str]:
+    """Why a model has no Qwen3MoeForCausalLM equivalent (empty: it has one). Any pattern of MoE layers
+    has one: the export lists the dense ones as mlp_only_layers."""
+    needs = [
+        *_qwen3_needs("Qwen3-MoE", cfg, moe=True),
+        Needs("moe_shared_expert_size", (0,), "Qwen3-MoE has no shared expert"),
+        Needs("moe_router_score", ("softmax",), "Qwen3-MoE's router scores are a softmax"),
+    ]
+    if cfg.num_experts == 0:
+        needs.append(Needs("num_experts", (), "Qwen3-MoE is a mixture of experts"))
+    return mismatches(cfg, needs)
+
+
+def to_qwen3(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers Qwen3ForCausalLM holding `model`'s weights."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # optional dependency (the bench extra)
+
+    refuse(qwen3_unsupported(cfg), "Qwen3ForCausalLM")
+    hf_cfg = Qwen3Config(
+        **_llama_config(cfg), head_dim=head_dim(cfg), attention_bias=False, use_sliding_window=False
+    )
+    return _load_exported(Qwen3ForCausalLM(hf_cfg), _llama_state_dict(model, cfg), cfg, "Qwen3")
+
+
+def to_qwen3_moe(model: torch.nn.Module, cfg: ModelConfig) -> Any:
+    """A transformers Qwen3MoeForCausalLM holding `model`'s weights (every dense layer in mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # optional dependency (the bench extra)
+
+    refuse(qwen3_moe_unsupported(cfg), "Qwen3MoeForCausalLM")
+    # Qwen3MoeConfig declares no head_dim; it keeps it as an attribute, which its attention reads
+    own: dict[str, Any] = {"head_dim": head_dim(cfg)}
+    hf_cfg = Qwen3MoeConfig(
+        **_llama_config(cfg),
+        **own,
+        attention_bias=False,
+        use_sliding_window=False,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk,
+        moe_intermediate_size=moe_ffn(cfg),
+        norm_topk_prob=cfg.moe_norm_topk_prob,
+        router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)],
+    )
+    sd = _llama_state_dict(model, cfg) | _moe_state_dict(model, cfg)
+    return _load_exported(Qwen3MoeForCausalLM(hf_cfg), sd, cfg, "Qwen3-MoE")
+
+
+def _qwen3_overrides(hf: Any, name: str) -> dict[str, Any]:
+    problems, settings = _llama_overrides(hf, name, ("default",))
+    if getattr(hf, "attention_bias", False):
+        problems.append(f"attention_bias = true ({name} here has no linear biases)")
+    if getattr(hf, "use_sliding_window", False):
+        problems.append(f"use_sliding_window = true ({name} here attends to the whole sequence)")
+    _refuse_config(problems, name)
+    return settings | {"add_bias_linear": False, "qk_norm": "head"}
+
+
+def overrides_from_qwen3(hf: Any) -> dict[str, Any]:
+    """The model.* settings describing a Hugging Face Qwen3Config (head_dim as model.kv_channels, per-head
+    q/k norms); attention biases and sliding windows are refused."""
+    return _qwen3_overrides(hf, "Qwen3")
+
+
+def _moe_pattern(layers: int, sparse: list[int]) -> tuple[int, int] | None:
+    """(moe_layer_freq, moe_first_k_dense) giving exactly the `sparse` layers of `layers`, or None."""
+    for freq in range(1, layers + 1):
+        for first in range(layers + 1):
+            if [i for i in range(layers) if i >= first and i % freq == 0] == sparse:
+                return freq, first
+    return None
+
+
+def overrides_from_qwen3_moe(hf: Any) -> dict[str, Any]:
+    """The model.* settings describing a Hugging Face Qwen3MoeConfig: Qwen3's, with num_experts experts of
+    moe_intermediate_size in its sparse layers (layer i unless in mlp_only_layers, and (i + 1) a multiple
+    of decoder_sparse_step), carried as moe_layer_freq and moe_first_k_dense when they give the same
+    layers, refused by name otherwise; norm_topk_prob and router_aux_loss_coef carried."""
+    layers = hf.num_hidden_layers
+    only = set(hf.mlp_only_layers or [])
+    sparse = [i for i in range(layers) if i not in only and (i + 1) % hf.decoder_sparse_step == 0]
+    pattern = _moe_pattern(layers, sparse) if hf.num_experts > 0 else None
+    if pattern is None:
+        raise CheckpointError(
+            f"no equivalent here for this Hugging Face Qwen3-MoE config: decoder_sparse_step = "
+            f"{hf.decoder_sparse_step}, mlp_only_layers = {sorted(only)}, num_experts = {hf.num_experts} "
+            f"make layers {sparse} sparse; MoE layers here are those i >= model.moe_first_k_dense with i a "
+            "multiple of model.moe_layer_freq"
+        )
+    return _qwen3_overrides(hf, "Qwen3-MoE") | {
+        "num_experts": hf.num_experts,
+        "moe_router_topk": hf.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_router_score": "softmax",
+        "moe_norm_topk_prob": bool(hf.norm_topk_prob),
+        "moe_aux_loss_coeff": float(hf.router_aux_loss_coef),
+        "moe_layer_freq": pattern[0],
+        "moe_first_k_dense": pattern[1],
     }
 
 
