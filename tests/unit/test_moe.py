@@ -75,6 +75,19 @@ def test_grouped_experts_fall_back_to_a_loop_on_unaligned_widths():
     torch.testing.assert_close(y_th[2:], experts(x_th[2:], torch.tensor([0, 3])))
 
 
+def test_an_unaligned_expert_width_alone_takes_the_loop():
+    """h 64 with the expert size derived as 170 (gelu: w_up [e, 64, 170]): the activated rows [t, 170]
+    fp32 have a 680-byte stride, which torch's grouped GEMM refuses; the loop runs them."""
+    cfg = _moe_cfg("model.hidden_size=64", "model.num_attention_heads=2", "model.moe_ffn_hidden_size=170")
+    experts = GroupedExperts(cfg)
+    for w in (experts.w_up, experts.w_down):
+        torch.nn.init.normal_(w, std=0.05)
+    x_th = torch.randn(16, 64)
+    assert not moe._grouped_mm_runs(x_th, experts.w_up, experts.w_down)
+    counts = torch.full((cfg.num_experts,), 16 // cfg.num_experts)
+    assert experts(x_th, counts).shape == (16, 64)
+
+
 def _moe_cfg(*overrides: str):
     return resolve(
         load_config(

@@ -104,7 +104,8 @@ def _grouped_mm_runs(x_th: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
     if x_th.dtype not in (torch.float32, torch.bfloat16):
         return False
     size = x_th.element_size()
-    widths = (x_th.shape[-1], w_up.shape[-1], w_down.shape[-1])
+    # the activated rows [t, f] are the second GEMM's input: f (w_down's dim 1) must align too
+    widths = (x_th.shape[-1], w_up.shape[-1], w_down.shape[-2], w_down.shape[-1])
     return all(w * size % _GROUPED_MM_ALIGN_BYTES == 0 for w in widths)
 
 
