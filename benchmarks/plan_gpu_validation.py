@@ -519,10 +519,10 @@ def _moe_rows(rows: list[Row]) -> list[str]:
 
 MOE_SOURCES = """MoE sources (benchmarks/data/gpu_validation/README.md): Megatron-Core's MoE README
 (Mixtral 8x7B bf16, 64 H100, MCore v0.8 and v0.9) and Megatron-Bridge's performance summaries (DGX-H100
-pre-training of Qwen3-30B-A3B and Qwen3-235B-A22B, NeMo containers 25.09 to 26.06: every H100 MoE row
-with a whole layout). Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 64): the
-rows pass `model.kv_channels=128`, and stay unplanned, with the config's own message, until the config
-takes that key; 235B's rows also run tp 2 (with etp 1), which MoE layers refuse until they have a
+pre-training of Qwen3-30B-A3B and Qwen3-235B-A22B, NeMo containers 25.09 to 26.06: every H100 row of
+these two models). Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 64): the rows
+pass `model.kv_channels=128`, and stay unplanned, with the config's own message, until the config takes
+that key; 235B's rows also run tp 2 (with etp 1), which MoE layers refuse until they have a
 tensor-parallel plan. Megatron-Bridge's FP8 is Transformer Engine's current scaling, planned as
 `train.fp8=tensorwise`: the H100 profile's fp8 GEMM point is mamf-finder's best (1402.6 TFLOP/s at
 1024x9216x14336, 71% of the 1979 peak), the smaller shapes that point scaled, so at these models' GEMMs
@@ -530,12 +530,14 @@ the planner assumes 2.0-2.3x the bf16 rate measured at training shapes (565-696 
 was measured at training shapes. The router is force-balanced in these benchmarks (25.09: capacity
 factor 1.0, padded), planned with `--moe-imbalance 1`. The published figure moves with the software at
 one layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113 tokens/s/GPU in 26.02, 9,058 in 26.02.01),
-which no layout model can follow. Not expressible, so not recorded as rows: DeepSeek-V3 and Kimi-K2
-(MLA), GPT-OSS-120B (head size 64 at hidden 2880, attention sinks, alternating sliding-window attention,
-biased experts), Nemotron-3-Nano (hybrid Mamba). Not found: an H100 throughput for Mixtral in
-Megatron-Bridge's tables (NeMo 2.0's docs site had Mixtral 8x7B / 8x22B fp8 rows, whose H100 section
-this session could not read), torchtitan's MoE models (no published throughput in benchmarks/ or the
-model READMEs), and OLMoE (the paper states no layout)."""
+which no layout model can follow. Not expressible, so not recorded as rows: Megatron-Bridge's other
+DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B (head size 64 at hidden 2880, attention sinks,
+alternating sliding-window attention, biased experts; 5 rows) and Nemotron-3-Nano (hybrid Mamba; 4
+rows). Not found: an H100 throughput for Mixtral in Megatron-Bridge's tables or NVIDIA/NeMo's repository
+(the NeMo 2.0 docs-site tables of containers 25.02-25.07 list Mixtral 8x7B / 8x22B fp8 rows; their
+DGX-H100 sections were not in the stored copies, so none is recorded), torchtitan's MoE models (no
+published throughput in benchmarks/ or the model READMEs) and OLMoE (the paper was not available; no
+published layout found)."""
 
 
 def _without_older_code(rows: list[Row]) -> list[str]:
