@@ -277,6 +277,51 @@ def _megatron_bridge_moe(r: dict) -> Row:
     return row
 
 
+# Megatron-Core's MoE model zoo (yanring/Megatron-MoE-ModelZoo, which Megatron-LM's MoE README points
+# to for its MoE recipes): block-wise FP8 (128 x 128 weight blocks), planned as torchao's rowwise scaling
+# (the finer of the two; weights gathered in bf16)
+ZOO_FP8 = "rowwise"
+
+
+def _zoo_moe(r: dict) -> Row:
+    """Megatron-MoE-ModelZoo's H100 rows: Mixtral 8x22B's expected TFLOPS (its script's comments) and
+    Qwen3-235B-A22B's step times, planned as the Megatron-Core MoE rows (distributed optimizer as
+    ZeRO-2, Megatron FSDP as ZeRO-3, sequence parallelism, etp 1) with each row's recompute ('norm, act'
+    recomputes the layernorm and MoE activation only: planned as none) and the embedding/loss pipeline
+    split; the busiest expert at the mean where the router is forced to balance or padded to capacity,
+    the planner's default imbalance where the source does not say."""
+    args = ["llama-8b", *_base_args(r, r["layers"], r["hidden"], r["heads"], r["seq_len"], r["vocab"])]
+    args += ["model.rope_scaling=false", "train.precision=bf16", f"model.num_experts={r['num_experts']}"]
+    args += [f"model.moe_router_topk={r['moe_topk']}", f"model.moe_ffn_hidden_size={r['moe_ffn_hidden']}"]
+    head_size = int(r["kv_channels"]) * int(r["heads"]) != int(r["hidden"])
+    if head_size:
+        args += [f"model.kv_channels={r['kv_channels']}"]
+    if r["precision"].startswith("fp8"):
+        args += [f"train.fp8={ZOO_FP8}"]
+    tp, pp, dp, ep, v, cp = (int(r[k]) for k in ("tp", "pp", "dp", "ep", "pipeline_interleave", "cp"))
+    zero = "3" if "FSDP" in r["zero_or_fsdp"] else "2"
+    rec = "full" if r["activation_checkpointing"] == "full" else "none"
+    args += _layout(tp, pp, dp, int(r["micro_batch"]), int(r["global_batch_seqs"]), zero, rec, True, v)
+    args += [*_embedding_loss_split(int(r["layers"]), pp, v), f"parallel.ep={ep}", f"parallel.cp={cp}"]
+    if "force-load-balancing" in r["dispatcher"] or "capacity factor 1.0" in r["dispatcher"]:
+        args += ["--moe-imbalance", BRIDGE_IMBALANCE]
+    label = f"{r['n_gpus']} GPUs t{tp} p{pp} v{v} cp{cp} ep{ep} etp{r['etp']} d{dp}, mb {r['micro_batch']}, "
+    label += f"seq {r['seq_len']}, {r['precision']}, recompute {r['activation_checkpointing']}, "
+    label += r["dispatcher"]
+    if r["iteration_time_s"]:
+        row = Row("megatron-moe-modelzoo-h100", r["table"].split(" ", 1)[1], r["model"], label, args,
+                  "1/iteration s", 1 / float(r["iteration_time_s"]), moe=True,
+                  note=f"{r['iteration_time_s']} s published")  # fmt: skip
+    else:
+        row = Row("megatron-moe-modelzoo-h100", r["table"].split(" ", 1)[1], r["model"], label, args,
+                  "TFLOP/s/GPU (model, megatron-lm)", float(r["model_tflops_per_gpu"]), moe=True)  # fmt: skip
+    if head_size and not r["iteration_time_s"]:
+        # TFLOPS by Megatron-LM's formula with kv_channels 128: the planner's FLOPs conventions count
+        # attention at hidden / heads, so the figure cannot be turned into a step time here
+        row.skip = "not planned: published only as TFLOP/s by Megatron-LM's formula with kv_channels 128"
+    return row
+
+
 def _torchtitan(r: dict) -> Row | None:
     if r["precision"] != "bf16" or r["seq_len"]:
         return None  # Float8 linears and context parallelism are not modelled
@@ -297,6 +342,7 @@ READERS = {
     "megatron_core_h100_2024.csv": _megatron_core,
     "megatron_core_moe_h100_2024.csv": _megatron_moe,
     "megatron_bridge_moe_h100.csv": _megatron_bridge_moe,
+    "megatron_moe_modelzoo_h100.csv": _zoo_moe,
     "torchtitan_llama3_h100_2024.csv": _torchtitan,
 }
 
@@ -365,12 +411,12 @@ def predict(row: Row, device: str, gpus: int) -> None:
         row.note += f"; {seconds:.2f} s predicted"
     elif row.metric == "TFLOP/s/GPU (model)":
         row.predicted = layout["tflops_per_device"]
-    elif row.metric == "TFLOP/s/GPU (model, megatron-lm-2024)":
-        # Megatron-Core's MoE figures count FLOPs with its own formula of the time (the 2024 form, with
-        # the active experts and no router): the planned samples/s at that convention's FLOPs
-        row.predicted = (
-            layout["samples_per_second"] * _sample_flops(row, gpus, "megatron-lm-2024") / gpus / 1e12
-        )
+    elif row.metric.startswith("TFLOP/s/GPU (model, "):
+        # Megatron-Core's MoE figures count FLOPs with its own formula of the time (megatron-lm-2024: the
+        # active experts, no router, no causal halving; megatron-lm: the current one, causal attention
+        # halved): the planned samples/s at that convention's FLOPs
+        convention = row.metric.removeprefix("TFLOP/s/GPU (model, ").rstrip(")")
+        row.predicted = layout["samples_per_second"] * _sample_flops(row, gpus, convention) / gpus / 1e12
     else:  # hardware FLOPs: the model's FLOPs with the recompute's forward (Narayanan's formula)
         row.predicted = layout["tflops_per_device"] * 4 / 3
     if not layout["fits"]:
@@ -518,26 +564,33 @@ def _moe_rows(rows: list[Row]) -> list[str]:
 
 
 MOE_SOURCES = """MoE sources (benchmarks/data/gpu_validation/README.md): Megatron-Core's MoE README
-(Mixtral 8x7B bf16, 64 H100, MCore v0.8 and v0.9) and Megatron-Bridge's performance summaries (DGX-H100
-pre-training of Qwen3-30B-A3B and Qwen3-235B-A22B, NeMo containers 25.09 to 26.06: every H100 row of
-these two models). Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 64): the rows
-pass `model.kv_channels=128`, and stay unplanned, with the config's own message, until the config takes
-that key; 235B's rows also run tp 2 (with etp 1), which MoE layers refuse until they have a
-tensor-parallel plan. Megatron-Bridge's FP8 is Transformer Engine's current scaling, planned as
-`train.fp8=tensorwise`: the H100 profile's fp8 GEMM point is mamf-finder's best (1402.6 TFLOP/s at
-1024x9216x14336, 71% of the 1979 peak), the smaller shapes that point scaled, so at these models' GEMMs
-the planner assumes 2.0-2.3x the bf16 rate measured at training shapes (565-696 TFLOP/s); no fp8 GEMM
-was measured at training shapes. The router is force-balanced in these benchmarks (25.09: capacity
-factor 1.0, padded), planned with `--moe-imbalance 1`. The published figure moves with the software at
-one layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113 tokens/s/GPU in 26.02, 9,058 in 26.02.01),
-which no layout model can follow. Not expressible, so not recorded as rows: Megatron-Bridge's other
-DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B (head size 64 at hidden 2880, attention sinks,
-alternating sliding-window attention, biased experts; 5 rows) and Nemotron-3-Nano (hybrid Mamba; 4
-rows). Not found: an H100 throughput for Mixtral in Megatron-Bridge's tables or NVIDIA/NeMo's repository
-(the NeMo 2.0 docs-site tables of containers 25.02-25.07 list Mixtral 8x7B / 8x22B fp8 rows; their
-DGX-H100 sections were not in the stored copies, so none is recorded), torchtitan's MoE models (no
-published throughput in benchmarks/ or the model READMEs) and OLMoE (the paper was not available; no
-published layout found)."""
+(Mixtral 8x7B bf16, 64 H100, MCore v0.8 and v0.9); Megatron-Core's MoE model zoo
+(yanring/Megatron-MoE-ModelZoo, the recipes Megatron-LM's MoE README points to: Mixtral 8x22B on 128
+H100, the expected TFLOP/s its script states for bf16 dropless, forced balance, block-wise fp8 and token
+drop; Qwen3-235B-A22B on 256 H100, five bf16 layouts with step times and eight long-context TFLOP/s
+figures); Megatron-Bridge's performance summaries (DGX-H100 pre-training of Qwen3-30B-A3B and
+Qwen3-235B-A22B, NeMo containers 25.09 to 26.06: every H100 row of these two models). What keeps rows
+unplanned on this branch (each row's note says which): Qwen3's head size is 128 where hidden / heads is
+64 (2048 / 32, 4096 / 64), so its rows pass `model.kv_channels=128`, which the config does not take yet;
+every Mixtral 8x22B and Qwen3-235B-A22B row runs tp 2 or 4 with etp 1, and MoE layers refuse tp > 1
+until they have a tensor-parallel plan (after that the planner splits each expert over tp, Megatron's
+default etp = tp, where these runs keep experts whole: an etp term the planner lacks); the long-context
+rows are TFLOP/s by Megatron's formula with kv_channels, which the FLOPs conventions do not count. FP8:
+Megatron-Bridge's is Transformer Engine's current scaling, planned as `train.fp8=tensorwise`; the model
+zoo's block-wise fp8 as `rowwise`. The H100 profile's fp8 GEMM point is mamf-finder's best (1402.6
+TFLOP/s at 1024x9216x14336, 71% of the 1979 peak), the smaller shapes that point scaled, so at these
+models' GEMMs the planner assumes 2.0-2.3x the bf16 rate measured at training shapes (565-696 TFLOP/s);
+no fp8 GEMM was measured at training shapes. Routing: forced balance and capacity factor 1.0 with
+padding are planned with `--moe-imbalance 1`; rows that do not say so, with the planner's default. The
+published figure moves with the software at one layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113
+tokens/s/GPU in NeMo 26.02, 9,058 in 26.02.01), which no layout model can follow. Not expressible, so
+not recorded as rows: Megatron-Bridge's other DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B
+(head size 64 at hidden 2880, attention sinks, alternating sliding-window attention, biased experts; 5
+rows) and Nemotron-3-Nano (hybrid Mamba; 4 rows); the model zoo's Qwen3-Next-80B-A3B (gated delta net
+layers). Not found: NVIDIA/NeMo's repository has no MoE row (the NeMo 2.0 docs-site tables of containers
+25.02-25.07 list Mixtral 8x7B / 8x22B fp8 rows; their DGX-H100 sections were not in the stored copies,
+so none is recorded), torchtitan publishes no MoE throughput (benchmarks/ and the model READMEs) and the
+OLMoE paper was not available (no published layout found)."""
 
 
 def _without_older_code(rows: list[Row]) -> list[str]:
