@@ -567,30 +567,31 @@ MOE_SOURCES = """MoE sources (benchmarks/data/gpu_validation/README.md): Megatro
 (Mixtral 8x7B bf16, 64 H100, MCore v0.8 and v0.9); Megatron-Core's MoE model zoo
 (yanring/Megatron-MoE-ModelZoo, the recipes Megatron-LM's MoE README points to: Mixtral 8x22B on 128
 H100, the expected TFLOP/s its script states for bf16 dropless, forced balance, block-wise fp8 and token
-drop; Qwen3-235B-A22B on 256 H100, five bf16 layouts with step times and eight long-context TFLOP/s
-figures); Megatron-Bridge's performance summaries (DGX-H100 pre-training of Qwen3-30B-A3B and
-Qwen3-235B-A22B, NeMo containers 25.09 to 26.06: every H100 row of these two models). What keeps rows
-unplanned on this branch (each row's note says which): Qwen3's head size is 128 where hidden / heads is
-64 (2048 / 32, 4096 / 64), so its rows pass `model.kv_channels=128`, which the config does not take yet;
-every Mixtral 8x22B and Qwen3-235B-A22B row runs tp 2 or 4 with etp 1, and MoE layers refuse tp > 1
-until they have a tensor-parallel plan (after that the planner splits each expert over tp, Megatron's
-default etp = tp, where these runs keep experts whole: an etp term the planner lacks); the long-context
-rows are TFLOP/s by Megatron's formula with kv_channels, which the FLOPs conventions do not count. FP8:
-Megatron-Bridge's is Transformer Engine's current scaling, planned as `train.fp8=tensorwise`; the model
-zoo's block-wise fp8 as `rowwise`. The H100 profile's fp8 GEMM point is mamf-finder's best (1402.6
-TFLOP/s at 1024x9216x14336, 71% of the 1979 peak), the smaller shapes that point scaled, so at these
-models' GEMMs the planner assumes 2.0-2.3x the bf16 rate measured at training shapes (565-696 TFLOP/s);
-no fp8 GEMM was measured at training shapes. Routing: forced balance and capacity factor 1.0 with
-padding are planned with `--moe-imbalance 1`; rows that do not say so, with the planner's default. The
-published figure moves with the software at one layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113
-tokens/s/GPU in NeMo 26.02, 9,058 in 26.02.01), which no layout model can follow. Not expressible, so
-not recorded as rows: Megatron-Bridge's other DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B
-(head size 64 at hidden 2880, attention sinks, alternating sliding-window attention, biased experts; 5
-rows) and Nemotron-3-Nano (hybrid Mamba; 4 rows); the model zoo's Qwen3-Next-80B-A3B (gated delta net
-layers). Not found: NVIDIA/NeMo's repository has no MoE row (the NeMo 2.0 docs-site tables of containers
-25.02-25.07 list Mixtral 8x7B / 8x22B fp8 rows; their DGX-H100 sections were not in the stored copies,
-so none is recorded), torchtitan publishes no MoE throughput (benchmarks/ and the model READMEs) and the
-OLMoE paper was not available (no published layout found)."""
+drop; Qwen3-235B-A22B on 256 H100, five bf16 layouts with step times, one with TFLOP/s (its step time
+from the other five's TF x step) and eight long-context TFLOP/s figures); Megatron-Bridge's performance
+summaries (DGX-H100 pre-training of Qwen3-30B-A3B and Qwen3-235B-A22B, NeMo containers 25.09 to 26.06:
+every H100 row of these two models). What keeps rows unplanned on this branch (each row's note says
+which): Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 64), so its rows pass
+`model.kv_channels=128`, which the config does not take yet; every Mixtral 8x22B and Qwen3-235B-A22B row
+runs tp 2 or 4 with etp 1, and MoE layers refuse tp > 1 until they have a tensor-parallel plan (after
+that the planner splits each expert over tp, Megatron's default etp = tp, where these runs keep experts
+whole: an etp term the planner lacks); the long-context rows are TFLOP/s by Megatron's formula with
+kv_channels, which the FLOPs conventions do not count. FP8: Megatron-Bridge's is Transformer Engine's
+current scaling, planned as `train.fp8=tensorwise`; the model zoo's block-wise fp8 as `rowwise`. The
+H100 profile's fp8 GEMM point is mamf-finder's best (1402.6 TFLOP/s at 1024x9216x14336, 71% of the 1979
+peak), the smaller shapes that point scaled, so at these models' GEMMs the planner assumes 2.0-2.3x the
+bf16 rate measured at training shapes (565-696 TFLOP/s); no fp8 GEMM was measured at training shapes.
+Routing: forced balance and capacity factor 1.0 with padding are planned with `--moe-imbalance 1`; rows
+that do not say so, with the planner's default. The published figure moves with the software at one
+layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113 tokens/s/GPU in NeMo 26.02, 9,058 in 26.02.01),
+which no layout model can follow. Not expressible, so not recorded as rows: Megatron-Bridge's other
+DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B (head size 64 at hidden 2880, attention sinks,
+alternating sliding-window attention, biased experts; 5 rows) and Nemotron-3-Nano (hybrid Mamba; 4
+rows); the model zoo's Qwen3-Next-80B-A3B (gated delta net layers). Not found: NVIDIA/NeMo's repository
+has no MoE row (the NeMo 2.0 docs-site tables of containers 25.02-25.07 list Mixtral 8x7B / 8x22B fp8
+rows; their DGX-H100 sections were not in the stored copies, so none is recorded), torchtitan publishes
+no MoE throughput (benchmarks/ and the model READMEs) and the OLMoE paper was not available (no
+published layout found)."""
 
 
 def _without_older_code(rows: list[Row]) -> list[str]:
