@@ -309,9 +309,11 @@ def _zoo_moe(r: dict) -> Row:
     label += f"seq {r['seq_len']}, {r['precision']}, recompute {r['activation_checkpointing']}, "
     label += r["dispatcher"]
     if r["iteration_time_s"]:
+        derived = "iteration_time_s =" in r["derived_fields"]
+        how = "derived from the published TFLOP/s" if derived else "published"
         row = Row("megatron-moe-modelzoo-h100", r["table"].split(" ", 1)[1], r["model"], label, args,
                   "1/iteration s", 1 / float(r["iteration_time_s"]), moe=True,
-                  note=f"{r['iteration_time_s']} s published")  # fmt: skip
+                  note=f"{r['iteration_time_s']} s {how}")  # fmt: skip
     else:
         row = Row("megatron-moe-modelzoo-h100", r["table"].split(" ", 1)[1], r["model"], label, args,
                   "TFLOP/s/GPU (model, megatron-lm)", float(r["model_tflops_per_gpu"]), moe=True)  # fmt: skip
@@ -576,22 +578,24 @@ which): Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 6
 runs tp 2 or 4 with etp 1, and MoE layers refuse tp > 1 until they have a tensor-parallel plan (after
 that the planner splits each expert over tp, Megatron's default etp = tp, where these runs keep experts
 whole: an etp term the planner lacks); the long-context rows are TFLOP/s by Megatron's formula with
-kv_channels, which the FLOPs conventions do not count. FP8: Megatron-Bridge's is Transformer Engine's
-current scaling, planned as `train.fp8=tensorwise`; the model zoo's block-wise fp8 as `rowwise`. The
-H100 profile's fp8 GEMM point is mamf-finder's best (1402.6 TFLOP/s at 1024x9216x14336, 71% of the 1979
-peak), the smaller shapes that point scaled, so at these models' GEMMs the planner assumes 2.0-2.3x the
-bf16 rate measured at training shapes (565-696 TFLOP/s); no fp8 GEMM was measured at training shapes.
-Routing: forced balance and capacity factor 1.0 with padding are planned with `--moe-imbalance 1`; rows
-that do not say so, with the planner's default. The published figure moves with the software at one
-layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113 tokens/s/GPU in NeMo 26.02, 9,058 in 26.02.01),
-which no layout model can follow. Not expressible, so not recorded as rows: Megatron-Bridge's other
-DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B (head size 64 at hidden 2880, attention sinks,
-alternating sliding-window attention, biased experts; 5 rows) and Nemotron-3-Nano (hybrid Mamba; 4
-rows); the model zoo's Qwen3-Next-80B-A3B (gated delta net layers). Not found: NVIDIA/NeMo's repository
-has no MoE row (the NeMo 2.0 docs-site tables of containers 25.02-25.07 list Mixtral 8x7B / 8x22B fp8
-rows; their DGX-H100 sections were not in the stored copies, so none is recorded), torchtitan publishes
-no MoE throughput (benchmarks/ and the model READMEs) and the OLMoE paper was not available (no
-published layout found)."""
+kv_channels, which the FLOPs conventions do not count. One model-zoo row (pp 32 x vp 3 = 96 virtual
+stages for 94 layers) gives the first virtual stage only the embedding and the last only the loss;
+`parallel.pipeline_layers` needs a layer in every stage, so that row will stay unplanned. FP8:
+Megatron-Bridge's is Transformer Engine's current scaling, planned as `train.fp8=tensorwise`; the model
+zoo's block-wise fp8 as `rowwise`. The H100 profile's fp8 GEMM point is mamf-finder's best (1402.6
+TFLOP/s at 1024x9216x14336, 71% of the 1979 peak), the smaller shapes that point scaled, so at these
+models' GEMMs the planner assumes 2.0-2.3x the bf16 rate measured at training shapes (565-696 TFLOP/s);
+no fp8 GEMM was measured at training shapes. Routing: forced balance and capacity factor 1.0 with
+padding are planned with `--moe-imbalance 1`; rows that do not say so, with the planner's default. The
+published figure moves with the software at one layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113
+tokens/s/GPU in NeMo 26.02, 9,058 in 26.02.01), which no layout model can follow. Not expressible, so
+not recorded as rows: Megatron-Bridge's other DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B
+(head size 64 at hidden 2880, attention sinks, alternating sliding-window attention, biased experts; 5
+rows) and Nemotron-3-Nano (hybrid Mamba; 4 rows); the model zoo's Qwen3-Next-80B-A3B (gated delta net
+layers). Not found: NVIDIA/NeMo's repository has no MoE row (the NeMo 2.0 docs-site tables of containers
+25.02-25.07 list Mixtral 8x7B / 8x22B fp8 rows; their DGX-H100 sections were not in the stored copies,
+so none is recorded), torchtitan publishes no MoE throughput (benchmarks/ and the model READMEs) and the
+OLMoE paper was not available (no published layout found)."""
 
 
 def _without_older_code(rows: list[Row]) -> list[str]:
