@@ -254,11 +254,13 @@ def _megatron_bridge_moe(r: dict) -> Row:
     the Mixtral rows (Llama-shaped: GQA, SwiGLU experts, RMSNorm, rope, untied) with Qwen3's head size
     (`model.kv_channels`, 128 where hidden / heads is 64), the distributed optimizer as ZeRO-2, no
     recompute and etp 1 (the perf recipes), sequence parallelism with tp > 1 (Megatron-Bridge's
-    default). Qwen3's per-head q/k RMSNorm is not passed (elementwise; not a GEMM term)."""
+    default) and Qwen3's per-head q/k RMSNorm (`model.qk_norm=head`)."""
     args = ["llama-8b", *_base_args(r, r["layers"], r["hidden"], r["heads"], r["seq_len"], r["vocab"])]
     args += ["model.rope_scaling=false", "train.precision=bf16", f"model.num_experts={r['num_experts']}"]
     args += [f"model.moe_router_topk={r['moe_topk']}", f"model.moe_ffn_hidden_size={r['moe_ffn_hidden']}"]
     args += [f"model.kv_channels={r['kv_channels']}"]
+    if r["qk_norm"] == "yes":
+        args += ["model.qk_norm=head"]  # Megatron --qk-layernorm: one norm per head
     if "capacity factor 1.0" in r["dispatcher"]:
         args += ["model.moe_capacity_factor=1.0"]
     if r["precision"].startswith("fp8"):
@@ -296,6 +298,8 @@ def _zoo_moe(r: dict) -> Row:
     head_size = int(r["kv_channels"]) * int(r["heads"]) != int(r["hidden"])
     if head_size:
         args += [f"model.kv_channels={r['kv_channels']}"]
+    if r["qk_norm"] == "yes":
+        args += ["model.qk_norm=head"]  # Megatron --qk-layernorm: one norm per head
     if r["precision"].startswith("fp8"):
         args += [f"train.fp8={ZOO_FP8}"]
     tp, pp, dp, ep, v, cp = (int(r[k]) for k in ("tp", "pp", "dp", "ep", "pipeline_interleave", "cp"))
@@ -577,7 +581,10 @@ which): Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 6
 `model.kv_channels=128`, which the config does not take yet; every Mixtral 8x22B and Qwen3-235B-A22B row
 runs tp 2 or 4 with etp 1, and MoE layers refuse tp > 1 until they have a tensor-parallel plan (after
 that the planner splits each expert over tp, Megatron's default etp = tp, where these runs keep experts
-whole: an etp term the planner lacks); the long-context rows are TFLOP/s by Megatron's formula with
+whole: an etp term the planner lacks; and Megatron folds the expert-parallel group over the attention's
+tp ranks, keeping ep 8 inside a node and allowing ep > dp x cp, where stx carves ep out of dp x cp at
+stride tp (`_ep_seconds`): with tp > 1 these rows either cannot be expressed (ep 32 over t2 d16) or plan
+their all-to-all across nodes); the long-context rows are TFLOP/s by Megatron's formula with
 kv_channels, which the FLOPs conventions do not count. One model-zoo row (pp 32 x vp 3 = 96 virtual
 stages for 94 layers) gives the first virtual stage only the embedding and the last only the loss;
 `parallel.pipeline_layers` needs a layer in every stage, so that row will stay unplanned. FP8:

@@ -328,6 +328,7 @@ def test_gpu_validation_plans_published_moe_rows_with_their_layout(name, reader,
             assert f"model.{key}={r[column]}" in row.args, (key, row.args)
         other_head_size = int(r["kv_channels"]) * int(r["heads"]) != int(r["hidden"])
         assert (f"model.kv_channels={r['kv_channels']}" in row.args) == other_head_size
+        assert ("model.qk_norm=head" in row.args) == (r["qk_norm"] == "yes")  # Megatron --qk-layernorm
         assert f"parallel.ep={r['ep']}" in row.args and f"parallel.tp={r['tp']}" in row.args
         fp8 = [a for a in row.args if a.startswith("train.fp8=")]
         assert bool(fp8) == r["precision"].startswith("fp8")
