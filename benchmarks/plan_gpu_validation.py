@@ -49,6 +49,7 @@ class Row:
     micro_batch: int = 0
     params: float | None = None  # the planned model's parameters (stx plan --json), for the error classes
     moe: bool = False  # a mixture-of-experts model: its own error class (plan/validation_error.py)
+    skip: str = ""  # why the row is listed but not planned (the source leaves a needed cell open)
 
     @property
     def error(self) -> float | None:
@@ -227,6 +228,106 @@ def _megatron_moe(r: dict) -> Row:
                float(r["model_tflops_per_gpu"]), moe=True)  # fmt: skip
 
 
+# Megatron-Bridge's MoE rows: FP8 is Transformer Engine's current scaling (fp8_cs: one scale per tensor
+# from the current step), planned as torchao's tensorwise dynamic scaling; the benchmarks force-balance the
+# router ("we force-balance the token distribution among experts"), or (25.09's tokendrop) pad every
+# expert to a capacity factor of 1.0: both make the busiest expert's load the mean (imbalance 1).
+BRIDGE_FP8 = "tensorwise"
+BRIDGE_IMBALANCE = "1"
+
+
+def _embedding_loss_split(layers: int, pp: int, v: int) -> list[str]:
+    """Megatron's account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split (set by
+    Megatron-Bridge's Qwen3-235B recipes): the embedding and the loss count as one layer each, so where
+    the layers do not split evenly over the pp x v virtual stages but layers + 2 does, the first and the
+    last virtual stage hold one layer fewer (Qwen3-235B-A22B: 94 + 2 = 32 x 3)."""
+    chunks = pp * v
+    per, rest = divmod(layers + 2, chunks)
+    if chunks == 1 or layers % chunks == 0 or rest:
+        return []
+    stages = [per - 1] + [per] * (chunks - 2) + [per - 1]
+    return [f"parallel.pipeline_layers={','.join(map(str, stages))}"]
+
+
+def _megatron_bridge_moe(r: dict) -> Row:
+    """Megatron-Bridge's DGX-H100 MoE pre-training rows (Qwen3-30B-A3B, Qwen3-235B-A22B), planned as
+    the Mixtral rows (Llama-shaped: GQA, SwiGLU experts, RMSNorm, rope, untied) with Qwen3's head size
+    (`model.kv_channels`, 128 where hidden / heads is 64), the distributed optimizer as ZeRO-2, no
+    recompute and etp 1 (the perf recipes), sequence parallelism with tp > 1 (Megatron-Bridge's
+    default) and Qwen3's per-head q/k RMSNorm (`model.qk_norm=head`)."""
+    args = ["llama-8b", *_base_args(r, r["layers"], r["hidden"], r["heads"], r["seq_len"], r["vocab"])]
+    args += ["model.rope_scaling=false", "train.precision=bf16", f"model.num_experts={r['num_experts']}"]
+    args += [f"model.moe_router_topk={r['moe_topk']}", f"model.moe_ffn_hidden_size={r['moe_ffn_hidden']}"]
+    args += [f"model.kv_channels={r['kv_channels']}"]
+    if r["qk_norm"] == "yes":
+        args += ["model.qk_norm=head"]  # Megatron --qk-layernorm: one norm per head
+    if "capacity factor 1.0" in r["dispatcher"]:
+        args += ["model.moe_capacity_factor=1.0"]
+    if r["precision"].startswith("fp8"):
+        args += [f"train.fp8={BRIDGE_FP8}"]
+    tp, pp, dp, ep, v = (int(r[k]) for k in ("tp", "pp", "dp", "ep", "pipeline_interleave"))
+    args += _layout(tp, pp, dp, int(r["micro_batch"]), int(r["global_batch_seqs"]), "2", "none", True, v)
+    args += _embedding_loss_split(int(r["layers"]), pp, v)
+    args += [f"parallel.ep={ep}", "--moe-imbalance", BRIDGE_IMBALANCE]
+    release = r["framework"].split("NeMo ")[-1].split(" ")[0]
+    label = f"{r['n_gpus']} GPUs t{tp} p{pp} v{v} ep{ep} etp{r['etp']} d{dp}, mb {r['micro_batch']}, "
+    label += f"gbs {r['global_batch_seqs']}, {r['precision'] or 'precision not stated'}, NeMo {release}"
+    row = Row("megatron-bridge-moe-h100", f"NeMo {release}", r["model"], label, args, "tokens/s/GPU",
+              float(r["tokens_per_s_per_gpu"]), moe=True)  # fmt: skip
+    if not r["precision"]:
+        row.skip = "not planned: the source does not state the precision (bf16 and fp8 share this layout)"
+    return row
+
+
+# Megatron-Core's MoE model zoo (yanring/Megatron-MoE-ModelZoo, which Megatron-LM's MoE README points
+# to for its MoE recipes): block-wise FP8 (128 x 128 weight blocks), planned as torchao's rowwise scaling
+# (the finer of the two; weights gathered in bf16)
+ZOO_FP8 = "rowwise"
+
+
+def _zoo_moe(r: dict) -> Row:
+    """Megatron-MoE-ModelZoo's H100 rows: Mixtral 8x22B's expected TFLOPS (its script's comments) and
+    Qwen3-235B-A22B's step times, planned as the Megatron-Core MoE rows (distributed optimizer as
+    ZeRO-2, Megatron FSDP as ZeRO-3, sequence parallelism, etp 1) with each row's recompute ('norm, act'
+    recomputes the layernorm and MoE activation only: planned as none) and the embedding/loss pipeline
+    split; the busiest expert at the mean where the router is forced to balance or padded to capacity,
+    the planner's default imbalance where the source does not say."""
+    args = ["llama-8b", *_base_args(r, r["layers"], r["hidden"], r["heads"], r["seq_len"], r["vocab"])]
+    args += ["model.rope_scaling=false", "train.precision=bf16", f"model.num_experts={r['num_experts']}"]
+    args += [f"model.moe_router_topk={r['moe_topk']}", f"model.moe_ffn_hidden_size={r['moe_ffn_hidden']}"]
+    head_size = int(r["kv_channels"]) * int(r["heads"]) != int(r["hidden"])
+    if head_size:
+        args += [f"model.kv_channels={r['kv_channels']}"]
+    if r["qk_norm"] == "yes":
+        args += ["model.qk_norm=head"]  # Megatron --qk-layernorm: one norm per head
+    if r["precision"].startswith("fp8"):
+        args += [f"train.fp8={ZOO_FP8}"]
+    tp, pp, dp, ep, v, cp = (int(r[k]) for k in ("tp", "pp", "dp", "ep", "pipeline_interleave", "cp"))
+    zero = "3" if "FSDP" in r["zero_or_fsdp"] else "2"
+    rec = "full" if r["activation_checkpointing"] == "full" else "none"
+    args += _layout(tp, pp, dp, int(r["micro_batch"]), int(r["global_batch_seqs"]), zero, rec, True, v)
+    args += [*_embedding_loss_split(int(r["layers"]), pp, v), f"parallel.ep={ep}", f"parallel.cp={cp}"]
+    if "force-load-balancing" in r["dispatcher"] or "capacity factor 1.0" in r["dispatcher"]:
+        args += ["--moe-imbalance", BRIDGE_IMBALANCE]
+    label = f"{r['n_gpus']} GPUs t{tp} p{pp} v{v} cp{cp} ep{ep} etp{r['etp']} d{dp}, mb {r['micro_batch']}, "
+    label += f"seq {r['seq_len']}, {r['precision']}, recompute {r['activation_checkpointing']}, "
+    label += r["dispatcher"]
+    if r["iteration_time_s"]:
+        derived = "iteration_time_s =" in r["derived_fields"]
+        how = "derived from the published TFLOP/s" if derived else "published"
+        row = Row("megatron-moe-modelzoo-h100", r["table"].split(" ", 1)[1], r["model"], label, args,
+                  "1/iteration s", 1 / float(r["iteration_time_s"]), moe=True,
+                  note=f"{r['iteration_time_s']} s {how}")  # fmt: skip
+    else:
+        row = Row("megatron-moe-modelzoo-h100", r["table"].split(" ", 1)[1], r["model"], label, args,
+                  "TFLOP/s/GPU (model, megatron-lm)", float(r["model_tflops_per_gpu"]), moe=True)  # fmt: skip
+    if head_size and not r["iteration_time_s"]:
+        # TFLOPS by Megatron-LM's formula with kv_channels 128: the planner's FLOPs conventions count
+        # attention at hidden / heads, so the figure cannot be turned into a step time here
+        row.skip = "not planned: published only as TFLOP/s by Megatron-LM's formula with kv_channels 128"
+    return row
+
+
 def _torchtitan(r: dict) -> Row | None:
     if r["precision"] != "bf16" or r["seq_len"]:
         return None  # Float8 linears and context parallelism are not modelled
@@ -246,6 +347,8 @@ READERS = {
     "megatron_narayanan2021_table1.csv": _narayanan,
     "megatron_core_h100_2024.csv": _megatron_core,
     "megatron_core_moe_h100_2024.csv": _megatron_moe,
+    "megatron_bridge_moe_h100.csv": _megatron_bridge_moe,
+    "megatron_moe_modelzoo_h100.csv": _zoo_moe,
     "torchtitan_llama3_h100_2024.csv": _torchtitan,
 }
 
@@ -293,11 +396,16 @@ def predict(row: Row, device: str, gpus: int) -> None:
 
     nodes, per_node = (gpus // 8, 8) if gpus >= 8 else (1, gpus)
     argv = ["plan", *row.args, "--device", device, "--nodes", str(nodes), "--gpus-per-node", str(per_node)]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    if row.skip:
+        row.note = (row.note + "; " if row.note else "") + row.skip
+        return
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([*argv, "--no-probe", "--json"])
     if code != 0:
-        row.note = (row.note + "; " if row.note else "") + f"stx plan exit {code}"
+        # the config's own message (e.g. a key this model cannot express yet) says why it is not planned
+        why = err.getvalue().strip().splitlines()[-1:] or [""]
+        row.note = (row.note + "; " if row.note else "") + f"stx plan exit {code}: {why[0]}".rstrip(": ")
         return
     layout = json.loads(out.getvalue())["layouts"][0]
     row.params = _params(row, gpus)
@@ -309,12 +417,12 @@ def predict(row: Row, device: str, gpus: int) -> None:
         row.note += f"; {seconds:.2f} s predicted"
     elif row.metric == "TFLOP/s/GPU (model)":
         row.predicted = layout["tflops_per_device"]
-    elif row.metric == "TFLOP/s/GPU (model, megatron-lm-2024)":
-        # Megatron-Core's MoE figures count FLOPs with its own formula of the time (the 2024 form, with
-        # the active experts and no router): the planned samples/s at that convention's FLOPs
-        row.predicted = (
-            layout["samples_per_second"] * _sample_flops(row, gpus, "megatron-lm-2024") / gpus / 1e12
-        )
+    elif row.metric.startswith("TFLOP/s/GPU (model, "):
+        # Megatron-Core's MoE figures count FLOPs with its own formula of the time (megatron-lm-2024: the
+        # active experts, no router, no causal halving; megatron-lm: the current one, causal attention
+        # halved): the planned samples/s at that convention's FLOPs
+        convention = row.metric.removeprefix("TFLOP/s/GPU (model, ").rstrip(")")
+        row.predicted = layout["samples_per_second"] * _sample_flops(row, gpus, convention) / gpus / 1e12
     else:  # hardware FLOPs: the model's FLOPs with the recompute's forward (Narayanan's formula)
         row.predicted = layout["tflops_per_device"] * 4 / 3
     if not layout["fits"]:
@@ -438,18 +546,63 @@ def _stats(errors: list[float], labels: list[str]) -> str:
 
 def _moe_rows(rows: list[Row]) -> list[str]:
     """The mixture-of-experts rows on their own (issue 43: median |error| <= 20% on published MoE runs
-    the model was not fitted to)."""
-    moe = [abs(r.error) for r in rows if r.moe and r.error is not None]
+    the model was not fitted to): how many, how many planned, median and worst |error|, and why the
+    others are not planned (each row's note, counted)."""
+    moe = [r for r in rows if r.moe]
     if not moe:
         return []
-    return [
-        f"Mixture-of-experts rows (issue 43, target median |error| <= 20%): {len(moe)}, median |error| "
-        f"{statistics.median(moe):.1%}, worst {max(moe):.1%}. Only two published MoE runs with a "
-        "whole layout that the model can express were found: one Mixtral 8x7B mapping at two "
-        "Megatron-Core releases (MoE README); NeMo's and Megatron-Bridge's H100 MoE tables are fp8, "
-        "or models with a head size other than hidden / heads (Qwen3, GPT-OSS) or MLA (DeepSeek), "
-        "which the model does not express."
+    errors = [abs(r.error) for r in moe if r.error is not None]
+    planned = (
+        f"{len(errors)} planned, median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}"
+        if errors
+        else "none planned"
+    )
+    why: dict[str, int] = {}
+    for r in moe:
+        if r.error is None:
+            reason = r.note.split("stx: config error: ")[-1].strip("; ").removeprefix("not planned: ")
+            why[reason] = why.get(reason, 0) + 1
+    out = [
+        f"Mixture-of-experts rows (issue 43, target median |error| <= 20%): {len(moe)} published, {planned}."
+        + "".join(f" Not planned ({n}): {reason}." for reason, n in why.items())
     ]
+    return [*out, "", MOE_SOURCES]
+
+
+MOE_SOURCES = """MoE sources (benchmarks/data/gpu_validation/README.md): Megatron-Core's MoE README
+(Mixtral 8x7B bf16, 64 H100, MCore v0.8 and v0.9); Megatron-Core's MoE model zoo
+(yanring/Megatron-MoE-ModelZoo, the recipes Megatron-LM's MoE README points to: Mixtral 8x22B on 128
+H100, the expected TFLOP/s its script states for bf16 dropless, forced balance, block-wise fp8 and token
+drop; Qwen3-235B-A22B on 256 H100, five bf16 layouts with step times, one with TFLOP/s (its step time
+from the other five's TF x step) and eight long-context TFLOP/s figures); Megatron-Bridge's performance
+summaries (DGX-H100 pre-training of Qwen3-30B-A3B and Qwen3-235B-A22B, NeMo containers 25.09 to 26.06:
+every H100 row of these two models). What keeps rows unplanned on this branch (each row's note says
+which): Qwen3's head size is 128 where hidden / heads is 64 (2048 / 32, 4096 / 64), so its rows pass
+`model.kv_channels=128`, which the config does not take yet; every Mixtral 8x22B and Qwen3-235B-A22B row
+runs tp 2 or 4 with etp 1, and MoE layers refuse tp > 1 until they have a tensor-parallel plan (after
+that the planner splits each expert over tp, Megatron's default etp = tp, where these runs keep experts
+whole: an etp term the planner lacks; and Megatron folds the expert-parallel group over the attention's
+tp ranks, keeping ep 8 inside a node and allowing ep > dp x cp, where stx carves ep out of dp x cp at
+stride tp (`_ep_seconds`): with tp > 1 these rows either cannot be expressed (ep 32 over t2 d16) or plan
+their all-to-all across nodes); the long-context rows are TFLOP/s by Megatron's formula with
+kv_channels, which the FLOPs conventions do not count. One model-zoo row (pp 32 x vp 3 = 96 virtual
+stages for 94 layers) gives the first virtual stage only the embedding and the last only the loss;
+`parallel.pipeline_layers` needs a layer in every stage, so that row will stay unplanned. FP8:
+Megatron-Bridge's is Transformer Engine's current scaling, planned as `train.fp8=tensorwise`; the model
+zoo's block-wise fp8 as `rowwise`. The H100 profile's fp8 GEMM point is mamf-finder's best (1402.6
+TFLOP/s at 1024x9216x14336, 71% of the 1979 peak), the smaller shapes that point scaled, so at these
+models' GEMMs the planner assumes 2.0-2.3x the bf16 rate measured at training shapes (565-696 TFLOP/s);
+no fp8 GEMM was measured at training shapes. Routing: forced balance and capacity factor 1.0 with
+padding are planned with `--moe-imbalance 1`; rows that do not say so, with the planner's default. The
+published figure moves with the software at one layout (Qwen3-30B-A3B, 16 GPUs, t1 p2 v12 ep8: 5,113
+tokens/s/GPU in NeMo 26.02, 9,058 in 26.02.01), which no layout model can follow. Not expressible, so
+not recorded as rows: Megatron-Bridge's other DGX-H100 MoE rows, DeepSeek-V3 (MLA; 1 row), GPT-OSS-120B
+(head size 64 at hidden 2880, attention sinks, alternating sliding-window attention, biased experts; 5
+rows) and Nemotron-3-Nano (hybrid Mamba; 4 rows); the model zoo's Qwen3-Next-80B-A3B (gated delta net
+layers). Not found: NVIDIA/NeMo's repository has no MoE row (the NeMo 2.0 docs-site tables of containers
+25.02-25.07 list Mixtral 8x7B / 8x22B fp8 rows; their DGX-H100 sections were not in the stored copies,
+so none is recorded), torchtitan publishes no MoE throughput (benchmarks/ and the model READMEs) and the
+OLMoE paper was not available (no published layout found)."""
 
 
 def _without_older_code(rows: list[Row]) -> list[str]:

@@ -4,8 +4,11 @@ round trip, the interpolated lookups the time model reads, and the fingerprint c
 from __future__ import annotations
 
 import copy
+import csv
+import importlib.util
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -273,10 +276,8 @@ def test_fsdp_collectives_hide_their_bandwidth_but_not_their_latency(zero):
     assert exposed8 >= lat8
 
 
-def test_gpu_validation_runs_on_a_few_rows(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
+def _validation_harness():
+    """benchmarks/plan_gpu_validation.py, a script, loaded as a module."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_gpu_validation.py"
     spec = importlib.util.spec_from_file_location("plan_gpu_validation", path)
     assert spec is not None and spec.loader is not None
@@ -286,6 +287,11 @@ def test_gpu_validation_runs_on_a_few_rows(tmp_path):
         spec.loader.exec_module(module)
     finally:
         del sys.modules["plan_gpu_validation"]
+    return module
+
+
+def test_gpu_validation_runs_on_a_few_rows(tmp_path):
+    module = _validation_harness()
     out = tmp_path / "v.md"
     assert module.main(["--limit", "1", "--output", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and line.count("|") == 11]
@@ -293,6 +299,58 @@ def test_gpu_validation_runs_on_a_few_rows(tmp_path):
     assert len(rows) >= 4  # one row of each source the model expresses
     errors = [float(line.split("|")[9].strip().rstrip("%")) for line in rows]
     assert all(math.isfinite(e) for e in errors)
+
+
+def _bridge_unplanned(r: dict) -> bool:
+    return not r["precision"]  # bf16 and fp8 recipes share the layout: the precision is unknown
+
+
+def _zoo_unplanned(r: dict) -> bool:
+    # TFLOP/s by Megatron's formula with a head size the FLOPs conventions do not count
+    return not r["iteration_time_s"] and int(r["kv_channels"]) * int(r["heads"]) != int(r["hidden"])
+
+
+@pytest.mark.parametrize(
+    ("name", "reader", "unplanned"),
+    [
+        ("megatron_bridge_moe_h100.csv", "_megatron_bridge_moe", _bridge_unplanned),
+        ("megatron_moe_modelzoo_h100.csv", "_zoo_moe", _zoo_unplanned),
+    ],
+)
+def test_gpu_validation_plans_published_moe_rows_with_their_layout(name, reader, unplanned):
+    v = _validation_harness()
+    with open(v.DATA / name) as f:
+        pairs = [(r, getattr(v, reader)(r)) for r in csv.DictReader(f)]
+    assert len(pairs) >= 5
+    for r, row in pairs:
+        assert row.moe
+        for key, column in (("num_experts", "num_experts"), ("moe_router_topk", "moe_topk")):
+            assert f"model.{key}={r[column]}" in row.args, (key, row.args)
+        other_head_size = int(r["kv_channels"]) * int(r["heads"]) != int(r["hidden"])
+        assert (f"model.kv_channels={r['kv_channels']}" in row.args) == other_head_size
+        assert ("model.qk_norm=head" in row.args) == (r["qk_norm"] == "yes")  # Megatron --qk-layernorm
+        assert f"parallel.ep={r['ep']}" in row.args and f"parallel.tp={r['tp']}" in row.args
+        fp8 = [a for a in row.args if a.startswith("train.fp8=")]
+        assert bool(fp8) == r["precision"].startswith("fp8")
+        assert bool(row.skip) == unplanned(r)  # listed in the report, with the reason, not planned
+        # Qwen3-235B's 94 layers over pp x vp virtual stages: Megatron counts the embedding and the loss
+        split = [a.split("=", 1)[1] for a in row.args if a.startswith("parallel.pipeline_layers=")]
+        chunks, layers = int(r["pp"]) * int(r["pipeline_interleave"]), int(r["layers"])
+        if layers % chunks:
+            per = [int(x) for x in split[0].split(",")]
+            assert len(per) == chunks and sum(per) == layers and per[0] == per[-1] == per[1] - 1
+        else:
+            assert split == []
+
+
+def test_gpu_validation_notes_why_a_row_is_not_planned():
+    v = _validation_harness()
+    refused = v.Row("s", "t", "m", "l", ["gpt-125m", "model.no_such_key=1"], "tokens/s/GPU", 1.0)
+    v.predict(refused, "h100-sxm", 8)
+    assert refused.predicted is None and "unknown key 'model.no_such_key'" in refused.note
+    skipped = v.Row("s", "t", "m", "l", ["gpt-125m"], "tokens/s/GPU", 1.0, skip="not planned: no precision")
+    v.predict(skipped, "h100-sxm", 8)
+    assert skipped.predicted is None and skipped.note == "not planned: no precision"
 
 
 @pytest.mark.parametrize(
