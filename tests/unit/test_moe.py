@@ -337,6 +337,16 @@ def test_experts_are_sharded_over_every_rank_when_they_are_fewer_than_the_ranks(
     assert held == pytest.approx(4 * total / 16, rel=0.02)
 
 
+def test_experts_that_split_evenly_on_no_dim_are_sharded_on_dim_0_padded():
+    """4 experts of h 128 and 2f 256 over 3 ZeRO-2 ranks: no dim splits evenly, and FSDP2 takes uneven
+    shards on dim 0 only (a sampled layout, small-78-18, failed to build on dim 1)."""
+    overrides = ["model.seq_length=32", "model.vocab_size=512", "train.micro_batch_size=1"]
+    overrides += ["model.num_experts=4", "model.moe_ffn_hidden_size=128", "parallel.zero_stage=2"]
+    cfg = resolve(load_config("tiny-moe", overrides), 3)
+    out = dry.dry_run(cfg, 3, "cpu").to_dict()
+    assert out["ranks"][0]["memory_breakdown_bytes"]["parameters"] > 0
+
+
 def test_the_loop_of_one_gemm_per_expert_dry_runs_with_one_read_per_layer_and_micro_batch():
     """fp16 experts run one GEMM per expert (F.grouped_mm takes fp32 and bf16), which reads each
     expert's rows on the host to split the input: the dry run answers the read as balanced routing

@@ -63,18 +63,22 @@ def expert_modules(model: nn.Module) -> list[GroupedExperts]:
 
 
 def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.Parameter], Shard | None]:
-    """FSDP2's `shard_placement_fn` for `model`'s expert weights over `shard_ranks` ranks: dim 1 (h or
-    f) where the experts this rank holds do not split evenly over them, else FSDP2's default dim 0.
-    On dim 0, 1 local expert over 8 shard ranks (Mixtral with ep 8 on 64 ranks) leaves one rank
-    holding the whole expert and seven holding padding of its size (torchtitan shards experts on
-    dim 1 for the same reason)."""
+    """FSDP2's `shard_placement_fn` for `model`'s expert weights over `shard_ranks` ranks: FSDP2's
+    default dim 0 where the experts this rank holds split evenly over them, else the first of dims 1
+    and 2 (h or f) that does. On dim 0, 1 local expert over 8 shard ranks (Mixtral with ep 8 on 64
+    ranks) leaves one rank holding the whole expert and seven holding padding of its size (torchtitan
+    shards experts on dim 1 for the same reason). Where no dim splits evenly (4 experts of h 128 over
+    3 ranks) dim 0 it is, padded, the one dim on which FSDP2 takes uneven shards."""
     experts = {id(p) for m in expert_modules(model) for p in m.parameters(recurse=False)}
 
     def place(param: nn.Parameter) -> Shard | None:
         if id(param) not in experts:
             return None
-        rows = (param.to_local() if isinstance(param, DTensor) else param).shape[0]
-        return Shard(1) if rows % shard_ranks else None
+        shape = (param.to_local() if isinstance(param, DTensor) else param).shape
+        if shape[0] % shard_ranks == 0:
+            return None
+        even = [dim for dim in (1, 2) if shape[dim] % shard_ranks == 0]
+        return Shard(even[0]) if even else None
 
     return place
 
