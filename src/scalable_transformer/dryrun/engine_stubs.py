@@ -111,35 +111,28 @@ def engine_stubs(device_type: str, holder: dict[str, Any]) -> list[tuple[Any, st
 
 def _moe_stubs(holder: dict[str, Any]) -> list[tuple[Any, str, Any]]:
     """The mixture-of-experts stubs of `engine_stubs` (its docstring says why each is there)."""
-    exchange = expert._exchange_counts
-
-    def balanced_exchange(counts_E: Any, rows: int, group: Any, ep: int) -> Any:
-        trace = holder.get("trace")
-        if trace is None:
-            return exchange(counts_E, rows, group, ep)
-        trace.read_value = _balanced_share(rows, counts_E.numel())
-        try:
-            return exchange(counts_E, rows, group, ep)
-        finally:
-            trace.read_value = None
-
-    expert_rows = moe._expert_rows
-
-    def balanced_rows(counts_e: Any, rows: int) -> Any:
-        trace = holder.get("trace")
-        if trace is None:
-            return expert_rows(counts_e, rows)
-        trace.read_value = _balanced_share(rows, counts_e.numel())
-        try:
-            return expert_rows(counts_e, rows)
-        finally:
-            trace.read_value = None
-
     return [
         (moe, "_grouped_mm", _fp32_grouped_mm),
-        (moe, "_expert_rows", balanced_rows),
-        (expert, "_exchange_counts", balanced_exchange),
+        (moe, "_expert_rows", _read_as_balanced(holder, moe._expert_rows)),
+        (expert, "_exchange_counts", _read_as_balanced(holder, expert._exchange_counts)),
     ]
+
+
+def _read_as_balanced(holder: dict[str, Any], fn: Any) -> Any:
+    """fn(counts, rows, ...), a function that reads an MoE layer's per-expert row counts on the host,
+    with that read answered (in a dry run) as balanced routing: rows / experts each."""
+
+    def answered(counts: Any, rows: int, *args: Any) -> Any:
+        trace = holder.get("trace")
+        if trace is None:
+            return fn(counts, rows, *args)
+        trace.read_value = _balanced_share(rows, counts.numel())
+        try:
+            return fn(counts, rows, *args)
+        finally:
+            trace.read_value = None
+
+    return answered
 
 
 def _balanced_share(rows: int, experts: int) -> int:
